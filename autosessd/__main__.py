@@ -1,0 +1,3 @@
+from .cli import autosessd_main
+
+autosessd_main()

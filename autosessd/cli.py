@@ -1,0 +1,89 @@
+"""Entry points: `autosessd` (run, check-config) and `autosessctl`. Thin: parse flags, call run()."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from . import __version__
+from . import config as config_mod
+from .config import ConfigError
+
+# flag name → config key it overrides
+RUN_FLAGS = {
+    "engine_kind": "engine.kind",
+    "engine_url": "engine.url",
+    "engine_control": "engine.control",
+    "slot": "engine.slot",
+    "slot_save_path": "slot_save_path",
+    "min_tokens": "auto_sessions_min_tokens",
+    "keep": "auto_sessions_keep",
+    "max_gb": "auto_sessions_max_gb",
+    "socket": "control.socket",
+    "gate": "gate.listen",
+    "gate_request_log": "gate.request_log",
+    "request_log": "tail.request_log",
+    "state_dir": "state_dir",
+}
+
+
+def _load_or_exit(config_path: str | None, overrides: dict[str, Any]) -> config_mod.Config:
+    try:
+        return config_mod.load(config_path, overrides)
+    except ConfigError as e:
+        click.echo(f"autosessd: config error: {e}", err=True)
+        sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autosessd")
+def autosessd_main() -> None:
+    """Keeps long LLM conversations warm: saves and restores the engine's KV state
+    around conversation switches and restarts."""
+
+
+@autosessd_main.command()
+@click.option("--config", "config_path", metavar="PATH", help="TOML config file (default: search order of DESIGN §6).")
+@click.option("--engine-kind", type=click.Choice(config_mod.ENGINE_KINDS), help="engine.kind")
+@click.option("--engine-url", metavar="URL", help="engine.url, e.g. http://127.0.0.1:8080")
+@click.option("--engine-control", metavar="ADDR", help="engine.control: unix:/path or tcp:host:port")
+@click.option("--slot", type=int, help="engine.slot")
+@click.option("--slot-save-path", metavar="DIR", help="the engine's --slot-save-path")
+@click.option("--min-tokens", type=int, help="auto_sessions_min_tokens")
+@click.option("--keep", type=int, help="auto_sessions_keep")
+@click.option("--max-gb", type=float, help="auto_sessions_max_gb")
+@click.option("--socket", metavar="PATH", help="control.socket")
+@click.option("--gate", metavar="HOST:PORT", help="gate.listen: run the HTTP gate there")
+@click.option("--gate-request-log", metavar="PATH", help="gate.request_log: the gate writes a JSONL request log")
+@click.option("--request-log", metavar="PATH", help="tail.request_log: follow a serving layer's request log")
+@click.option("--state-dir", metavar="DIR", help="state_dir: where what was held at the last stop is kept")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def run(config_path: str | None, log_level: str, log_format: str, **flags: Any) -> None:
+    """Run the daemon in the foreground."""
+    from . import daemon
+
+    overrides = {RUN_FLAGS[k]: v for k, v in flags.items() if v is not None}
+    cfg = _load_or_exit(config_path, overrides)
+    daemon.setup_logging(log_level, log_format)
+    sys.exit(daemon.run(cfg, config_path, overrides))
+
+
+@autosessd_main.command("check-config")
+@click.option("--config", "config_path", metavar="PATH", help="TOML config file")
+@click.option("--slot-save-path", metavar="DIR", help="as for run")
+def check_config(config_path: str | None, slot_save_path: str | None) -> None:
+    """Print the effective config (api_key masked), or what is wrong with it (exit 2)."""
+    overrides = {"slot_save_path": slot_save_path} if slot_save_path else {}
+    cfg = _load_or_exit(config_path, overrides)
+    click.echo(json.dumps(cfg.masked(), indent=2))
+
+
+def autosessctl_main() -> None:
+    from .ctl import main
+
+    main()

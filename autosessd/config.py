@@ -1,0 +1,297 @@
+"""Configuration: one frozen Config, parsed from TOML bytes and overridden by flags.
+
+Defaults live in one place (the dataclass fields). `parse()` takes bytes, so tests feed
+strings, not files; `load()` finds the file (DESIGN §6 search order) and reads it. Every
+error names the file, the key and the reason, and is raised as ConfigError (exit 2).
+A reload builds and validates a whole new Config before anything swaps it in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+ENGINE_KINDS = ("llama-server", "control-stream")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(Exception):
+    """A config that cannot be used: says which file, which key and why."""
+
+    def __init__(self, source: str, key: str | None, reason: str):
+        self.source, self.key, self.reason = source, key, reason
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: str = "llama-server"
+    url: str = "http://127.0.0.1:8080"
+    slot: int = 0
+    api_key: str | None = None
+    timeout_s: float = 120.0
+    control: str | None = None  # control-stream address: unix:/path or tcp:host:port
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    listen: str | None = None  # HOST:PORT; None = no gate
+    request_log: str | None = None
+
+
+@dataclass(frozen=True)
+class TailConfig:
+    request_log: str | None = None
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    socket: str | None = None  # None = the default path (see default_socket_path)
+    group: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    slot_save_path: str = ""
+    auto_sessions: bool = True
+    auto_sessions_min_tokens: int = 16000
+    auto_sessions_keep: int = 12
+    auto_sessions_max_gb: float = 100.0
+    state_dir: str | None = None  # where the daemon remembers the held key and tail offsets
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    tail: TailConfig = field(default_factory=TailConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    source: str = "<defaults>"  # the file it came from, for messages
+
+    def masked(self) -> dict[str, Any]:
+        """The effective config as a dict, for printing: the api key never shown."""
+        d = dataclasses.asdict(self)
+        if d["engine"]["api_key"]:
+            d["engine"]["api_key"] = "***"
+        return d
+
+    def effective_state_dir(self) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir)
+        if os.geteuid() == 0:
+            return Path("/var/lib/autosessd")
+        base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local/state")
+        return Path(base) / "autosessd"
+
+    def effective_socket(self) -> Path:
+        return Path(self.control.socket) if self.control.socket else default_socket_path()
+
+
+def default_socket_path() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/autosessd/autosessd.sock")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "autosessd" / "autosessd.sock"
+    return Path(f"/tmp/autosessd-{os.getuid()}") / "autosessd.sock"
+
+
+_SECTIONS = {"engine": EngineConfig, "gate": GateConfig, "tail": TailConfig, "control": ControlConfig}
+_HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
+
+
+def search_paths(explicit: str | None = None) -> list[Path]:
+    """DESIGN §6 order: --config, $AUTOSESSD_CONFIG, $XDG_CONFIG_HOME, /etc."""
+    if explicit:
+        return [Path(explicit)]
+    if os.environ.get("AUTOSESSD_CONFIG"):
+        return [Path(os.environ["AUTOSESSD_CONFIG"])]
+    xdg = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return [Path(xdg) / "autosessd" / "autosessd.toml", Path("/etc/autosessd/autosessd.toml")]
+
+
+def load(explicit: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Find and read the config file, apply flag overrides, validate.
+
+    An explicitly named file (flag or environment) must exist; the default locations
+    may be absent, in which case defaults plus flags are used.
+    """
+    paths = search_paths(explicit)
+    must_exist = bool(explicit or os.environ.get("AUTOSESSD_CONFIG"))
+    for path in paths:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            if must_exist:
+                raise ConfigError(str(path), None, "no such file") from None
+            continue
+        except OSError as e:
+            raise ConfigError(str(path), None, f"cannot read: {e.strerror or e}") from None
+        return parse(data, str(path), overrides)
+    return parse(b"", "<no config file>", overrides)
+
+
+def parse(data: bytes, source: str = "<string>", overrides: Mapping[str, Any] | None = None) -> Config:
+    """Parse TOML bytes, then apply overrides ({"engine.url": ..., "auto_sessions_keep": ...})."""
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, None, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(source, None, f"not valid TOML: {e}") from None
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.rpartition(".")
+        target = raw.setdefault(section, {}) if section else raw
+        target[key] = value
+    return _build(raw, source)
+
+
+def _build(raw: dict[str, Any], source: str) -> Config:
+    top: dict[str, Any] = {}
+    top_fields = {f.name: f for f in dataclasses.fields(Config) if f.name not in _SECTIONS and f.name != "source"}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(source, key, f"must be a table ([{key}]), got {_typename(value)}")
+            top[key] = _build_section(_SECTIONS[key], key, value, source)
+        elif key in top_fields:
+            top[key] = _coerce(top_fields[key], key, value, source)
+        else:
+            raise ConfigError(source, key, f"unknown key (known: {', '.join(sorted([*top_fields, *_SECTIONS]))})")
+    cfg = Config(source=source, **top)
+    _validate(cfg, source)
+    return cfg
+
+
+def _build_section(cls: type, name: str, raw: dict[str, Any], source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(source, f"{name}.{key}", f"unknown key (known in [{name}]: {', '.join(fields)})")
+        values[key] = _coerce(fields[key], f"{name}.{key}", value, source)
+    return cls(**values)
+
+
+def _coerce(f: dataclasses.Field, key: str, value: Any, source: str) -> Any:
+    """Check a value against its field's type. Ints are accepted for floats, never bools for numbers."""
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    optional = "None" in t
+    base = t.replace("| None", "").strip()
+    if value is None and optional:
+        return None
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(source, key, f"must be true or false, got {_typename(value)} {value!r}")
+    if base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(source, key, f"must be a whole number, got {_typename(value)} {value!r}")
+    if base == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(source, key, f"must be a number, got {_typename(value)} {value!r}")
+    if base == "str":
+        if isinstance(value, str):
+            return value
+        raise ConfigError(source, key, f"must be a string, got {_typename(value)} {value!r}")
+    raise AssertionError(f"unhandled field type {t}")  # a programming error, not a user one
+
+
+def _typename(v: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "table"}.get(
+        type(v), type(v).__name__
+    )
+
+
+def _validate(c: Config, source: str) -> None:
+    def bad(key: str, reason: str) -> None:
+        raise ConfigError(source, key, reason)
+
+    if not c.slot_save_path:
+        bad("slot_save_path", "missing: set it to the directory the engine saves into (its --slot-save-path)")
+    if not os.path.isabs(c.slot_save_path):
+        bad("slot_save_path", f"must be an absolute path, got {c.slot_save_path!r}")
+    if c.auto_sessions_min_tokens < 0:
+        bad("auto_sessions_min_tokens", f"must be 0 or more, got {c.auto_sessions_min_tokens}")
+    if c.auto_sessions_keep < 1:
+        bad("auto_sessions_keep", f"must be 1 or more, got {c.auto_sessions_keep}")
+    if not c.auto_sessions_max_gb > 0:
+        bad("auto_sessions_max_gb", f"must be more than 0, got {c.auto_sessions_max_gb}")
+    if c.state_dir is not None and not os.path.isabs(c.state_dir):
+        bad("state_dir", f"must be an absolute path, got {c.state_dir!r}")
+
+    e = c.engine
+    if e.kind not in ENGINE_KINDS:
+        bad("engine.kind", f"must be one of {', '.join(ENGINE_KINDS)}, got {e.kind!r}")
+    parts = urlsplit(e.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        bad("engine.url", f"must be an http:// or https:// URL with a host, got {e.url!r}")
+    try:
+        parts.port
+    except ValueError:
+        bad("engine.url", f"has an invalid port: {e.url!r}")
+    if e.slot < 0:
+        bad("engine.slot", f"must be 0 or more, got {e.slot}")
+    if not e.timeout_s > 0:
+        bad("engine.timeout_s", f"must be more than 0, got {e.timeout_s}")
+    if e.kind == "control-stream" and not e.control:
+        bad("engine.control", "required when engine.kind is control-stream (unix:/path or tcp:host:port)")
+    if e.control is not None:
+        try:
+            parse_address(e.control)
+        except ValueError as err:
+            bad("engine.control", str(err))
+
+    if c.gate.listen is not None:
+        try:
+            parse_hostport(c.gate.listen)
+        except ValueError as err:
+            bad("gate.listen", str(err))
+    for key, path in (("gate.request_log", c.gate.request_log), ("tail.request_log", c.tail.request_log),
+                      ("control.socket", c.control.socket)):
+        if path is not None and not os.path.isabs(path):
+            bad(key, f"must be an absolute path, got {path!r}")
+    if c.gate.request_log and c.tail.request_log and c.gate.request_log == c.tail.request_log:
+        bad("tail.request_log", "is the gate's own request log; the gate already runs every turn itself")
+    if c.control.group is not None:
+        import grp
+
+        try:
+            grp.getgrnam(c.control.group)
+        except KeyError:
+            bad("control.group", f"no such group {c.control.group!r}")
+
+
+def parse_hostport(s: str) -> tuple[str, int]:
+    m = _HOSTPORT.match(s)
+    if not m:
+        raise ValueError(f"must be HOST:PORT, got {s!r}")
+    port = int(m.group(2))
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be 1-65535, got {port}")
+    return m.group(1).strip("[]"), port
+
+
+def parse_address(s: str) -> tuple[str, Any]:
+    """`unix:/abs/path` → ("unix", path); `tcp:host:port` → ("tcp", (host, port))."""
+    if s.startswith("unix:"):
+        path = s[5:]
+        if not os.path.isabs(path):
+            raise ValueError(f"unix: address needs an absolute path, got {s!r}")
+        return "unix", path
+    if s.startswith("tcp:"):
+        return "tcp", parse_hostport(s[4:])
+    raise ValueError(f"must be unix:/path or tcp:host:port, got {s!r}")

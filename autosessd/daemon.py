@@ -1,0 +1,311 @@
+"""Wiring: config → engine + store + sessions → inputs; start checks, signals, sd_notify.
+
+Life of the daemon:
+
+    start    check the session directory, the engine (reachable, loaded, one slot,
+             slot saving on, saving into our directory: a probe save while idle),
+             clean up after a crash, start the inputs, READY=1
+    run      inputs feed sessions; SIGHUP reloads the config
+    stop     (SIGTERM, SIGINT, or the control socket) STOPPING=1, inputs stop taking
+             requests and get a bounded time to finish, the held conversation is saved
+             if the engine is idle, what was held is recorded, exit 0.
+             A second SIGINT exits at once.
+
+Signal handlers only set state (initiate_shutdown); the work happens in run().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from . import config as config_mod
+from .config import Config, ConfigError
+from .engines import make_engine
+from .engines.base import Engine, EngineError, SlotSavingOff
+from .sessions import Sessions, fmt_bytes
+from .store import TEMP_PREFIX, Store
+
+log = logging.getLogger("autosessd")
+
+STOP_GRACE_S = 30.0  # in-flight requests get this long to finish at a stop
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says what to do."""
+
+
+class Input(Protocol):
+    """A source of turns (gate, tail, control socket). Started after the engine check."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace_s: float) -> None: ...
+
+    def describe(self) -> Any: ...
+
+
+# -- sd_notify, without a dependency -------------------------------------------------
+def sd_notify(message: str) -> None:
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+    except OSError as e:
+        log.debug("sd_notify failed: %s", e)
+
+
+# -- logging ------------------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d)
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+    root = logging.getLogger("autosessd")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+# -- start checks ----------------------------------------------------------------------
+async def wait_engine(engine: Engine, deadline_s: float) -> None:
+    """Until the engine answers /health with its model loaded, or the deadline."""
+    deadline = time.monotonic() + deadline_s
+    last: Exception | None = None
+    while True:
+        try:
+            if await engine.health():
+                return
+            last = EngineError(f"the engine at {engine.address} is still loading its model")
+        except EngineError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise StartupError(f"{last} (waited {deadline_s:g} s)")
+        await asyncio.sleep(0.25)
+
+
+async def wait_idle(engine: Engine, slot: int, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        states = await engine.slots()
+        st = next((s for s in states if s.id == slot), None)
+        if st is None:
+            raise StartupError(f"the engine at {engine.address} has no slot {slot} "
+                               f"(it has {', '.join(str(s.id) for s in states) or 'none'}): fix engine.slot")
+        if not st.is_processing:
+            return
+        if time.monotonic() >= deadline:
+            raise StartupError(f"slot {slot} of the engine at {engine.address} stayed busy for {deadline_s:g} s; "
+                               f"autosessd checks the engine with a probe save while it is idle")
+        await asyncio.sleep(0.25)
+
+
+async def check_engine(cfg: Config, engine: Engine, store: Store) -> tuple[str, str]:
+    """Refuse to start unless the engine is usable. Returns (model fingerprint, model name)."""
+    await wait_engine(engine, cfg.engine.timeout_s)
+    try:
+        info = await engine.info()
+    except EngineError as e:
+        raise StartupError(f"cannot read the engine's properties: {e}") from None
+    if info.total_slots > 1:
+        raise StartupError(f"the engine at {engine.address} runs {info.total_slots} slots; autosessd drives one: "
+                           f"start llama-server with -np 1 (multi-slot support is separate work)")
+    try:
+        await wait_idle(engine, cfg.engine.slot, cfg.engine.timeout_s)
+        await probe_save(engine, store, cfg.engine.slot)
+    except SlotSavingOff as e:
+        raise StartupError(str(e)) from None
+    except EngineError as e:
+        raise StartupError(f"the probe save failed: {e}") from None
+    return info.model, info.model_name
+
+
+async def probe_save(engine: Engine, store: Store, slot: int) -> None:
+    """Ask the engine to save into a probe name and look for it in our directory: the only
+    way to learn that the engine's --slot-save-path is the directory we manage."""
+    name = f"{TEMP_PREFIX}probe-{os.getpid()}.partial"
+    path = store.path / name
+    try:
+        res = await engine.save(slot, name)
+        if not path.exists():
+            raise StartupError(f"the engine saves its sessions somewhere other than slot_save_path={store.path}: "
+                               f"start the engine with --slot-save-path {store.path}")
+        size = path.stat().st_size
+        if size != res.n_bytes:
+            raise StartupError(f"probe save: the engine reported {res.n_bytes:,} bytes, {name} has {size:,}")
+        log.info("engine check: probe save of %s tokens (%s) landed in %s", f"{res.n_tokens:,}",
+                 fmt_bytes(res.n_bytes), store.path)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def check_store(cfg: Config) -> Store:
+    path = Path(cfg.slot_save_path)
+    if not path.is_dir():
+        raise StartupError(f"slot_save_path {path} is not a directory: create it, and start the engine with "
+                           f"--slot-save-path {path}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StartupError(f"slot_save_path {path} is not writable by uid {os.getuid()}")
+    return Store(path)
+
+
+# -- the daemon ---------------------------------------------------------------------
+class Daemon:
+    def __init__(self, cfg: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        self.engine: Engine = make_engine(cfg)
+        self.store: Store | None = None
+        self.sessions: Sessions | None = None
+        self.inputs: list[Input] = []
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+        self._sigints = 0
+
+    # Inputs register here; the gate, tail and control socket each build one from cfg.
+    def build_inputs(self) -> list[Input]:
+        assert self.sessions is not None
+        inputs: list[Input] = []
+        if self.cfg.gate.listen:
+            from .gate import Gate
+
+            inputs.append(Gate(self.cfg, self.sessions, self))
+        return inputs
+
+    async def start(self) -> None:
+        self.store = check_store(self.cfg)
+        model, model_name = await check_engine(self.cfg, self.engine, self.store)
+        for what in self.store.cleanup():
+            log.info("auto sessions: removed %s", what)
+        self.sessions = Sessions(self.cfg, self.engine, self.store, model, model_name)
+        self.sessions.engine_healthy = True
+        self.inputs = self.build_inputs()
+        started: list[Input] = []
+        try:
+            for inp in self.inputs:
+                await inp.start()
+                started.append(inp)
+        except BaseException:
+            for inp in reversed(started):
+                await inp.stop(0)
+            raise
+        self.sessions.inputs = {inp.name: inp.describe() for inp in self.inputs}
+        log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
+                 self.store.path, ", ".join(self.sessions.inputs) or "none")
+
+    def initiate_shutdown(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    def _on_sigint(self) -> None:
+        self._sigints += 1
+        if self._sigints > 1:
+            log.warning("second interrupt: exiting now")
+            os._exit(130)
+        self.initiate_shutdown("SIGINT")
+
+    def reload(self) -> None:
+        try:
+            new = config_mod.load(self.config_path, self.overrides)
+        except ConfigError as e:
+            log.error("reload refused, keeping the running config: %s", e)
+            return
+        needs_restart = [k for k in ("slot_save_path", "engine", "gate", "tail", "control")
+                         if getattr(new, k) != getattr(self.cfg, k)]
+        if needs_restart:
+            log.warning("reload: %s changed and take effect at the next start", ", ".join(needs_restart))
+        # Policy keys apply now; the rest of the running wiring stays as it started.
+        import dataclasses
+
+        self.cfg = dataclasses.replace(self.cfg, auto_sessions=new.auto_sessions,
+                                       auto_sessions_min_tokens=new.auto_sessions_min_tokens,
+                                       auto_sessions_keep=new.auto_sessions_keep,
+                                       auto_sessions_max_gb=new.auto_sessions_max_gb)
+        if self.sessions:
+            self.sessions.cfg = self.cfg
+        log.info("reloaded %s: min_tokens=%s keep=%s max_gb=%s auto_sessions=%s", new.source,
+                 self.cfg.auto_sessions_min_tokens, self.cfg.auto_sessions_keep, self.cfg.auto_sessions_max_gb,
+                 self.cfg.auto_sessions)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.initiate_shutdown, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        try:
+            await self.start()
+        except StartupError as e:
+            log.error("cannot start: %s", e)
+            await self.engine.close()
+            return 1
+        sd_notify("READY=1\nSTATUS=serving")
+        watchdog = self._start_watchdog()
+        await self._stop.wait()
+        log.info("stopping (%s)", self._stop_reason)
+        sd_notify("STOPPING=1\nSTATUS=stopping: saving the held conversation")
+        if watchdog:
+            watchdog.cancel()
+        await self.stop()
+        return 0
+
+    async def stop(self) -> None:
+        for inp in self.inputs:
+            try:
+                await inp.stop(STOP_GRACE_S)
+            except Exception as e:
+                log.warning("stopping %s: %s", inp.name, e)
+        if self.sessions is not None:
+            # A multi-GB save can outlast systemd's stop timeout: ask for more.
+            sd_notify(f"EXTEND_TIMEOUT_USEC={int(max(60.0, self.cfg.engine.timeout_s) * 1e6)}")
+            try:
+                for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
+                    await self.sessions.save_held(sid, "stop")
+                await self.sessions.drain()
+            except Exception as e:
+                log.error("auto sessions: stop save: %s", e)
+            self.sessions.record_held()
+        await self.engine.close()
+
+    def _start_watchdog(self) -> asyncio.Task | None:
+        usec = os.environ.get("WATCHDOG_USEC")
+        if not usec or not usec.isdigit():
+            return None
+        interval = int(usec) / 1e6 / 2
+
+        async def beat() -> None:
+            while True:
+                sd_notify("WATCHDOG=1")
+                await asyncio.sleep(interval)
+
+        return asyncio.get_running_loop().create_task(beat())
+
+
+def run(cfg: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
+    """The daemon's whole life in the foreground; returns the exit code."""
+    return asyncio.run(Daemon(cfg, config_path, overrides).run())

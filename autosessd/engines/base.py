@@ -1,0 +1,84 @@
+"""One Engine protocol for every engine autosessd drives, and the errors it raises.
+
+Save and restore take a bare file name inside the session directory; the engine
+adapter turns it into whatever its engine wants (llama-server: the name, relative to
+its --slot-save-path; the control stream: an absolute path). Every failure is an
+EngineError whose message says what went wrong in words a user can act on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    n_tokens: int
+    n_bytes: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    n_tokens: int
+    n_bytes: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class SlotState:
+    id: int
+    is_processing: bool
+    n_tokens: int  # tokens the slot holds now (0 when it never ran a task)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str  # fingerprint: equal for the same model file, different otherwise
+    model_name: str
+    total_slots: int
+
+
+class EngineError(Exception):
+    """Any failure talking to the engine."""
+
+
+class EngineUnreachable(EngineError):
+    pass
+
+
+class EngineTimeout(EngineError):
+    pass
+
+
+class SlotSavingOff(EngineError):
+    pass
+
+
+class EngineRefused(EngineError):
+    """The engine answered with an error (400, 500, ERR ...)."""
+
+
+class EngineBadAnswer(EngineError):
+    """The engine answered something that is not what its protocol promises."""
+
+
+class Engine(Protocol):
+    kind: str
+    address: str  # for messages: the URL or control address
+    magic: bytes | None  # the first bytes of every state file it writes, when known
+
+    async def save(self, slot: int, name: str) -> SaveResult: ...
+
+    async def restore(self, slot: int, name: str) -> RestoreResult: ...
+
+    async def slots(self) -> list[SlotState]: ...
+
+    async def health(self) -> bool:
+        """True when the engine is up and has its model loaded."""
+        ...
+
+    async def info(self) -> EngineInfo: ...
+
+    async def close(self) -> None: ...

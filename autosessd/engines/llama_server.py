@@ -1,0 +1,135 @@
+"""llama-server's HTTP slots API (DESIGN §3).
+
+    POST /slots/{id}?action=save|restore  {"filename": NAME}   NAME relative to --slot-save-path
+    GET  /slots   GET /props   GET /v1/models   GET /health (503 while loading)
+
+501 on /slots means the engine runs without --slot-save-path. A slot action on a busy
+slot is deferred by the engine until the slot is free, so it can take as long as the
+running request: every call has engine.timeout_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from typing import Any
+
+import aiohttp
+
+from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, RestoreResult,
+                   SaveResult, SlotSavingOff, SlotState)
+
+
+class LlamaServer:
+    kind = "llama-server"
+    magic = b"qsgg"
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.address = self.url
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(headers=headers)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._client().request(method, self.url + path, json=body, timeout=timeout) as r:
+                text = await r.text(errors="replace")
+                status = r.status
+        except asyncio.TimeoutError:
+            raise EngineTimeout(f"the engine at {self.url} did not answer {method} {path} "
+                                f"within {timeout.total:g} s") from None
+        except aiohttp.ClientConnectorError as e:
+            raise EngineUnreachable(f"cannot reach the engine at {self.url}: {e.os_error.strerror or e}") from None
+        except aiohttp.ClientError as e:
+            raise EngineUnreachable(f"lost the connection to the engine at {self.url} during {path}: "
+                                    f"{e or type(e).__name__}") from None
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            data = None
+        if status == 501 and path.startswith("/slots/"):
+            raise SlotSavingOff(f"slot saving is off in the engine at {self.url}: start llama-server with "
+                                f"--slot-save-path <dir> (the directory autosessd manages)")
+        if status == 401:
+            raise EngineRefused(f"the engine at {self.url} wants an API key: set engine.api_key")
+        if status >= 400:
+            raise EngineRefused(f"{method} {path} answered {status}: {_error_message(data, text)}")
+        if data is None:
+            raise EngineBadAnswer(f"{method} {path} answered {status} with a body that is not JSON: {text[:200]!r}")
+        return data
+
+    async def save(self, slot: int, name: str) -> SaveResult:
+        d = await self._call("POST", f"/slots/{slot}?action=save", {"filename": name})
+        try:
+            return SaveResult(n_tokens=int(d["n_saved"]), n_bytes=int(d["n_written"]),
+                              ms=float(d["timings"]["save_ms"]))
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"save answered without n_saved/n_written/timings.save_ms: {d!r:.200}") from None
+
+    async def restore(self, slot: int, name: str) -> RestoreResult:
+        d = await self._call("POST", f"/slots/{slot}?action=restore", {"filename": name})
+        try:
+            return RestoreResult(n_tokens=int(d["n_restored"]), n_bytes=int(d["n_read"]),
+                                 ms=float(d["timings"]["restore_ms"]))
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"restore answered without n_restored/n_read/timings.restore_ms: "
+                                  f"{d!r:.200}") from None
+
+    async def slots(self) -> list[SlotState]:
+        d = await self._call("GET", "/slots")
+        if not isinstance(d, list):
+            raise EngineBadAnswer(f"/slots answered {type(d).__name__}, not a list")
+        try:
+            return [SlotState(id=int(s["id"]), is_processing=bool(s.get("is_processing")),
+                              n_tokens=int(s.get("n_prompt_tokens") or 0)) for s in d]
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"/slots answered entries without id: {d!r:.200}") from None
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+            return True
+        except EngineRefused:  # 503 while the model loads
+            return False
+
+    async def info(self) -> EngineInfo:
+        props = await self._call("GET", "/props")
+        try:
+            models = await self._call("GET", "/v1/models")
+            meta = (models.get("data") or [{}])[0].get("meta") or {}
+        except (EngineRefused, EngineBadAnswer, AttributeError, IndexError):
+            meta = {}
+        if not isinstance(props, dict):
+            raise EngineBadAnswer("/props answered something that is not an object")
+        path = str(props.get("model_path") or "")
+        name = os.path.basename(path) or str(props.get("model_alias") or "unknown")
+        # Identity of the weights, not of where they lie: the file name plus the model's
+        # own numbers (size in bytes, parameter count, vocabulary).
+        ident = {"name": name, **{k: meta.get(k) for k in ("size", "n_params", "n_vocab", "n_embd")}}
+        fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1))
+
+
+def _error_message(data: Any, text: str) -> str:
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return text[:200] or "(empty body)"

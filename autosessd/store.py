@@ -1,0 +1,355 @@
+"""The session directory (DESIGN §4): names, metadata, atomic finalize, scan, prune.
+
+The directory is shared with the engine. autosessd owns exactly `auto-<16 hex>.bin`
+and `auto-<16 hex>.json`, plus its temporaries `.autosessd-*`; every other file is a
+person's and is never touched.
+
+How a save becomes visible (no torn `auto-*.bin`, ever):
+
+    engine writes  .autosessd-<key>.partial           (a name no reader looks at)
+    verify_temp    size == engine's n_written, header magic if the engine has one
+    finalize       fsync(temp) → rename to auto-<key>.bin → fsync(dir)
+                   → metadata to .autosessd-<key>.json.partial → fsync → rename → fsync(dir)
+
+verify_temp runs before the turn goes on (it is a stat); finalize runs off the
+request's path. A crash between the two renames leaves a .bin whose metadata is
+missing or stale (its `bytes` differ from the file): `cleanup()` at start removes
+such pairs, together with leftover temporaries and metadata without a .bin.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
+AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
+TEMP_PREFIX = ".autosessd-"
+MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+# llama-server's state files start with "qsgg" (0x67677371 little-endian).
+LLAMA_MAGIC = b"qsgg"
+# Headroom kept free on the disk beyond the estimated size of a save.
+FREE_MARGIN = 64 * 1024 * 1024
+
+
+class StoreError(Exception):
+    pass
+
+
+def auto_name(key: str) -> str:
+    return f"auto-{key}.bin"
+
+
+def meta_name(key: str) -> str:
+    return f"auto-{key}.json"
+
+
+def temp_name(key: str) -> str:
+    return f"{TEMP_PREFIX}{key}.partial"
+
+
+def manual_name(name: str) -> str:
+    """A person's name for a parked session → the file name, or StoreError saying why not.
+
+    Limited to [A-Za-z0-9._-], no leading dot, never a path; `.bin` is added when missing;
+    `auto-<16 hex>` is reserved for automatic files (prune would remove it)."""
+    if not isinstance(name, str) or not name:
+        raise StoreError("name is empty")
+    if "/" in name or "\x00" in name or name in (".", ".."):
+        raise StoreError(f"name {name[:64]!r} is a path; give a bare name of letters, digits, '.', '_' or '-'")
+    if not MANUAL_NAME.match(name):
+        raise StoreError(f"name {name[:64]!r} is not allowed: use 1-128 of A-Z a-z 0-9 . _ - and no leading dot")
+    file = name if name.endswith(".bin") else f"{name}.bin"
+    if AUTO_BIN.match(file):
+        raise StoreError(f"name {name!r} is reserved for automatic sessions")
+    return file
+
+
+@dataclass(frozen=True)
+class Meta:
+    key: str
+    n_tokens: int
+    bytes: int
+    saved_at: float
+    model: str
+    save_ms: float
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Meta":
+        d = json.loads(data)
+        return cls(key=str(d["key"]), n_tokens=int(d["n_tokens"]), bytes=int(d["bytes"]),
+                   saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An auto file as the scan found it."""
+
+    key: str
+    bytes: int
+    mtime: float
+    meta: Meta | None
+
+    @property
+    def saved_at(self) -> float:
+        return self.meta.saved_at if self.meta else self.mtime
+
+    @property
+    def name(self) -> str:
+        return auto_name(self.key)
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    remove: list[Entry]
+    keep: list[Entry]
+
+    @property
+    def freed(self) -> int:
+        return sum(e.bytes for e in self.remove)
+
+
+def plan_prune(entries: list[Entry], keep: int, max_bytes: int, in_use: set[str] = frozenset()) -> PrunePlan:
+    """Keep the newest `keep` auto files and at most `max_bytes` of them; never one in use.
+
+    Pure: the caller scans and deletes. Files in use are kept and count toward the
+    budget (they are on the disk either way)."""
+    newest_first = sorted(entries, key=lambda e: (e.saved_at, e.key), reverse=True)
+    kept: list[Entry] = []
+    removed: list[Entry] = []
+    total = 0
+    for e in newest_first:
+        if e.name in in_use or (len(kept) < keep and total + e.bytes <= max_bytes):
+            kept.append(e)
+            total += e.bytes
+        else:
+            removed.append(e)
+    return PrunePlan(remove=removed, keep=kept)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        # Names being written or read right now; prune never removes them.
+        self.in_use: Counter[str] = Counter()
+
+    # -- names -------------------------------------------------------------
+    def bin_path(self, key: str) -> Path:
+        return self.path / auto_name(key)
+
+    def meta_path(self, key: str) -> Path:
+        return self.path / meta_name(key)
+
+    def temp_path(self, key: str) -> Path:
+        return self.path / temp_name(key)
+
+    def manual_path(self, name: str) -> Path:
+        return self.path / manual_name(name)
+
+    def using(self, name: str) -> "_InUse":
+        return _InUse(self, name)
+
+    # -- space -------------------------------------------------------------
+    def free_bytes(self) -> int:
+        return psutil.disk_usage(str(self.path)).free
+
+    def estimate_bytes(self, n_tokens: int) -> int | None:
+        """Bytes a save of n_tokens will take, from the densest file saved so far."""
+        per_token = [e.meta.bytes / e.meta.n_tokens for e in self.scan() if e.meta and e.meta.n_tokens > 0]
+        return int(max(per_token) * n_tokens) if per_token else None
+
+    def check_space(self, n_tokens: int) -> str | None:
+        """None when a save of n_tokens fits; otherwise why not (the save is skipped)."""
+        free = self.free_bytes()
+        need = (self.estimate_bytes(n_tokens) or 0) + FREE_MARGIN
+        if free < need:
+            return f"disk full: {free / 1e6:,.0f} MB free in {self.path}, a save needs about {need / 1e6:,.0f} MB"
+        return None
+
+    # -- the save path -----------------------------------------------------
+    def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> None:
+        """The engine said it wrote n_written bytes to the temporary: check it did."""
+        temp = self.temp_path(key)
+        try:
+            size = temp.stat().st_size
+        except FileNotFoundError:
+            raise StoreError(f"the engine reported a save but {temp.name} is not in {self.path}") from None
+        if size != n_written:
+            raise StoreError(f"{temp.name} has {size:,} bytes, the engine reported {n_written:,}")
+        if magic:
+            with open(temp, "rb") as f:
+                head = f.read(len(magic))
+            if head != magic:
+                raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
+
+    def finalize(self, key: str, meta: Meta) -> None:
+        """Make a verified temporary visible as auto-<key>.bin, then its metadata. Blocking."""
+        temp, final = self.temp_path(key), self.bin_path(key)
+        _fsync_file(temp)
+        os.replace(temp, final)
+        _fsync_dir(self.path)
+        self._write_meta(meta)
+
+    def _write_meta(self, meta: Meta) -> None:
+        tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
+        data = json.dumps(asdict(meta), sort_keys=True).encode() + b"\n"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.meta_path(meta.key))
+        _fsync_dir(self.path)
+
+    def discard_temp(self, key: str) -> None:
+        try:
+            self.temp_path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    # -- reading -----------------------------------------------------------
+    def read_meta(self, key: str) -> Meta | None:
+        """Metadata of auto-<key>.bin, or None when the pair is missing or disagrees."""
+        try:
+            meta = Meta.from_json(self.meta_path(key).read_bytes())
+            size = self.bin_path(key).stat().st_size
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if meta.key != key or meta.bytes != size:
+            return None
+        return meta
+
+    def scan(self) -> list[Entry]:
+        entries = []
+        metas: dict[str, Meta] = {}
+        bins: dict[str, os.stat_result] = {}
+        try:
+            it = os.scandir(self.path)
+        except FileNotFoundError:
+            return []
+        with it:
+            for d in it:
+                if m := AUTO_BIN.match(d.name):
+                    try:
+                        bins[m.group(1)] = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
+                elif m := AUTO_META.match(d.name):
+                    try:
+                        metas[m.group(1)] = Meta.from_json(Path(d.path).read_bytes())
+                    except (OSError, ValueError, KeyError, TypeError):
+                        pass
+        for key, st in bins.items():
+            meta = metas.get(key)
+            if meta is not None and (meta.bytes != st.st_size or meta.key != key):
+                meta = None
+            entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta))
+        return entries
+
+    def manual_files(self) -> list[tuple[str, int, float]]:
+        """Other .bin files in the directory (parked by name, or saved by hand)."""
+        out = []
+        with os.scandir(self.path) as it:
+            for d in it:
+                if d.name.endswith(".bin") and not AUTO_BIN.match(d.name) and not d.name.startswith("."):
+                    try:
+                        st = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append((d.name, st.st_size, st.st_mtime))
+        return out
+
+    # -- cleanup and removal -----------------------------------------------
+    def cleanup(self) -> list[str]:
+        """At start: remove leftover temporaries, metadata without a .bin, and .bin files
+        whose metadata is missing or stale (an interrupted finalize). Returns what went."""
+        removed = []
+        names = set(os.listdir(self.path))
+        for name in sorted(names):
+            why = None
+            if name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
+                why = "leftover temporary"
+            elif m := AUTO_META.match(name):
+                if auto_name(m.group(1)) not in names:
+                    why = "metadata without a session file"
+            elif m := AUTO_BIN.match(name):
+                if self.read_meta(m.group(1)) is None:
+                    why = "no valid metadata (interrupted save)"
+                    self._unlink(self.meta_path(m.group(1)))
+            if why and self._unlink(self.path / name):
+                removed.append(f"{name} ({why})")
+        if removed:
+            _fsync_dir(self.path)
+        return removed
+
+    def remove(self, key: str) -> int:
+        """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
+        is ever left for a reader). Returns the bytes freed. Refuses a file in use."""
+        if auto_name(key) in self.in_use:
+            raise StoreError(f"{auto_name(key)} is being written or read")
+        path = self.bin_path(key)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        self._unlink(path)
+        self._unlink(self.meta_path(key))
+        return size
+
+    def prune(self, keep: int, max_bytes: int, dry_run: bool = False) -> PrunePlan:
+        plan = plan_prune(self.scan(), keep, max_bytes, set(self.in_use))
+        if not dry_run:
+            for e in plan.remove:
+                if e.name not in self.in_use:  # in use may have changed since the plan
+                    self.remove(e.key)
+        return plan
+
+    @staticmethod
+    def _unlink(path: Path) -> bool:
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EISDIR, errno.EPERM):
+                return False
+            raise
+
+
+class _InUse:
+    def __init__(self, store: Store, name: str):
+        self.store, self.name = store, name
+
+    def __enter__(self) -> None:
+        self.store.in_use[self.name] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.in_use[self.name] -= 1
+        if self.store.in_use[self.name] <= 0:
+            del self.store.in_use[self.name]
+

@@ -1,0 +1,133 @@
+"""Config: defaults, TOML, flags over file, and errors that name the file, the key and why."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autosessd import config
+from autosessd.config import ConfigError, parse
+
+BASE = b'slot_save_path = "/srv/sessions"\n'
+
+
+def test_defaults_are_the_seeds():
+    c = parse(BASE, "t.toml")
+    assert (c.auto_sessions, c.auto_sessions_min_tokens, c.auto_sessions_keep, c.auto_sessions_max_gb) == \
+        (True, 16000, 12, 100.0)
+    assert c.engine.kind == "llama-server" and c.engine.slot == 0 and c.gate.listen is None
+
+
+def test_full_file():
+    c = parse(BASE + b"""
+auto_sessions_min_tokens = 100
+auto_sessions_max_gb = 2
+[engine]
+url = "http://127.0.0.1:9000"
+api_key = "sekret"
+timeout_s = 5
+[gate]
+listen = "127.0.0.1:8081"
+request_log = "/var/log/gate.jsonl"
+[tail]
+request_log = "/var/log/other.jsonl"
+[control]
+socket = "/run/x.sock"
+""", "t.toml")
+    assert c.auto_sessions_min_tokens == 100 and c.auto_sessions_max_gb == 2.0
+    assert c.engine.url == "http://127.0.0.1:9000" and c.engine.timeout_s == 5.0
+    assert c.gate.listen == "127.0.0.1:8081" and c.control.socket == "/run/x.sock"
+    assert c.masked()["engine"]["api_key"] == "***"
+
+
+def test_flags_override_the_file():
+    c = parse(BASE + b"auto_sessions_keep = 3\n[engine]\nurl = 'http://h:1'\n", "t.toml",
+              {"auto_sessions_keep": 7, "engine.url": "http://127.0.0.1:2", "gate.listen": None})
+    assert c.auto_sessions_keep == 7 and c.engine.url == "http://127.0.0.1:2"
+
+
+@pytest.mark.parametrize(
+    "text, key, reason",
+    [
+        (b"bogus = 1\n", "bogus", "unknown key"),
+        (b"[engine]\nurll = 'x'\n", "engine.urll", "unknown key"),
+        (b"auto_sessions_keep = -1\n", "auto_sessions_keep", "1 or more"),
+        (b"auto_sessions_keep = '3'\n", "auto_sessions_keep", "whole number"),
+        (b"auto_sessions_keep = true\n", "auto_sessions_keep", "whole number"),
+        (b"auto_sessions = 1\n", "auto_sessions", "true or false"),
+        (b"auto_sessions_max_gb = 0\n", "auto_sessions_max_gb", "more than 0"),
+        (b"auto_sessions_min_tokens = -5\n", "auto_sessions_min_tokens", "0 or more"),
+        (b"[engine]\nurl = 'ftp://x'\n", "engine.url", "http"),
+        (b"[engine]\nurl = 'http://h:99999'\n", "engine.url", "port"),
+        (b"[engine]\nkind = 'vllm'\n", "engine.kind", "one of"),
+        (b"[engine]\nkind = 'control-stream'\n", "engine.control", "required"),
+        (b"[engine]\ncontrol = 'udp:x'\n", "engine.control", "unix:/path"),
+        (b"[engine]\ntimeout_s = 0\n", "engine.timeout_s", "more than 0"),
+        (b"[gate]\nlisten = '8080'\n", "gate.listen", "HOST:PORT"),
+        (b"[control]\ngroup = 'no-such-group-xyz'\n", "control.group", "no such group"),
+        (b"engine = 3\n", "engine", "table"),
+    ],
+)
+def test_bad_values_name_the_key(text, key, reason):
+    with pytest.raises(ConfigError) as e:
+        parse(BASE + text, "/etc/autosessd/autosessd.toml")
+    assert e.value.key == key
+    assert reason in e.value.reason
+    assert str(e.value).startswith(f"/etc/autosessd/autosessd.toml: {key}: ")
+
+
+def test_missing_and_relative_slot_save_path():
+    with pytest.raises(ConfigError, match="slot_save_path: missing"):
+        parse(b"", "t.toml")
+    with pytest.raises(ConfigError, match="absolute"):
+        parse(b'slot_save_path = "sessions"', "t.toml")
+
+
+def test_bad_toml_and_bad_bytes():
+    with pytest.raises(ConfigError, match="t.toml: not valid TOML"):
+        parse(b"a = = 1", "t.toml")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        parse(b"\xff\xfe", "t.toml")
+
+
+def test_search_order(tmp_path, monkeypatch):
+    xdg = tmp_path / "xdg"
+    (xdg / "autosessd").mkdir(parents=True)
+    (xdg / "autosessd" / "autosessd.toml").write_text('slot_save_path = "/from/xdg"\n')
+    env = tmp_path / "env.toml"
+    env.write_text('slot_save_path = "/from/env"\n')
+    flag = tmp_path / "flag.toml"
+    flag.write_text('slot_save_path = "/from/flag"\n')
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(xdg))
+    monkeypatch.delenv("AUTOSESSD_CONFIG", raising=False)
+    assert config.load().slot_save_path == "/from/xdg"
+    monkeypatch.setenv("AUTOSESSD_CONFIG", str(env))
+    assert config.load().slot_save_path == "/from/env"
+    assert config.load(str(flag)).slot_save_path == "/from/flag"
+    with pytest.raises(ConfigError, match="no such file"):
+        config.load(str(tmp_path / "missing.toml"))
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "autosessd", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=60)
+
+
+def test_check_config_unknown_key_exits_2(tmp_path):
+    f = tmp_path / "a.toml"
+    f.write_text('slot_save_path = "/x"\n[engine]\nspeed = 3\n')
+    r = _cli("check-config", "--config", str(f))
+    assert r.returncode == 2
+    assert str(f) in r.stderr and "engine.speed" in r.stderr and "unknown key" in r.stderr
+
+
+def test_check_config_prints_effective_config_masked(tmp_path):
+    f = tmp_path / "a.toml"
+    f.write_text('slot_save_path = "/x"\n[engine]\napi_key = "sekret"\n')
+    r = _cli("check-config", "--config", str(f))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["engine"]["api_key"] == "***" and "sekret" not in r.stdout
+    assert out["auto_sessions_keep"] == 12

@@ -1,0 +1,63 @@
+"""conversation_key: the vectors of DESIGN §1 and each request format."""
+
+import pytest
+
+from autosessd.keys import conversation_key, messages_key
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ({"messages": [{"role": "user", "content": "Hello"}]}, "f7ff9e8b7bb2e09b"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "part one"},
+                                                     {"type": "text", "text": "part two"}]}]}, "9d9b666e26eb657d"),
+        ({"messages": [{"role": "user", "content": "héllo wörld"}]}, "24e9f5c07847ff8a"),
+        # system and assistant messages before the first user message do not count
+        ({"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "hi"},
+                       {"role": "user", "content": "Hello"}, {"role": "user", "content": "later"}]},
+         "f7ff9e8b7bb2e09b"),
+        # Anthropic: system is a top-level field, not a message
+        ({"system": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]},
+         "f7ff9e8b7bb2e09b"),
+        # image parts carry no text
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                                     {"type": "text", "text": "Hello"}]}]}, "f7ff9e8b7bb2e09b"),
+        # OpenAI responses: a string input, and input items with input_text parts
+        ({"input": "Hello"}, "f7ff9e8b7bb2e09b"),
+        ({"input": [{"role": "developer", "content": "rules"},
+                    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]},
+         "f7ff9e8b7bb2e09b"),
+    ],
+)
+def test_key_of_conversation_requests(body, key):
+    assert conversation_key(body) == key
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "Hello"},  # raw completion
+        {"content": "Hello"},  # tokenize
+        {"input": ["Hello", "world"]},  # embeddings take a list of strings
+        {"messages": [{"role": "system", "content": "only a system prompt"}]},
+        {"messages": [{"role": "user", "content": ""}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": "not a list"},
+        {"messages": [None, 3, "x", {"role": "user", "content": 5}]},
+        [],
+        None,
+        "Hello",
+    ],
+)
+def test_no_user_text_means_no_key(body):
+    assert conversation_key(body) is None
+
+
+def test_lone_surrogate_does_not_raise():
+    assert len(conversation_key({"messages": [{"role": "user", "content": "\ud800"}]})) == 16
+
+
+def test_messages_key_matches_request_key():
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert messages_key(msgs) == conversation_key({"messages": msgs}) == "f7ff9e8b7bb2e09b"
+    assert messages_key("nope") is None

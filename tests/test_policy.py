@@ -1,0 +1,69 @@
+"""The turn of DESIGN §1 as a table: every branch, no I/O."""
+
+import pytest
+
+from autosessd.policy import (BELOW_MIN, MODEL_MISMATCH, NO_FILE, SAVE_FAILED_DURABLE, UP_TO_DATE, FileInfo, Held,
+                              Restore, Save, SaveOutcome, Skip, plan_restore, plan_save, restore_reused)
+
+MIN = 1000
+M = "model-a"
+A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
+
+
+@pytest.mark.parametrize(
+    "name, held, key, saved, expect",
+    [
+        ("no user text: nothing", Held(A, 5000, True), None, None, None),
+        ("nothing held: nothing to save", None, B, None, None),
+        ("same key: nothing", Held(A, 5000, True), A, None, None),
+        ("held reached min: save", Held(A, 5000, True), B, None, Save(A, 5000)),
+        ("held exactly at min: save", Held(A, MIN, True), B, None, Save(A, MIN)),
+        ("held below min: no save", Held(A, 999, True), B, None, Skip("save", A, BELOW_MIN)),
+        ("provisional held is saved too", Held(A, 5000, False), B, None, Save(A, 5000)),
+        ("file already has these tokens: not written again", Held(A, 5000, True), B, FileInfo(5000, M),
+         Skip("save", A, UP_TO_DATE)),
+        ("file older than the held state: save", Held(A, 5100, True), B, FileInfo(5000, M), Save(A, 5100)),
+        ("file from another model: save", Held(A, 5000, True), B, FileInfo(5000, "other"), Save(A, 5000)),
+    ],
+)
+def test_plan_save(name, held, key, saved, expect):
+    assert plan_save(held, key, MIN, saved, M) == expect, name
+
+
+@pytest.mark.parametrize(
+    "name, held, key, outcome, file, expect",
+    [
+        ("no user text: nothing", Held(A, 5000, True), None, SaveOutcome.NOT_TRIED, FileInfo(5000, M), None),
+        ("same key: nothing", Held(A, 5000, True), A, SaveOutcome.NOT_TRIED, FileInfo(5000, M), None),
+        ("saved, file fits: restore", Held(A, 5000, True), B, SaveOutcome.SAVED, FileInfo(3000, M),
+         Restore(B, 3000)),
+        ("nothing held, file fits: restore", None, B, SaveOutcome.NOT_TRIED, FileInfo(3000, M), Restore(B, 3000)),
+        ("held below min (not saved), file fits: restore", Held(A, 10, True), B, SaveOutcome.NOT_TRIED,
+         FileInfo(3000, M), Restore(B, 3000)),
+        ("save failed, durable held: no restore", Held(A, 5000, True), B, SaveOutcome.FAILED, FileInfo(3000, M),
+         Skip("restore", B, SAVE_FAILED_DURABLE)),
+        ("save failed, provisional held: restore goes on", Held(A, 5000, False), B, SaveOutcome.FAILED,
+         FileInfo(3000, M), Restore(B, 3000)),
+        ("no file", Held(A, 5000, True), B, SaveOutcome.SAVED, None, Skip("restore", B, NO_FILE)),
+        ("file below min: skipped", Held(A, 5000, True), B, SaveOutcome.SAVED, FileInfo(999, M),
+         Skip("restore", B, BELOW_MIN)),
+        ("file from another model: skipped", Held(A, 5000, True), B, SaveOutcome.SAVED, FileInfo(3000, "other"),
+         Skip("restore", B, MODEL_MISMATCH)),
+    ],
+)
+def test_plan_restore(name, held, key, outcome, file, expect):
+    assert plan_restore(held, key, outcome, file, M, MIN) == expect, name
+
+
+def test_empty_file_is_never_restored_even_with_min_zero():
+    assert plan_restore(None, B, SaveOutcome.NOT_TRIED, FileInfo(0, M), M, 0) == Skip("restore", B, BELOW_MIN)
+
+
+def test_empty_held_is_never_saved_even_with_min_zero():
+    assert plan_save(Held(A, 0, True), B, 0) == Skip("save", A, BELOW_MIN)
+
+
+@pytest.mark.parametrize("n_restored, cache_n, reused", [(3520, 3519, True), (3520, 1760, True),
+                                                          (3520, 0, False), (3520, 100, False)])
+def test_restore_reused(n_restored, cache_n, reused):
+    assert restore_reused(n_restored, cache_n) is reused

@@ -1,0 +1,155 @@
+"""The session directory: atomic finalize, scan, crash cleanup, prune, names."""
+
+import json
+import os
+
+import pytest
+
+from autosessd.store import (Entry, Meta, Store, StoreError, auto_name, manual_name, plan_prune, temp_name)
+
+K = [f"{i:016x}" for i in range(1, 30)]
+MODEL = "m1"
+
+
+def write_temp(store: Store, key: str, size: int, magic: bytes = b"qsgg") -> None:
+    store.temp_path(key).write_bytes(magic + b"\0" * (size - len(magic)))
+
+
+def save(store: Store, key: str, size: int = 100, saved_at: float = 1.0, n_tokens: int = 50) -> None:
+    write_temp(store, key, size)
+    store.verify_temp(key, size, b"qsgg")
+    store.finalize(key, Meta(key, n_tokens, size, saved_at, MODEL, 1.0))
+
+
+def manual_files(path):
+    (path / "mine.bin").write_bytes(b"x" * 500)
+    (path / "notes.txt").write_text("hello")
+    (path / "auto-XYZ.bin").write_bytes(b"y" * 500)  # malformed key: not ours
+    (path / "auto-0123456789abcdef.bin.bak").write_bytes(b"z")
+    (path / "auto-0123456789ABCDEF.bin").write_bytes(b"z")  # upper case: not ours
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_finalize_makes_bin_and_metadata(tmp_path):
+    s = Store(tmp_path)
+    save(s, K[0], size=200, n_tokens=77)
+    assert not s.temp_path(K[0]).exists()
+    assert s.bin_path(K[0]).read_bytes()[:4] == b"qsgg"
+    meta = json.loads(s.meta_path(K[0]).read_text())
+    assert meta == {"key": K[0], "n_tokens": 77, "bytes": 200, "saved_at": 1.0, "model": MODEL, "save_ms": 1.0}
+    assert s.read_meta(K[0]).n_tokens == 77
+    [e] = s.scan()
+    assert e.key == K[0] and e.bytes == 200 and e.meta.n_tokens == 77
+
+
+def test_verify_temp_refuses_size_mismatch_missing_and_bad_magic(tmp_path):
+    s = Store(tmp_path)
+    write_temp(s, K[0], 100)
+    with pytest.raises(StoreError, match="100 bytes, the engine reported 120"):
+        s.verify_temp(K[0], 120)
+    with pytest.raises(StoreError, match="magic"):
+        s.verify_temp(K[0], 100, b"GGUF")
+    with pytest.raises(StoreError, match="not in"):
+        s.verify_temp(K[1], 100)
+    assert not s.bin_path(K[0]).exists()
+
+
+def test_read_meta_refuses_a_pair_that_disagrees(tmp_path):
+    s = Store(tmp_path)
+    save(s, K[0], size=100)
+    s.bin_path(K[0]).write_bytes(b"qsgg" + b"\0" * 10)  # overwritten behind our back
+    assert s.read_meta(K[0]) is None
+    s.meta_path(K[1]).write_text("{not json")
+    assert s.read_meta(K[1]) is None
+
+
+def test_cleanup_removes_temporaries_orphans_and_torn_pairs_only(tmp_path):
+    s = Store(tmp_path)
+    before = manual_files(tmp_path)
+    save(s, K[0])                                   # good pair: stays
+    write_temp(s, K[1], 10)                         # engine died mid-save
+    (tmp_path / f".autosessd-{K[2]}.json.partial").write_text("{}")
+    s.meta_path(K[3]).write_text(json.dumps({"key": K[3], "n_tokens": 1, "bytes": 1, "saved_at": 0,
+                                             "model": "m", "save_ms": 0}))  # metadata without bin
+    s.bin_path(K[4]).write_bytes(b"qsgg1234")        # crash between rename and metadata
+    removed = s.cleanup()
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, auto_name(K[0]), f"auto-{K[0]}.json"])
+    assert len(removed) == 4
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data
+
+
+def entries(*specs):
+    return [Entry(key=K[i], bytes=b, mtime=0, meta=Meta(K[i], 1, b, t, MODEL, 0)) for i, b, t in specs]
+
+
+@pytest.mark.parametrize(
+    "files, keep, max_bytes, in_use, removed",
+    [
+        ([(0, 10, 1), (1, 10, 2), (2, 10, 3)], 2, 1000, set(), {0}),        # keep newest 2
+        ([(0, 10, 1), (1, 10, 2), (2, 10, 3)], 5, 1000, set(), set()),      # under both limits
+        ([(0, 40, 1), (1, 40, 2), (2, 40, 3)], 5, 100, set(), {0}),          # byte budget
+        ([(0, 200, 3), (1, 10, 2)], 5, 100, set(), {0}),                      # newest alone is over budget
+        ([(0, 10, 1), (1, 10, 2), (2, 10, 3)], 1, 1000, {auto_name(K[0])}, {1}),  # in use is kept
+    ],
+)
+def test_plan_prune(files, keep, max_bytes, in_use, removed):
+    plan = plan_prune(entries(*files), keep, max_bytes, in_use)
+    assert {K.index(e.key) for e in plan.remove} == removed
+
+
+def test_prune_keeps_newest_and_never_touches_other_files(tmp_path):
+    s = Store(tmp_path)
+    before = manual_files(tmp_path)
+    for i in range(6):
+        save(s, K[i], size=100, saved_at=float(i))
+    plan = s.prune(keep=3, max_bytes=10**9, dry_run=True)
+    assert len(plan.remove) == 3 and len(os.listdir(tmp_path)) == len(before) + 12
+    plan = s.prune(keep=3, max_bytes=10**9)
+    left = {e.key for e in s.scan()}
+    assert left == {K[3], K[4], K[5]}
+    assert not s.meta_path(K[0]).exists()
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data
+    # a byte budget of 150 leaves only the newest
+    s.prune(keep=10, max_bytes=150)
+    assert {e.key for e in s.scan()} == {K[5]}
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data
+
+
+def test_prune_never_removes_a_file_in_use(tmp_path):
+    s = Store(tmp_path)
+    for i in range(3):
+        save(s, K[i], saved_at=float(i))
+    with s.using(auto_name(K[0])):
+        s.prune(keep=1, max_bytes=10**9)
+        assert s.bin_path(K[0]).exists()
+        with pytest.raises(StoreError, match="being written or read"):
+            s.remove(K[0])
+    assert {e.key for e in s.scan()} == {K[0], K[2]}
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "/etc/passwd", "a/b", ".hidden", "..", "x" * 10_000, "a\0b", "a\nb",
+                                 "auto-0123456789abcdef", "auto-0123456789abcdef.bin", "sp ace"])
+def test_manual_names_never_escape(bad):
+    with pytest.raises(StoreError):
+        manual_name(bad)
+
+
+@pytest.mark.parametrize("good, file", [("mine", "mine.bin"), ("v1.2_x-y", "v1.2_x-y.bin"), ("a.bin", "a.bin")])
+def test_manual_names(good, file):
+    assert manual_name(good) == file
+
+
+def test_space_check_uses_density_of_earlier_saves(tmp_path, monkeypatch):
+    s = Store(tmp_path)
+    save(s, K[0], size=1000, n_tokens=10)  # 100 bytes per token
+    assert s.estimate_bytes(50) == 5000
+    monkeypatch.setattr(s, "free_bytes", lambda: 64 * 1024 * 1024 + 4000)
+    assert s.check_space(30) is None
+    assert "disk full" in s.check_space(50)
+
+
+def test_temp_names_are_hidden_and_distinct():
+    assert temp_name(K[0]).startswith(".") and auto_name(K[0]) == f"auto-{K[0]}.bin"
