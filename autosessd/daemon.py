@@ -137,8 +137,9 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> tuple[str, 
     try:
         await wait_idle(engine, cfg.engine.slot, cfg.engine.timeout_s)
         await probe_save(engine, store, cfg.engine.slot)
-    except SlotSavingOff as e:
-        raise StartupError(str(e)) from None
+    except SlotSavingOff:
+        raise StartupError(f"slot saving is off in the engine at {engine.address}: start llama-server with "
+                           f"--slot-save-path {store.path}") from None
     except EngineError as e:
         raise StartupError(f"the probe save failed: {e}") from None
     return info.model, info.model_name
@@ -153,7 +154,8 @@ async def probe_save(engine: Engine, store: Store, slot: int) -> None:
         res = await engine.save(slot, name)
         if not path.exists():
             raise StartupError(f"the engine saves its sessions somewhere other than slot_save_path={store.path}: "
-                               f"start the engine with --slot-save-path {store.path}")
+                               f"start the engine with --slot-save-path {store.path} (the probe file {name} it "
+                               f"wrote is in the engine's directory; it can be removed)")
         size = path.stat().st_size
         if size != res.n_bytes:
             raise StartupError(f"probe save: the engine reported {res.n_bytes:,} bytes, {name} has {size:,}")

@@ -1,0 +1,82 @@
+"""`autosessd run`: the start checks, seen from the command line as a user sees them."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from harness import free_port, wait_until
+
+pytestmark = pytest.mark.engine
+
+
+def run_daemon(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "autosessd", "run", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def config(tmp_path, session_dir, url, **extra):
+    f = tmp_path / "autosessd.toml"
+    lines = [f'slot_save_path = "{session_dir}"', f'state_dir = "{tmp_path / "state"}"', "[engine]",
+             f'url = "{url}"', "timeout_s = 3"]
+    f.write_text("\n".join(lines) + "\n")
+    return str(f)
+
+
+def test_engine_without_slot_save_path(engines, tmp_path, session_dir):
+    eng = engines(None)
+    r = run_daemon("--config", config(tmp_path, session_dir, eng.url))
+    assert r.returncode != 0
+    assert "--slot-save-path" in r.stderr and str(session_dir) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unreachable_engine_names_the_url(tmp_path, session_dir):
+    url = f"http://127.0.0.1:{free_port()}"
+    r = run_daemon("--config", config(tmp_path, session_dir, url))
+    assert r.returncode != 0
+    assert f"cannot reach the engine at {url}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_saving_elsewhere_is_refused(engines, tmp_path, session_dir):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    eng = engines(elsewhere)
+    r = run_daemon("--config", config(tmp_path, session_dir, eng.url))
+    assert r.returncode != 0
+    assert f"--slot-save-path {session_dir}" in r.stderr and "somewhere other" in r.stderr
+    # The engine wrote its probe where it saves; the message names it, ours stays clean.
+    [probe] = elsewhere.iterdir()
+    assert probe.name in r.stderr and list(session_dir.iterdir()) == []
+
+
+def test_missing_session_dir(tmp_path):
+    r = run_daemon("--config", config(tmp_path, tmp_path / "nope", "http://127.0.0.1:1"))
+    assert r.returncode != 0 and "is not a directory" in r.stderr
+
+
+def test_more_than_one_slot_is_refused(engines, tmp_path, session_dir):
+    eng = engines(session_dir, slots=2)
+    r = run_daemon("--config", config(tmp_path, session_dir, eng.url))
+    assert r.returncode != 0 and "-np 1" in r.stderr
+
+
+def test_starts_cleans_up_and_stops_on_sigterm(engines, tmp_path, session_dir):
+    eng = engines(session_dir)
+    (session_dir / ".autosessd-0123456789abcdef.partial").write_bytes(b"torn")
+    (session_dir / "mine.bin").write_bytes(b"keep me")
+    p = subprocess.Popen([sys.executable, "-m", "autosessd", "run", "--config",
+                          config(tmp_path, session_dir, eng.url)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: not (session_dir / ".autosessd-0123456789abcdef.partial").exists(), 30,
+                   what="crash cleanup at start")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        err = p.stderr.read()
+        assert "autosessd ready" in err and "stopping (SIGTERM)" in err
+        assert (session_dir / "mine.bin").read_bytes() == b"keep me"
+        assert sorted(os.listdir(session_dir)) == ["mine.bin"]
+    finally:
+        p.kill()
