@@ -128,3 +128,87 @@ def long_text(n_facts: int, topic: str = "box") -> str:
 def chat_body(text: str, max_tokens: int = 8, stream: bool = False) -> dict:
     return {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": max_tokens,
             "seed": 1, "stream": stream}
+
+
+class Daemon:
+    """`autosessd run` in a subprocess, as a user runs it; stderr goes to a file."""
+
+    def __init__(self, tmp: Path, session_dir: Path, engine_url: str, gate: bool = True, min_tokens: int = 100,
+                 timeout_s: float = 30, extra_toml: str = "", args: list[str] | None = None):
+        self.tmp = tmp
+        self.gate_port = free_port() if gate else None
+        self.gate_url = f"http://127.0.0.1:{self.gate_port}" if gate else None
+        self.name = f"autosessd-{free_port()}"
+        self.config = tmp / f"{self.name}.toml"
+        self.config.write_text(
+            f'slot_save_path = "{session_dir}"\nauto_sessions_min_tokens = {min_tokens}\n'
+            f'state_dir = "{tmp / "state"}"\n{extra_toml}\n'
+            f'[engine]\nurl = "{engine_url}"\ntimeout_s = {timeout_s}\n'
+            + (f'[gate]\nlisten = "127.0.0.1:{self.gate_port}"\n' if gate else "")
+            + f'[control]\nsocket = "{tmp / "ctl" / "autosessd.sock"}"\n')
+        self.socket = tmp / "ctl" / "autosessd.sock"
+        self.log = tmp / f"{self.name}.log"
+        self.args = args or []
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> "Daemon":
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "autosessd", "run", "--config", str(self.config),
+                                      "--log-level", "debug", *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        wait_until(self.ready, timeout, 0.05, "autosessd to be ready")
+        return self
+
+    def ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"autosessd exited with {self.proc.returncode}:\n{self.log.read_text()}")
+        return "autosessd ready" in self.log.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.proc = None
+        return rc
+
+    def status(self) -> dict:
+        with urllib.request.urlopen(self.gate_url + "/autosessd/status", timeout=10) as r:
+            return json.load(r)
+
+    def logtext(self) -> str:
+        return self.log.read_text()
+
+
+class FakeEngine:
+    """tests/fake_engine.py in a subprocess."""
+
+    def __init__(self, save_dir: Path, faults: list[str] = (), control: str | None = None, model: str = "fake"):
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.save_dir = save_dir
+        self.args = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", str(self.port),
+                     "--dir", str(save_dir), "--model", model]
+        for f in faults:
+            self.args += ["--fault", f]
+        if control:
+            self.args += ["--control", control]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "FakeEngine":
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

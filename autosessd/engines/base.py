@@ -31,6 +31,7 @@ class SlotState:
     id: int
     is_processing: bool
     n_tokens: int  # tokens the slot holds now (0 when it never ran a task)
+    n_cached: int | None = None  # of its last prompt, tokens reused from the cache (cache_n)
 
 
 @dataclass(frozen=True)

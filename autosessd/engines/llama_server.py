@@ -96,7 +96,9 @@ class LlamaServer:
             raise EngineBadAnswer(f"/slots answered {type(d).__name__}, not a list")
         try:
             return [SlotState(id=int(s["id"]), is_processing=bool(s.get("is_processing")),
-                              n_tokens=int(s.get("n_prompt_tokens") or 0)) for s in d]
+                              n_tokens=int(s.get("n_prompt_tokens") or 0),
+                              n_cached=int(s["n_prompt_tokens_cache"]) if "n_prompt_tokens_cache" in s else None)
+                    for s in d]
         except (KeyError, TypeError, ValueError):
             raise EngineBadAnswer(f"/slots answered entries without id: {d!r:.200}") from None
 

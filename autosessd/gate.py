@@ -1,0 +1,424 @@
+"""The HTTP gate (DESIGN §2): a reverse proxy in front of the engine that runs the turn
+before a conversation request reaches it.
+
+    client ──► gate ──► engine (always engine.url: the request's Host or an absolute-form
+                                URI never chooses where it goes)
+
+Conversation requests (POST /v1/chat/completions, /chat/completions, /v1/messages,
+/v1/responses with user text) take the slot's FIFO, run the turn (save → restore),
+are forwarded, and release the FIFO only when the response has been delivered or the
+client went away. A client's own POST /slots/... waits for the FIFO too, so a hand-made
+save never interleaves with a turn. Everything else is passed through untouched.
+
+Responses are forwarded as they arrive (SSE chunk by chunk, never buffered). After a
+conversation request the gate reads the slot's token count (GET /slots, still holding
+the FIFO, so it is this request's state) and reports timings.cache_n, which verifies a
+restore.
+
+A client that disconnects cancels the handler (aiohttp handler_cancellation), which
+closes the upstream connection, so the engine stops generating. Its state is then
+provisional; the FIFO is released once the engine's slot is idle again, so the next
+turn never saves a half-finished state.
+
+The engine restarting behind the gate is noticed three ways: /health going down and up
+(watcher), a different process listening on the engine's port (psutil, loopback only),
+and the slot showing fewer tokens than held (at each turn). Each resets what is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import psutil
+from aiohttp import web
+
+from .config import Config, parse_hostport
+from .engines.base import EngineError
+from .keys import conversation_key
+from .sessions import Sessions
+
+log = logging.getLogger("autosessd")
+
+CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+MAX_BODY = 1 << 30  # requests are read whole (the key is in the body); the engine sets the real limit
+HEALTH_EVERY_S = 2.0
+IDENTITY_EVERY_S = 10.0
+
+
+def gate_error(status: int, message: str, type_: str = "unavailable_error") -> web.Response:
+    """An error the gate makes itself: OpenAI-shaped, and saying it came from autosessd."""
+    body = {"error": {"message": f"autosessd: {message}", "type": type_, "code": status, "src": "autosessd"}}
+    return web.json_response(body, status=status)
+
+
+def _forward_headers(headers: Any) -> dict[str, str]:
+    drop = set(HOP_BY_HOP)
+    for value in headers.getall("Connection", []):  # headers named by Connection are hop-by-hop too
+        drop.update(v.strip().lower() for v in value.split(","))
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
+
+
+class SSEWatcher:
+    """Reads the last `timings`/`usage` out of a streamed response without holding it up."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.timings: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        if len(self._buf) > 1 << 20:  # a line this long carries nothing we read
+            self._buf = b""
+        for line in lines:
+            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
+                with contextlib.suppress(ValueError):
+                    self.take(json.loads(line[5:]))
+
+    def take(self, d: Any) -> None:
+        if not isinstance(d, dict):
+            return
+        if isinstance(d.get("timings"), dict):
+            self.timings = d["timings"]
+        for holder in (d, d.get("response"), d.get("message")):
+            if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+                self.usage = holder["usage"]
+
+
+class RequestLog:
+    """The gate's JSONL request log (DESIGN §2), for a tail elsewhere."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, **fields: Any) -> None:
+        try:
+            self._f.write(json.dumps({"ts": round(time.time(), 3), **fields}) + "\n")
+        except OSError as e:
+            log.warning("gate: cannot write the request log %s: %s", self.path, e)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Gate:
+    name = "gate"
+
+    def __init__(self, cfg: Config, sessions: Sessions, daemon: Any = None):
+        self.cfg = cfg
+        self.sessions = sessions
+        self.daemon = daemon
+        self.host, self.port = parse_hostport(cfg.gate.listen or "127.0.0.1:0")
+        self.upstream = cfg.engine.url.rstrip("/")
+        self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None
+        self.client: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task] = set()
+        self._engine_up = True
+        self._identity: tuple[int, float] | None = None
+        self.requests = 0
+        self.errors_502 = 0
+
+    # -- life ------------------------------------------------------------------
+    async def start(self) -> None:
+        # No total timeout: a generation may run for minutes; connecting must be quick.
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.engine.timeout_s,
+                                        sock_connect=self.cfg.engine.timeout_s)
+        self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                            connector=aiohttp.TCPConnector(limit=0))
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        if self.port == 0:  # tests ask for any free port
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._identity = await asyncio.get_running_loop().run_in_executor(None, self._engine_identity)
+        self._spawn(self._watch_engine())
+        log.info("gate: listening on http://%s:%d, forwarding to %s", self.host, self.port, self.upstream)
+
+    async def stop(self, grace_s: float) -> None:
+        if self.runner is not None:
+            # Stop taking connections, then give requests in flight a bounded time.
+            for site in list(self.runner.sites):
+                await site.stop()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            await self.runner.cleanup()
+        for t in list(self._tasks):
+            t.cancel()
+        if self.client is not None:
+            await self.client.close()
+        if self.request_log:
+            self.request_log.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"listen": f"{self.host}:{self.port}", "upstream": self.upstream,
+                "request_log": self.cfg.gate.request_log}
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    # -- dispatch --------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path.startswith("/autosessd/"):
+            return await self.own_endpoint(request)
+        self.requests += 1
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            if request.method == "POST" and path in CONVERSATION_PATHS:
+                return await self.conversation(request)
+            if request.method == "POST" and path.startswith("/slots"):
+                return await self.slot_action(request)
+            return await self.proxy(request, await request.read())
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def own_endpoint(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/autosessd/status" and request.method == "GET":
+            return web.json_response(self.sessions.status())
+        if request.path == "/autosessd/metrics" and request.method == "GET":
+            return web.Response(text=self.metrics(), content_type="text/plain", charset="utf-8",
+                                headers={"X-Content-Type-Options": "nosniff"})
+        return gate_error(404, f"no such endpoint {request.path} (autosessd has /autosessd/status and "
+                               f"/autosessd/metrics)", "not_found_error")
+
+    # -- forwarding ------------------------------------------------------------
+    async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None
+                    ) -> web.StreamResponse:
+        """Forward one request to the engine and its response back, as it arrives."""
+        assert self.client is not None
+        url = self.upstream + request.rel_url.path_qs
+        try:
+            up = await self.client.request(request.method, url, headers=_forward_headers(request.headers),
+                                           data=body if body else None, allow_redirects=False)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+            self.errors_502 += 1
+            why = "timed out connecting" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
+            return gate_error(502, f"cannot reach the engine at {self.upstream}: {why}")
+        done = False
+        try:
+            headers = _forward_headers(up.headers)
+            streaming = "text/event-stream" in up.headers.get("Content-Type", "") or up.content_length is None
+            if not streaming:
+                data = await up.read()
+                done = True
+                if watcher is not None:
+                    with contextlib.suppress(ValueError, UnicodeDecodeError):
+                        watcher.take(json.loads(data))
+                return web.Response(status=up.status, reason=up.reason, headers=headers, body=data)
+            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                if watcher is not None:
+                    watcher.feed(chunk)
+                await resp.write(chunk)
+            done = True
+            await resp.write_eof()
+            return resp
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            log.warning("gate: the engine at %s broke off a response to %s: %s", self.upstream, request.path, e)
+            raise
+        finally:
+            if done:
+                up.release()  # back to the pool: keep-alive to the engine
+            else:
+                up.close()  # unfinished: closing tells the engine to stop generating
+
+    async def slot_action(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        slot = self.sessions.slot()
+        async with slot.lock:
+            resp = await self.proxy(request, body)
+            if request.query.get("action") in ("restore", "erase"):
+                # Someone else replaced what the slot holds.
+                self.sessions.reset_held(slot.id, f"a client's POST {request.path_qs} through the gate")
+            return resp
+
+    async def conversation(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            parsed = None  # the engine answers a bad body itself
+        key = conversation_key(parsed)
+        if key is None:
+            return await self.proxy(request, body)
+        s = self.sessions
+        slot = s.slot()
+        rid = uuid.uuid4().hex[:12]
+        await slot.lock.acquire()
+        # The turn is shielded: a client leaving mid-save must not leave the engine's slot
+        # half-way between two conversations while the FIFO moves on.
+        turn_task = asyncio.get_running_loop().create_task(s.turn(key, slot.id))
+        forwarded = False
+        try:
+            turn = await asyncio.shield(turn_task)
+            if self.request_log:
+                self.request_log.write(event="start", id=rid, slot=slot.id, key=key)
+            watcher = SSEWatcher()
+            slot.busy = forwarded = True
+            resp = await self.proxy(request, body, watcher)
+            status = "ok" if resp.status < 400 else "error"
+            await self._after(slot.id, key, watcher, status, rid)
+        except asyncio.CancelledError:
+            # The client went away. The FIFO is released by _settle_cancelled, once the
+            # engine has stopped working on this request.
+            self._spawn(self._settle_cancelled(slot, key, rid, turn_task, forwarded))
+            raise
+        except BaseException:
+            s.finish(slot.id, key, None, None, "error")
+            if self.request_log and forwarded:
+                self.request_log.write(event="end", id=rid, slot=slot.id, n_tokens=None, status="error")
+            slot.busy = False
+            slot.lock.release()
+            raise
+        slot.busy = False
+        slot.lock.release()
+        return resp
+
+    async def _after(self, slot_id: int, key: str, watcher: SSEWatcher, status: str, rid: str) -> None:
+        """Still holding the FIFO: read what the slot holds now and report it."""
+        n_tokens, cache_n = None, None
+        t = watcher.timings or {}
+        if "cache_n" in t:
+            cache_n = int(t["cache_n"])
+        try:
+            st = next((x for x in await self.sessions.engine.slots() if x.id == slot_id), None)
+            if st is not None:
+                n_tokens = st.n_tokens
+                if cache_n is None:
+                    cache_n = st.n_cached
+        except EngineError:
+            u = watcher.usage or {}
+            total = u.get("total_tokens") or (u.get("input_tokens", 0) + u.get("output_tokens", 0))
+            n_tokens = int(total) if total else None
+        self.sessions.finish(slot_id, key, n_tokens, cache_n, status)
+        if self.request_log:
+            self.request_log.write(event="end", id=rid, slot=slot_id, n_tokens=n_tokens, status=status)
+
+    async def _settle_cancelled(self, slot: Any, key: str, rid: str, turn_task: asyncio.Task,
+                                forwarded: bool) -> None:
+        """After a client disconnect: let the turn finish, wait (bounded) for the engine to
+        stop generating, mark the held state provisional, then release the FIFO."""
+        try:
+            with contextlib.suppress(Exception):
+                await turn_task
+            if not forwarded:
+                return  # the request never reached the engine: the turn's view stands
+            deadline = time.monotonic() + self.cfg.engine.timeout_s
+            n_tokens = None
+            while time.monotonic() < deadline:
+                try:
+                    st = next((x for x in await self.sessions.engine.slots() if x.id == slot.id), None)
+                except EngineError:
+                    break
+                if st is None or not st.is_processing:
+                    n_tokens = st.n_tokens if st else None
+                    break
+                await asyncio.sleep(0.05)
+            self.sessions.finish(slot.id, key, n_tokens, None, "cancelled")
+            if self.request_log:
+                self.request_log.write(event="end", id=rid, slot=slot.id, n_tokens=n_tokens, status="cancelled")
+        finally:
+            slot.busy = False
+            slot.lock.release()
+
+    # -- engine restarts -------------------------------------------------------
+    def _engine_identity(self) -> tuple[int, float] | None:
+        """(pid, start time) of the process listening on the engine's port, when it is on
+        this host and visible to us; None otherwise."""
+        u = urlsplit(self.upstream)
+        if u.hostname not in ("127.0.0.1", "localhost", "::1"):
+            return None
+        port = u.port or (443 if u.scheme == "https" else 80)
+        try:
+            for c in psutil.net_connections("tcp"):
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                    return c.pid, psutil.Process(c.pid).create_time()
+        except (psutil.Error, OSError):
+            return None
+        return None
+
+    async def _watch_engine(self) -> None:
+        last_identity = time.monotonic()
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            try:
+                up = await self.sessions.engine.health()
+            except EngineError:
+                up = False
+            self.sessions.engine_healthy = up
+            if not up and self._engine_up:
+                log.warning("gate: the engine at %s is down", self.upstream)
+            if up and not self._engine_up:
+                log.info("gate: the engine at %s is back", self.upstream)
+                for sid in list(self.sessions.slots):
+                    self.sessions.reset_held(sid, "the engine restarted (health went down and up)")
+            self._engine_up = up
+            if up and time.monotonic() - last_identity >= IDENTITY_EVERY_S:
+                last_identity = time.monotonic()
+                ident = await asyncio.get_running_loop().run_in_executor(None, self._engine_identity)
+                if ident and self._identity and ident != self._identity:
+                    for sid in list(self.sessions.slots):
+                        self.sessions.reset_held(sid, f"another engine process (pid {ident[0]}) took its port")
+                if ident:
+                    self._identity = ident
+
+    # -- metrics ---------------------------------------------------------------
+    def metrics(self) -> str:
+        c = self.sessions.counters
+        rows = [
+            ("turns_total", "counter", "Turns run (requests with a conversation key)", c.turns),
+            ("saves_total", "counter", "Conversations saved to auto-*.bin", c.saves),
+            ("restores_total", "counter", "Conversations restored from auto-*.bin", c.restores),
+            ("save_failures_total", "counter", "Saves that failed", c.save_failures),
+            ("restore_failures_total", "counter", "Restores that failed", c.restore_failures),
+            ("skipped_min_tokens_total", "counter", "Saves or restores skipped below min tokens",
+             c.skipped_min_tokens),
+            ("skipped_model_mismatch_total", "counter", "Restores skipped: file of another model",
+             c.skipped_model_mismatch),
+            ("skipped_disk_full_total", "counter", "Saves skipped: not enough free space", c.skipped_disk_full),
+            ("restores_reused_total", "counter", "Restores the engine reused (timings.cache_n)", c.restores_reused),
+            ("restores_not_reused_total", "counter", "Restores the engine did not reuse", c.restores_not_reused),
+            ("engine_resets_total", "counter", "Held states dropped because the engine lost them", c.engine_resets),
+            ("saved_bytes_total", "counter", "Bytes saved", c.bytes_saved),
+            ("restored_bytes_total", "counter", "Bytes restored", c.bytes_restored),
+            ("save_milliseconds_total", "counter", "Engine time spent saving", c.ms_saved),
+            ("restore_milliseconds_total", "counter", "Engine time spent restoring", c.ms_restored),
+            ("prefill_tokens_avoided_total", "counter", "Prompt tokens reused thanks to a restore",
+             c.prefill_tokens_avoided),
+            ("gate_requests_total", "counter", "Requests through the gate", self.requests),
+            ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable", self.errors_502),
+            ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
+        ]
+        out = []
+        for name, kind, help_, value in rows:
+            out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}",
+                    f"autosessd_{name} {value:g}" if isinstance(value, float) else f"autosessd_{name} {value}"]
+        return "\n".join(out) + "\n"

@@ -1,0 +1,138 @@
+"""The gate with a fake engine that misbehaves on cue: the request never fails because of autosessd."""
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from autosessd.keys import conversation_key
+from harness import Daemon, FakeEngine, chat_body, wait_until
+
+A = chat_body("conversation A " * 200)
+B = chat_body("conversation B " * 200)
+
+
+def post(base, body, path="/v1/chat/completions", timeout=60):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, json.load(r)
+
+
+@pytest.fixture
+def fake(session_dir):
+    started = []
+
+    def make(*faults, **kw):
+        f = FakeEngine(session_dir, list(faults), **kw).start()
+        started.append(f)
+        return f
+
+    yield make
+    for f in started:
+        f.stop()
+
+
+def test_save_that_hangs_gives_up_after_timeout_and_request_runs(fake, session_dir, tmp_path):
+    eng = fake("hang-save")
+    d = Daemon(tmp_path, session_dir, eng.url, timeout_s=1.5).start()
+    try:
+        post(d.gate_url, A)
+        t0 = time.monotonic()
+        status, body = post(d.gate_url, B)
+        took = time.monotonic() - t0
+        assert status == 200 and body["choices"][0]["message"]["content"] == "fake answer"
+        assert 1.5 <= took < 10
+        st = d.status()
+        assert st["counters"]["save_failures"] == 1 and st["counters"]["restores"] == 0
+        assert "did not answer POST /slots/0?action=save within 1.5 s" in d.logtext()
+        assert not list(session_dir.glob("auto-*"))
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("fault, why", [("500-save", "answered 500"), ("bad-json-save", "not JSON"),
+                                        ("short-save", "the engine reported")])
+def test_bad_save_answers_leave_the_request_alone(fake, session_dir, tmp_path, fault, why):
+    eng = fake(fault)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        post(d.gate_url, A)
+        status, through_gate = post(d.gate_url, B)
+        _, direct = post(eng.url, B)
+        assert status == 200
+        assert through_gate["choices"] == direct["choices"]
+        st = d.status()
+        assert st["counters"]["save_failures"] == 1
+        assert f"auto sessions: save to auto-{conversation_key(A)}.bin: " in d.logtext() and why in d.logtext()
+        assert not list(session_dir.glob("auto-*")) and not list(session_dir.glob(".autosessd-*"))
+    finally:
+        d.stop()
+
+
+def test_restore_that_fails_leaves_the_request_alone(fake, session_dir, tmp_path):
+    eng = fake("500-restore")
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        post(d.gate_url, A)
+        post(d.gate_url, B)
+        status, body = post(d.gate_url, A)
+        assert status == 200 and body["choices"][0]["message"]["content"] == "fake answer"
+        st = d.status()
+        assert st["counters"]["restore_failures"] == 1 and st["counters"]["saves"] == 2
+        assert f"auto sessions: restore of auto-{conversation_key(A)}.bin: " in d.logtext()
+    finally:
+        d.stop()
+
+
+def test_file_from_another_model_is_not_restored(fake, session_dir, tmp_path):
+    eng = fake(model="model-one")
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    post(d.gate_url, A)
+    post(d.gate_url, B)
+    d.stop()
+    eng.stop()
+    eng2 = fake(model="model-two")
+    d2 = Daemon(tmp_path, session_dir, eng2.url).start()
+    try:
+        status, _ = post(d2.gate_url, A)
+        assert status == 200
+        st = d2.status()
+        assert st["counters"]["skipped_model_mismatch"] == 1 and st["counters"]["restores"] == 0
+        assert "model mismatch" in d2.logtext()
+    finally:
+        d2.stop()
+
+
+def test_gate_never_reaches_another_host(fake, session_dir, tmp_path):
+    eng = fake()
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        with socket.create_connection(("127.0.0.1", d.gate_port)) as s:
+            s.sendall(b"GET http://203.0.113.9:81/health HTTP/1.1\r\nHost: 203.0.113.9:81\r\n"
+                      b"Connection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        # Absolute-form and a foreign Host still go to the configured engine (which answers ok).
+        assert data.startswith(b"HTTP/1.1 200") and (b'"status": "ok"' in data or b'"status":"ok"' in data)
+    finally:
+        d.stop()
+
+
+def test_request_log_lines(fake, session_dir, tmp_path):
+    eng = fake()
+    log = tmp_path / "gate.jsonl"
+    d = Daemon(tmp_path, session_dir, eng.url, args=["--gate-request-log", str(log)]).start()
+    try:
+        post(d.gate_url, A)
+        lines = [json.loads(x) for x in wait_until(lambda: log.exists() and log.read_text().count("\n") >= 2 and
+                                                   log.read_text().splitlines(), 10, what="two log lines")]
+        start, end = lines
+        assert start["event"] == "start" and start["key"] == conversation_key(A) and start["slot"] == 0
+        assert end["event"] == "end" and end["id"] == start["id"] and end["status"] == "ok"
+        assert end["n_tokens"] > 0
+    finally:
+        d.stop()

@@ -1,0 +1,133 @@
+"""The gate in front of a real llama-server, driven over HTTP as a client would."""
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from autosessd.keys import conversation_key
+from harness import Daemon, chat_body, long_text, wait_until
+
+pytestmark = pytest.mark.engine
+
+A = chat_body(long_text(70) + "\nHow many marbles are in box 5?")  # ~1,250 tokens
+B = chat_body(long_text(40, "jar") + "\nWhich jar is red?")
+
+
+def post(base, body, path="/v1/chat/completions", timeout=300):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def test_switch_back_through_gate_reuses_and_direct_does_not(engines, session_dir, tmp_path):
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        a1 = post(d.gate_url, A)
+        post(d.gate_url, B)
+        a2 = post(d.gate_url, A)
+        prompt = a2["usage"]["prompt_tokens"]
+        assert prompt >= 1000
+        assert a2["timings"]["cache_n"] >= 0.9 * prompt
+        assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
+        assert (session_dir / f"auto-{conversation_key(A)}.bin").exists()
+        st = d.status()
+        assert st["counters"]["restores_reused"] == 1 and st["counters"]["saves"] == 2
+        assert st["slots"][0]["held"] == conversation_key(A)
+        # The same flow straight against the engine (--cache-ram 0): A is read again.
+        post(eng.url, B)
+        a3 = post(eng.url, A)
+        assert a3["timings"]["cache_n"] <= 0.05 * a3["usage"]["prompt_tokens"]
+        assert a3["timings"]["prompt_n"] >= 0.95 * a3["usage"]["prompt_tokens"]
+    finally:
+        d.stop()
+
+
+def test_streaming_is_not_buffered(engines, session_dir, tmp_path):
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        body = chat_body("Write a long story about a cat.", max_tokens=120, stream=True)
+        req = urllib.request.Request(d.gate_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        arrivals, timings = [], None
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            for line in r:
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.monotonic())
+                    timings = json.loads(line[6:]).get("timings") or timings
+        end = time.monotonic()
+        assert timings and timings["predicted_n"] > 10
+        # Buffered, every chunk would arrive at the end. Forwarded as generated, the first
+        # arrives while the engine still has most of its generation time ahead of it.
+        assert end - arrivals[0] >= 0.5 * timings["predicted_ms"] / 1000
+        assert len({round(t, 3) for t in arrivals}) > 10
+    finally:
+        d.stop()
+
+
+def test_restart_of_engine_and_daemon_restores_the_held_conversation(engines, session_dir, tmp_path):
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    a1 = post(d.gate_url, A)
+    assert d.stop(signal.SIGTERM) == 0
+    assert f"saved {a1['usage']['total_tokens'] - 1:,} tokens" in d.logtext()
+    eng.restart()
+    d2 = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        a2 = post(d2.gate_url, A)
+        assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
+        assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
+    finally:
+        d2.stop()
+
+
+def test_engine_killed_gives_502_then_recovers(engines, session_dir, tmp_path):
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url, timeout_s=5).start()
+    try:
+        post(d.gate_url, A)
+        post(d.gate_url, B)  # A is saved
+        eng.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(d.gate_url, A)
+        assert time.monotonic() - t0 < 5 + 2
+        assert e.value.code == 502
+        err = json.load(e.value)["error"]
+        assert err["src"] == "autosessd" and eng.url in err["message"]
+        eng.start()
+        # The gate's held A (from the failed request) is not trusted: the engine restarted empty.
+        a = post(d.gate_url, A)
+        assert a["timings"]["cache_n"] >= 0.9 * a["usage"]["prompt_tokens"]
+        assert "Traceback" not in d.logtext()
+    finally:
+        d.stop()
+
+
+def test_status_and_metrics_endpoints(engines, session_dir, tmp_path):
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        post(d.gate_url, A)
+        post(d.gate_url, B)
+        st = d.status()
+        assert st["engine"]["kind"] == "llama-server" and st["engine"]["healthy"] is True
+        assert st["store"]["auto_files"] == 1 and st["inputs"]["gate"]["upstream"] == eng.url
+        with urllib.request.urlopen(d.gate_url + "/autosessd/metrics") as r:
+            text = r.read().decode()
+        assert "autosessd_saves_total 1" in text and "autosessd_turns_total 2" in text
+        # Untouched pass-through of the engine's own endpoints
+        with urllib.request.urlopen(d.gate_url + "/props") as r:
+            assert json.load(r)["total_slots"] == 1
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(d.gate_url, {"messages": "nope"})  # the engine's own error, passed on
+        assert e.value.code in (400, 500) and "src" not in json.load(e.value).get("error", {})
+    finally:
+        d.stop()
