@@ -89,6 +89,11 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # aiohttp reports connection trouble on its own loggers: same handler, warnings and up.
+    aio = logging.getLogger("aiohttp")
+    aio.handlers[:] = [handler]
+    aio.setLevel(logging.WARNING)
+    aio.propagate = False
 
 
 # -- start checks ----------------------------------------------------------------------

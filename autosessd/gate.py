@@ -76,6 +76,7 @@ class SSEWatcher:
         self._buf = b""
         self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
+        self.broken = False  # the engine broke off the response
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -160,8 +161,14 @@ class Gate:
             # Stop taking connections, then give requests in flight a bounded time.
             for site in list(self.runner.sites):
                 await site.stop()
+            deadline = time.monotonic() + grace_s
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
+                # A conversation's FIFO outlives its handler (bookkeeping after the last
+                # byte, settling after a disconnect): wait until every slot is free.
+                for slot in list(self.sessions.slots.values()):
+                    await asyncio.wait_for(slot.lock.acquire(), max(0.0, deadline - time.monotonic()))
+                    slot.lock.release()
             await self.runner.cleanup()
         for t in list(self._tasks):
             t.cancel()
@@ -222,6 +229,7 @@ class Gate:
             why = "timed out connecting" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
             return gate_error(502, f"cannot reach the engine at {self.upstream}: {why}")
         done = False
+        resp: web.StreamResponse | None = None
         try:
             headers = _forward_headers(up.headers)
             streaming = "text/event-stream" in up.headers.get("Content-Type", "") or up.content_length is None
@@ -242,8 +250,18 @@ class Gate:
             await resp.write_eof()
             return resp
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-            log.warning("gate: the engine at %s broke off a response to %s: %s", self.upstream, request.path, e)
-            raise
+            # The status line is already sent: the only honest signal left is to close the
+            # client's connection without finishing the body.
+            log.warning("gate: the engine at %s broke off a response to %s: %s", self.upstream, request.path,
+                        e or type(e).__name__)
+            if watcher is not None:
+                watcher.broken = True
+            if resp is None:  # nothing sent yet: a proper error answer is still possible
+                self.errors_502 += 1
+                return gate_error(502, f"the engine at {self.upstream} broke off its answer: {e}")
+            if request.transport is not None:
+                request.transport.close()
+            return resp
         finally:
             if done:
                 up.release()  # back to the pool: keep-alive to the engine
@@ -278,14 +296,13 @@ class Gate:
         turn_task = asyncio.get_running_loop().create_task(s.turn(key, slot.id))
         forwarded = False
         try:
-            turn = await asyncio.shield(turn_task)
+            await asyncio.shield(turn_task)
             if self.request_log:
                 self.request_log.write(event="start", id=rid, slot=slot.id, key=key)
             watcher = SSEWatcher()
             slot.busy = forwarded = True
+            # Not shielded: cancelling it (client gone) closes the upstream request.
             resp = await self.proxy(request, body, watcher)
-            status = "ok" if resp.status < 400 else "error"
-            await self._after(slot.id, key, watcher, status, rid)
         except asyncio.CancelledError:
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
@@ -298,8 +315,17 @@ class Gate:
             slot.busy = False
             slot.lock.release()
             raise
-        slot.busy = False
-        slot.lock.release()
+        # Delivered. The bookkeeping runs to its end even if the client hangs up now (a
+        # streaming client often closes right after the last chunk), and releases the FIFO.
+        status = "ok" if resp.status < 400 and not watcher.broken else "error"
+        after = self._spawn(self._after(slot.id, key, watcher, status, rid))
+
+        def release(_: asyncio.Task) -> None:
+            slot.busy = False
+            slot.lock.release()
+
+        after.add_done_callback(release)
+        await asyncio.shield(after)
         return resp
 
     async def _after(self, slot_id: int, key: str, watcher: SSEWatcher, status: str, rid: str) -> None:
@@ -318,6 +344,7 @@ class Gate:
             u = watcher.usage or {}
             total = u.get("total_tokens") or (u.get("input_tokens", 0) + u.get("output_tokens", 0))
             n_tokens = int(total) if total else None
+        log.debug("gate: %s ended %s: slot holds %s tokens, cache_n %s", key, status, n_tokens, cache_n)
         self.sessions.finish(slot_id, key, n_tokens, cache_n, status)
         if self.request_log:
             self.request_log.write(event="end", id=rid, slot=slot_id, n_tokens=n_tokens, status=status)
@@ -342,6 +369,7 @@ class Gate:
                     n_tokens = st.n_tokens if st else None
                     break
                 await asyncio.sleep(0.05)
+            log.debug("gate: %s cancelled by the client: slot holds %s tokens", key, n_tokens)
             self.sessions.finish(slot.id, key, n_tokens, None, "cancelled")
             if self.request_log:
                 self.request_log.write(event="end", id=rid, slot=slot.id, n_tokens=n_tokens, status="cancelled")

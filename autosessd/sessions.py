@@ -479,7 +479,12 @@ class Sessions:
         """Save the held conversation if it reached min tokens and the engine is idle
         (a running request's state is partial). Used on a normal stop."""
         s = self.slot(slot_id)
-        if s.held is None or s.held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
+        if s.held is None:
+            log.info("auto sessions: %s: nothing held on slot %d, nothing to save", why, s.id)
+            return False
+        if s.held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
+            log.info("auto sessions: %s: %s holds %s tokens, below min tokens: not saved", why,
+                     auto_name(s.held.key), fmt_tokens(s.held.n_tokens))
             return False
         try:
             states = await self.engine.slots()
@@ -493,7 +498,8 @@ class Sessions:
             return False
         info = self._file_info(s.held.key)
         if info and info.n_tokens == s.held.n_tokens and info.model == self.model:
-            return True  # already on disk
+            log.info("auto sessions: %s: %s is up to date", why, auto_name(s.held.key))
+            return True
         outcome = await self._save(s, s.held, None)
         await self.drain()
         return outcome is SaveOutcome.SAVED

@@ -212,3 +212,18 @@ class FakeEngine:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def stream_chat(base: str, body: dict, timeout: float = 300) -> tuple[str, dict]:
+    """A streamed chat request read to its end; returns (text, timings of the last chunk)."""
+    body = {**body, "stream": True}
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, timings = "", {}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                d = json.loads(line[6:])
+                text += ((d.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
+                timings = d.get("timings") or timings
+    return text, timings

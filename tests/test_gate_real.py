@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from autosessd.keys import conversation_key
-from harness import Daemon, chat_body, long_text, wait_until
+from harness import Daemon, chat_body, long_text, stream_chat, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -75,15 +75,18 @@ def test_streaming_is_not_buffered(engines, session_dir, tmp_path):
 def test_restart_of_engine_and_daemon_restores_the_held_conversation(engines, session_dir, tmp_path):
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
-    a1 = post(d.gate_url, A)
+    # Streamed, and stopped the moment the last chunk is read: the bookkeeping after the
+    # response must still land before the stop save.
+    text1, t1 = stream_chat(d.gate_url, A)
     assert d.stop(signal.SIGTERM) == 0
-    assert f"saved {a1['usage']['total_tokens'] - 1:,} tokens" in d.logtext()
+    held = t1["prompt_n"] + t1["cache_n"] + t1["predicted_n"] - 1
+    assert f"saved {held:,} tokens" in d.logtext()
     eng.restart()
     d2 = Daemon(tmp_path, session_dir, eng.url).start()
     try:
         a2 = post(d2.gate_url, A)
         assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
-        assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
+        assert a2["choices"][0]["message"]["content"] == text1
     finally:
         d2.stop()
 
@@ -129,5 +132,30 @@ def test_status_and_metrics_endpoints(engines, session_dir, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as e:
             post(d.gate_url, {"messages": "nope"})  # the engine's own error, passed on
         assert e.value.code in (400, 500) and "src" not in json.load(e.value).get("error", {})
+    finally:
+        d.stop()
+
+
+def test_client_disconnect_stops_the_engine_and_leaves_state_provisional(engines, session_dir, tmp_path):
+    import http.client
+
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        body = chat_body("Write a very long story about a cat.", max_tokens=4000, stream=True)
+        c = http.client.HTTPConnection("127.0.0.1", d.gate_port, timeout=60)
+        c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        r.fp.readline()  # the first chunk arrived: generation is under way
+        c.sock.close()
+        c.close()
+        wait_until(lambda: not eng.get("/slots")[0]["is_processing"], 20, what="the engine to stop generating")
+        decoded = eng.get("/slots")[0]["next_token"][0]["n_decoded"]
+        assert decoded < 4000
+        st = wait_until(lambda: (s := d.status())["slots"] and s["slots"][0]["durable"] is False and s, 10,
+                        what="the held state to be marked provisional")
+        assert st["slots"][0]["held"] == conversation_key(body)
+        # The gate is free again: the FIFO was released.
+        assert post(d.gate_url, chat_body("Say hi."))["choices"]
     finally:
         d.stop()
