@@ -32,6 +32,7 @@ from .config import Config, ConfigError
 from .engines import make_engine
 from .engines.base import Engine, EngineError, SlotSavingOff
 from .sessions import Sessions, fmt_bytes
+from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
 
 log = logging.getLogger("autosessd")
@@ -193,15 +194,22 @@ class Daemon:
         self._stop = asyncio.Event()
         self._stop_reason = ""
         self._sigints = 0
+        self._watcher: asyncio.Task | None = None
 
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
         assert self.sessions is not None
-        inputs: list[Input] = []
+        from .control import ControlServer
+
+        inputs: list[Input] = [ControlServer(self.cfg, self.sessions)]
         if self.cfg.gate.listen:
             from .gate import Gate
 
             inputs.append(Gate(self.cfg, self.sessions, self))
+        if self.cfg.tail.request_log:
+            from .tail import Tail
+
+            inputs.append(Tail(self.cfg, self.sessions, self.cfg.tail.request_log))
         return inputs
 
     async def start(self) -> None:
@@ -217,10 +225,13 @@ class Daemon:
             for inp in self.inputs:
                 await inp.start()
                 started.append(inp)
-        except BaseException:
+        except BaseException as e:
             for inp in reversed(started):
                 await inp.stop(0)
+            if isinstance(e, (SocketInUse, OSError)):
+                raise StartupError(str(e)) from None
             raise
+        self._watcher = asyncio.get_running_loop().create_task(self.sessions.watch_engine())
         self.sessions.inputs = {inp.name: inp.describe() for inp in self.inputs}
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
                  self.store.path, ", ".join(self.sessions.inputs) or "none")
@@ -282,6 +293,8 @@ class Daemon:
         return 0
 
     async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         for inp in self.inputs:
             try:
                 await inp.stop(STOP_GRACE_S)

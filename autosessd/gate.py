@@ -20,9 +20,8 @@ closes the upstream connection, so the engine stops generating. Its state is the
 provisional; the FIFO is released once the engine's slot is idle again, so the next
 turn never saves a half-finished state.
 
-The engine restarting behind the gate is noticed three ways: /health going down and up
-(watcher), a different process listening on the engine's port (psutil, loopback only),
-and the slot showing fewer tokens than held (at each turn). Each resets what is held.
+The engine restarting behind the gate is noticed by sessions.watch_engine (health, process
+identity) and by the turn's own slot check; either resets what is held.
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
-import psutil
 from aiohttp import web
 
 from .config import Config, parse_hostport
@@ -52,8 +49,6 @@ CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 MAX_BODY = 1 << 30  # requests are read whole (the key is in the body); the engine sets the real limit
-HEALTH_EVERY_S = 2.0
-IDENTITY_EVERY_S = 10.0
 
 
 def gate_error(status: int, message: str, type_: str = "unavailable_error") -> web.Response:
@@ -132,8 +127,6 @@ class Gate:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task] = set()
-        self._engine_up = True
-        self._identity: tuple[int, float] | None = None
         self.requests = 0
         self.errors_502 = 0
 
@@ -152,8 +145,6 @@ class Gate:
         await site.start()
         if self.port == 0:  # tests ask for any free port
             self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._identity = await asyncio.get_running_loop().run_in_executor(None, self._engine_identity)
-        self._spawn(self._watch_engine())
         log.info("gate: listening on http://%s:%d, forwarding to %s", self.host, self.port, self.upstream)
 
     async def stop(self, grace_s: float) -> None:
@@ -376,47 +367,6 @@ class Gate:
         finally:
             slot.busy = False
             slot.lock.release()
-
-    # -- engine restarts -------------------------------------------------------
-    def _engine_identity(self) -> tuple[int, float] | None:
-        """(pid, start time) of the process listening on the engine's port, when it is on
-        this host and visible to us; None otherwise."""
-        u = urlsplit(self.upstream)
-        if u.hostname not in ("127.0.0.1", "localhost", "::1"):
-            return None
-        port = u.port or (443 if u.scheme == "https" else 80)
-        try:
-            for c in psutil.net_connections("tcp"):
-                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                    return c.pid, psutil.Process(c.pid).create_time()
-        except (psutil.Error, OSError):
-            return None
-        return None
-
-    async def _watch_engine(self) -> None:
-        last_identity = time.monotonic()
-        while True:
-            await asyncio.sleep(HEALTH_EVERY_S)
-            try:
-                up = await self.sessions.engine.health()
-            except EngineError:
-                up = False
-            self.sessions.engine_healthy = up
-            if not up and self._engine_up:
-                log.warning("gate: the engine at %s is down", self.upstream)
-            if up and not self._engine_up:
-                log.info("gate: the engine at %s is back", self.upstream)
-                for sid in list(self.sessions.slots):
-                    self.sessions.reset_held(sid, "the engine restarted (health went down and up)")
-            self._engine_up = up
-            if up and time.monotonic() - last_identity >= IDENTITY_EVERY_S:
-                last_identity = time.monotonic()
-                ident = await asyncio.get_running_loop().run_in_executor(None, self._engine_identity)
-                if ident and self._identity and ident != self._identity:
-                    for sid in list(self.sessions.slots):
-                        self.sessions.reset_held(sid, f"another engine process (pid {ident[0]}) took its port")
-                if ident:
-                    self._identity = ident
 
     # -- metrics ---------------------------------------------------------------
     def metrics(self) -> str:

@@ -29,7 +29,10 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import psutil
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from . import __version__, policy
 from .config import Config
@@ -68,6 +71,7 @@ class Counters:
     skipped_model_mismatch: int = 0
     skipped_disk_full: int = 0
     skipped_engine_busy: int = 0
+    saves_discarded: int = 0
     restores_reused: int = 0
     restores_not_reused: int = 0
     engine_resets: int = 0
@@ -153,6 +157,8 @@ class Sessions:
         self._finalizing: dict[str, asyncio.Future] = {}
         self._prune_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # Called (awaited) after the engine came back from a restart; the tail restores then.
+        self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
 
     # -- slots -----------------------------------------------------------------
     def slot(self, slot_id: int | None = None) -> Slot:
@@ -226,7 +232,11 @@ class Sessions:
             s.held, s.restored = None, None
             return False
         assert s.held is not None
-        if st.n_tokens == 0 or st.n_tokens < s.held.n_tokens * 0.9:
+        if s.held.n_tokens == 0 and st.n_tokens > 0:
+            # The held conversation's request ran without us seeing its end (turn hook, tail):
+            # what the slot holds now is its state, and its cache_n verifies a restore.
+            self.finish(s.id, s.held.key, st.n_tokens, st.n_cached, "ok")
+        elif st.n_tokens == 0 or st.n_tokens < s.held.n_tokens * 0.9:
             self.reset_held(s.id, f"its slot shows {st.n_tokens:,} tokens, {s.held.n_tokens:,} were held")
         return True
 
@@ -276,8 +286,12 @@ class Sessions:
         return self._file_info(key)
 
     # -- save --------------------------------------------------------------------
-    async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None = None) -> SaveOutcome:
-        """Save what slot s holds to auto-<held.key>.bin (or to the manual file `target`)."""
+    async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None = None,
+                    check: Callable[[], Awaitable[str | None]] | None = None) -> SaveOutcome:
+        """Save what slot s holds to auto-<held.key>.bin (or to the manual file `target`).
+
+        `check`, when given, runs after the engine wrote the temporary: a reason it returns
+        means the state may not be the held conversation's, and the temporary is dropped."""
         key = held.key
         final = target or auto_name(key)
         what = f"save to {final}"
@@ -289,6 +303,7 @@ class Sessions:
             return self._save_failed(what, short, key, result)
         t0 = time.monotonic()
         tmp = temp_name(key)
+        self.events.emit("saving", slot=s.id, key=key, file=final, n_tokens=held.n_tokens)
         self.store.in_use[final] += 1
         handed_off = False
         try:
@@ -308,6 +323,13 @@ class Sessions:
                 self.store.discard_temp(key)
                 self.counters.save_failures += 1
                 return self._save_failed(what, "the engine's slot was empty (0 tokens saved)", key, result)
+            why = await check() if check is not None else None
+            if why:
+                self.store.discard_temp(key)
+                self.counters.saves_discarded += 1
+                log.warning("auto sessions: %s discarded: %s", what, why)
+                self.events.emit("save_discarded", slot=s.id, key=key, why=why)
+                return SaveOutcome.FAILED
             ms = (time.monotonic() - t0) * 1000
             meta = Meta(key=key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(),
                         model=self.model, save_ms=round(res.ms, 2))
@@ -482,10 +504,6 @@ class Sessions:
         if s.held is None:
             log.info("auto sessions: %s: nothing held on slot %d, nothing to save", why, s.id)
             return False
-        if s.held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
-            log.info("auto sessions: %s: %s holds %s tokens, below min tokens: not saved", why,
-                     auto_name(s.held.key), fmt_tokens(s.held.n_tokens))
-            return False
         try:
             states = await self.engine.slots()
         except EngineError as e:
@@ -496,6 +514,12 @@ class Sessions:
             log.warning("auto sessions: %s save skipped: a request is running on slot %d and its state "
                         "is partial", why, s.id)
             return False
+        if s.held.n_tokens == 0 and st.n_tokens > 0:  # its request ran without us seeing the end
+            self.finish(s.id, s.held.key, st.n_tokens, st.n_cached, "ok")
+        if s.held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
+            log.info("auto sessions: %s: %s holds %s tokens, below min tokens: not saved", why,
+                     auto_name(s.held.key), fmt_tokens(s.held.n_tokens))
+            return False
         info = self._file_info(s.held.key)
         if info and info.n_tokens == s.held.n_tokens and info.model == self.model:
             log.info("auto sessions: %s: %s is up to date", why, auto_name(s.held.key))
@@ -503,6 +527,25 @@ class Sessions:
         outcome = await self._save(s, s.held, None)
         await self.drain()
         return outcome is SaveOutcome.SAVED
+
+    async def save_checked(self, slot_id: int, key: str, n_tokens: int,
+                           check: Callable[[int], Awaitable[str | None]]) -> bool:
+        """Save behind (tail): save `key`, which the idle slot holds with n_tokens, keeping
+        the file only if check(n_tokens) finds nothing else reached the slot meanwhile."""
+        s = self.slot(slot_id)
+        outcome = await self._save(s, Held(key, n_tokens, True), None, check=lambda: check(n_tokens))
+        return outcome is SaveOutcome.SAVED
+
+    async def restore_quietly(self, slot_id: int, key: str) -> bool:
+        """Restore auto-<key>.bin if the turn's rules allow it (after an engine restart)."""
+        s = self.slot(slot_id)
+        file = await self._wait_file(key)
+        step = policy.plan_restore(None, key, SaveOutcome.NOT_TRIED, file, self.model,
+                                   self.cfg.auto_sessions_min_tokens)
+        if isinstance(step, Skip):
+            self._skipped(step, TurnResult(key=key))
+            return False
+        return await self._restore(s, key, None)
 
     # -- prune -------------------------------------------------------------------
     def schedule_prune(self) -> None:
@@ -537,6 +580,58 @@ class Sessions:
                 pending.append(self._prune_task)
             await asyncio.gather(*pending, return_exceptions=True)
 
+    # -- engine restarts -----------------------------------------------------------
+    def engine_identity(self) -> tuple[int, float] | None:
+        """(pid, start time) of the process listening on the engine's port, when it runs on
+        this host and is visible to us; None otherwise. Blocking (psutil)."""
+        u = urlsplit(self.cfg.engine.url)
+        if self.cfg.engine.kind != "llama-server" or u.hostname not in ("127.0.0.1", "localhost", "::1"):
+            return None
+        port = u.port or (443 if u.scheme == "https" else 80)
+        try:
+            for c in psutil.net_connections("tcp"):
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                    return c.pid, psutil.Process(c.pid).create_time()
+        except (psutil.Error, OSError):
+            return None
+        return None
+
+    async def watch_engine(self, every_s: float = 2.0, identity_every_s: float = 10.0) -> None:
+        """Notice the engine restarting: /health going down and up, or another process on
+        its port. Either way what it held is gone: reset, and tell on_engine_restart."""
+        loop = asyncio.get_running_loop()
+        identity = await loop.run_in_executor(None, self.engine_identity)
+        last_identity_check = time.monotonic()
+        up_before = True
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                up = await self.engine.health()
+            except EngineError:
+                up = False
+            self.engine_healthy = up
+            restarted = None
+            if not up and up_before:
+                log.warning("engine: %s is down", self.engine.address)
+            elif up and not up_before:
+                log.info("engine: %s is back", self.engine.address)
+                restarted = "the engine restarted (health went down and up)"
+            up_before = up
+            if up and restarted is None and time.monotonic() - last_identity_check >= identity_every_s:
+                last_identity_check = time.monotonic()
+                ident = await loop.run_in_executor(None, self.engine_identity)
+                if ident and identity and ident != identity:
+                    restarted = f"another engine process (pid {ident[0]}) took its port"
+                identity = ident or identity
+            if restarted:
+                for sid in list(self.slots):
+                    self.reset_held(sid, restarted)
+                for callback in list(self.on_engine_restart):
+                    try:
+                        await callback()
+                    except Exception as e:
+                        log.warning("engine restart handling: %s", e)
+
     # -- status ------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         entries = self.store.scan()
@@ -562,6 +657,17 @@ class Sessions:
                       "max_gb": self.cfg.auto_sessions_max_gb},
             "inputs": self.inputs,
         }
+
+    def ls(self) -> list[dict[str, Any]]:
+        """Every session file: ours (auto) and people's (manual), newest first."""
+        held = {s.held.key for s in self.slots.values() if s.held}
+        rows = [{"name": e.name, "kind": "auto", "key": e.key, "bytes": e.bytes, "saved_at": e.saved_at,
+                 "n_tokens": e.meta.n_tokens if e.meta else None, "model_ok": bool(e.meta and
+                                                                                    e.meta.model == self.model),
+                 "held": e.key in held} for e in self.store.scan()]
+        rows += [{"name": name, "kind": "manual", "key": None, "bytes": size, "saved_at": mtime, "n_tokens": None,
+                  "model_ok": None, "held": False} for name, size, mtime in self.store.manual_files()]
+        return sorted(rows, key=lambda r: r["saved_at"], reverse=True)
 
     # -- what was held at the last stop --------------------------------------------
     def state_file(self) -> Path:

@@ -1,0 +1,399 @@
+"""The request-log tail (DESIGN §2): learn what the engine ran from a serving layer's JSONL log.
+
+Following the file (STYLE §8): the parent directory is watched (watchdog), and its events
+are only wake-ups; a slow stat poll backs them up (inotify misses events on some mounts).
+The follower remembers (dev, inode, offset):
+
+    same inode, size ≥ offset   read the new complete lines
+    same inode, size < offset   truncated in place (copytruncate): start again at 0
+    another inode at the path   rotated by rename: finish the old handle, then the new file at 0
+    no file                     wait for it
+
+Only complete lines are acted on; a partial last line waits for its newline. A line over
+MAX_LINE is skipped up to its newline. Bad lines (not UTF-8, not JSON, wrong fields) are
+counted in bad_log_lines and logged once per burst. (dev, inode, offset) is written
+atomically to the state directory after each batch, so a restart neither replays nor
+misses a line.
+
+What the tail does with the lines — save behind, never across: a logged request has
+already reached the engine, so the held conversation cannot be saved before the switch.
+Instead, after `end` of K (status ok) with nothing else in flight, once the engine's slot
+is idle, K is saved if its file is stale. llama-server defers a slot action on a busy
+slot, so a save issued just as a new request arrives would capture that request's state
+under K's name: the save goes to a temporary, and it is kept only if no other request
+started meanwhile (per the log) and the slot still holds what it held before the save.
+After an engine restart, the conversation held before it is restored once the engine is
+idle and no request is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .keys import is_key, messages_key
+from .policy import Held
+from .sessions import Sessions
+
+log = logging.getLogger("autosessd")
+
+MAX_LINE = 1 << 20
+POLL_S = 1.0
+BAD_LINE_LOG_EVERY_S = 10.0
+
+
+class BadLine(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    event: str  # "start" | "end"
+    id: str
+    slot: int
+    key: str | None = None
+    n_tokens: int | None = None
+    status: str | None = None
+
+
+def parse_line(line: bytes) -> LogEvent:
+    """One request-log line → LogEvent, or BadLine saying why. Never anything else."""
+    try:
+        d = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadLine("not UTF-8") from None
+    except (ValueError, RecursionError):
+        raise BadLine("not JSON") from None
+    if not isinstance(d, dict):
+        raise BadLine("not a JSON object")
+    event = d.get("event")
+    if event not in ("start", "end"):
+        raise BadLine(f"event must be start or end, got {str(event)[:32]!r}")
+    rid = d.get("id")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise BadLine("missing id")
+    slot = d.get("slot", 0)
+    if not isinstance(slot, int) or isinstance(slot, bool) or slot < 0:
+        raise BadLine("slot must be a whole number ≥ 0")
+    if event == "start":
+        if "key" in d:
+            key = d["key"]
+            if not is_key(key):
+                raise BadLine("key is not 16 hex digits")
+        elif "messages" in d:
+            key = messages_key(d["messages"])
+        else:
+            key = None  # a request with no conversation: still a request on the slot
+        return LogEvent("start", str(rid), slot, key=key)
+    n = d.get("n_tokens")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise BadLine("n_tokens must be a whole number ≥ 0")
+    status = d.get("status", "ok")
+    if status not in ("ok", "error", "cancelled"):
+        raise BadLine(f"status must be ok, error or cancelled, got {str(status)[:32]!r}")
+    return LogEvent("end", str(rid), slot, n_tokens=n, status=status)
+
+
+class Follower:
+    """Reads complete new lines of one log path across rotation and truncation."""
+
+    def __init__(self, path: Path, state_path: Path):
+        self.path = path
+        self.state_path = state_path
+        self.fh: Any = None
+        self.ident: tuple[int, int] | None = None
+        self.offset = 0
+        self.buf = b""
+        self.skipping = False  # inside a line over MAX_LINE
+        self.too_long = 0
+        self._load_state()
+
+    def _load_state(self) -> None:
+        try:
+            d = json.loads(self.state_path.read_text())
+            if d.get("path") == str(self.path):
+                self.ident, self.offset = (int(d["dev"]), int(d["ino"])), int(d["offset"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    def save_state(self) -> None:
+        if self.ident is None:
+            return
+        data = json.dumps({"path": str(self.path), "dev": self.ident[0], "ino": self.ident[1],
+                           "offset": self.offset})
+        tmp = self.state_path.with_suffix(".tmp")
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with open(tmp, "w") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            log.warning("tail: cannot record the log offset in %s: %s", self.state_path, e)
+
+    def read(self) -> list[bytes]:
+        """Complete lines added since the last call (blocking I/O: run in a thread)."""
+        lines: list[bytes] = []
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        ident = (st.st_dev, st.st_ino) if st else None
+        if self.fh is not None and ident != self.ident:
+            lines += self._drain()  # rotated: what the old file still has comes first
+            self._close()
+            self.ident, self.offset = None, 0
+        if st is None:
+            return lines
+        if self.fh is None:
+            try:
+                self.fh = open(self.path, "rb")
+            except FileNotFoundError:
+                return lines
+            st = os.fstat(self.fh.fileno())
+            new_ident = (st.st_dev, st.st_ino)
+            if new_ident != self.ident:  # not the file the saved offset belongs to
+                self.offset = 0
+            self.ident = new_ident
+        if st.st_size < self.offset:
+            log.info("tail: %s was truncated; reading it from the start", self.path)
+            self.offset, self.buf, self.skipping = 0, b"", False
+        lines += self._drain()
+        return lines
+
+    def _drain(self) -> list[bytes]:
+        self.fh.seek(self.offset + len(self.buf))
+        lines = []
+        while True:
+            chunk = self.fh.read(1 << 16)
+            if not chunk:
+                break
+            self.buf += chunk
+            while True:
+                nl = self.buf.find(b"\n")
+                if nl < 0:
+                    if len(self.buf) > MAX_LINE:  # no end in sight: drop it, skip to its newline
+                        self.offset += len(self.buf)
+                        self.buf = b""
+                        if not self.skipping:
+                            self.too_long += 1
+                        self.skipping = True
+                    break
+                line, self.buf = self.buf[:nl], self.buf[nl + 1:]
+                self.offset += nl + 1
+                if self.skipping:
+                    self.skipping = False  # the tail end of an over-long line
+                    continue
+                if len(line) > MAX_LINE:
+                    self.too_long += 1
+                    continue
+                lines.append(line)
+        return lines
+
+    def _close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+        self.fh, self.buf, self.skipping = None, b"", False
+
+
+class Tail:
+    name = "tail"
+
+    def __init__(self, cfg: Any, sessions: Sessions, path: str):
+        self.cfg = cfg
+        self.sessions = sessions
+        self.path = Path(path)
+        digest = hashlib.sha1(str(self.path).encode()).hexdigest()[:12]
+        self.follower = Follower(self.path, cfg.effective_state_dir() / f"tail-{digest}.json")
+        self.in_flight: dict[str, LogEvent] = {}  # id → start
+        self.starts_seen = 0  # any start, for "did a request begin meanwhile"
+        self.lines = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._observer: Any = None
+        self._bad_burst = 0
+        self._bad_logged_at = 0.0
+        self._save_task: asyncio.Task | None = None
+        self._last_held: str | None = None
+
+    # -- life ------------------------------------------------------------------
+    async def start(self) -> None:
+        self._start_watch()
+        self._last_held = self.sessions.recorded_held().get(self.cfg.engine.slot)
+        self.sessions.on_engine_restart.append(self._engine_restarted)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        log.info("tail: following %s", self.path)
+
+    def _start_watch(self) -> None:
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers import Observer
+        except ImportError:  # pragma: no cover - watchdog is a dependency; the poll still works
+            return
+        parent = self.path.parent
+        if not parent.is_dir():
+            log.warning("tail: %s does not exist yet; polling for it every %g s", parent, POLL_S)
+            return
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        target = str(self.path)
+
+        class Wake(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                if target in (getattr(event, "src_path", None), getattr(event, "dest_path", None)):
+                    loop.call_soon_threadsafe(wake.set)
+
+        self._observer = Observer()
+        self._observer.schedule(Wake(), str(parent), recursive=False)
+        self._observer.daemon = True
+        self._observer.start()
+
+    async def stop(self, grace_s: float) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._save_task is not None and not self._save_task.done():
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._save_task), grace_s)
+        self.follower.save_state()
+        self.follower._close()
+        if self._observer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._observer.join, 2.0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"request_log": str(self.path), "lines": self.lines, "in_flight": len(self.in_flight)}
+
+    # -- reading -----------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), POLL_S)
+            self._wake.clear()
+            try:
+                lines = await loop.run_in_executor(None, self.follower.read)
+            except OSError as e:
+                log.warning("tail: reading %s: %s", self.path, e)
+                continue
+            if self.follower.too_long:
+                self._bad(self.follower.too_long, f"a line over {MAX_LINE:,} bytes")
+                self.follower.too_long = 0
+            for line in lines:
+                self.handle(line)
+            if lines:
+                await loop.run_in_executor(None, self.follower.save_state)
+
+    def _bad(self, n: int, why: str) -> None:
+        self.sessions.counters.bad_log_lines += n
+        self._bad_burst += n
+        now = time.monotonic()
+        if now - self._bad_logged_at >= BAD_LINE_LOG_EVERY_S:
+            log.warning("tail: skipped %d bad line(s) in %s (latest: %s)", self._bad_burst, self.path, why)
+            self._bad_logged_at, self._bad_burst = now, 0
+
+    def handle(self, line: bytes) -> None:
+        self.lines += 1
+        if not line.strip():
+            return
+        try:
+            ev = parse_line(line)
+        except BadLine as e:
+            self._bad(1, str(e))
+            return
+        if ev.slot != self.cfg.engine.slot:
+            return
+        s = self.sessions.slot(ev.slot)
+        if ev.event == "start":
+            self.starts_seen += 1
+            self.in_flight[ev.id] = ev
+            if ev.key is not None:
+                # The engine switches to this conversation now, whatever we do.
+                if s.held is None or s.held.key != ev.key:
+                    s.held, s.restored = Held(ev.key, 0, durable=False), None
+                self._last_held = ev.key
+            return
+        start = self.in_flight.pop(ev.id, None)
+        if start is None or start.key is None:
+            return
+        self.sessions.finish(ev.slot, start.key, ev.n_tokens, None, ev.status or "ok")
+        if ev.status == "ok" and not self.in_flight:
+            self._schedule_save_behind(start.key)
+
+    # -- save behind ---------------------------------------------------------------
+    def _schedule_save_behind(self, key: str) -> None:
+        if self._save_task is not None and not self._save_task.done():
+            return  # the running one re-checks what is held when it gets there
+        self._save_task = asyncio.get_running_loop().create_task(self._save_behind())
+
+    async def _save_behind(self) -> None:
+        s = self.sessions.slot(self.cfg.engine.slot)
+        try:
+            while True:
+                if self.in_flight or s.held is None:
+                    return
+                st = await self._slot_state()
+                if st is None:
+                    return
+                if not st.is_processing:
+                    break
+                await asyncio.sleep(0.05)
+            held = s.held
+            if held is None or held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
+                return
+            info = self.sessions._file_info(held.key)
+            if info and info.n_tokens == st.n_tokens and info.model == self.sessions.model:
+                return  # the file is up to date
+            starts_before = self.starts_seen
+            async with self.sessions.lock(s.id):
+                await self.sessions.save_checked(s.id, held.key, st.n_tokens, self._still_ours(starts_before))
+        except Exception as e:
+            log.warning("tail: save behind: %s", e)
+
+    def _still_ours(self, starts_before: int) -> Any:
+        async def check(n_tokens_before: int) -> str | None:
+            """Why the state just saved may not be the held conversation's, or None."""
+            with contextlib.suppress(OSError):
+                for line in await asyncio.get_running_loop().run_in_executor(None, self.follower.read):
+                    self.handle(line)
+            if self.starts_seen != starts_before or self.in_flight:
+                return "a request started while it was being saved"
+            st = await self._slot_state()
+            if st is None or st.is_processing or st.n_tokens != n_tokens_before:
+                return "the engine's slot changed while it was being saved"
+            return None
+
+        return check
+
+    async def _slot_state(self) -> Any:
+        try:
+            states = await self.sessions.engine.slots()
+        except Exception as e:
+            log.debug("tail: slot state: %s", e)
+            return None
+        return next((x for x in states if x.id == self.cfg.engine.slot), None)
+
+    # -- after an engine restart ---------------------------------------------------
+    async def _engine_restarted(self) -> None:
+        key = self._last_held
+        if key is None or self.in_flight:
+            return
+        st = await self._slot_state()
+        if st is None or st.is_processing or st.n_tokens > 0:
+            return
+        s = self.sessions.slot(self.cfg.engine.slot)
+        async with self.sessions.lock(s.id):
+            if self.in_flight:
+                return
+            await self.sessions.restore_quietly(s.id, key)
