@@ -6,7 +6,7 @@ Life of the daemon:
              slot saving on, saving into our directory: a probe save while idle),
              clean up after a crash, start the inputs, READY=1
     run      inputs feed sessions; SIGHUP reloads the config
-    stop     (SIGTERM, SIGINT, or the control socket) STOPPING=1, inputs stop taking
+    stop     (SIGTERM or SIGINT) STOPPING=1, inputs stop taking
              requests and get a bounded time to finish, the held conversation is saved
              if the engine is idle, what was held is recorded, exit 0.
              A second SIGINT exits at once.
@@ -232,7 +232,7 @@ class Daemon:
                 raise StartupError(str(e)) from None
             raise
         self._watcher = asyncio.get_running_loop().create_task(self.sessions.watch_engine())
-        self.sessions.inputs = {inp.name: inp.describe() for inp in self.inputs}
+        self.sessions.inputs = {inp.name: inp.describe for inp in self.inputs}
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
                  self.store.path, ", ".join(self.sessions.inputs) or "none")
 

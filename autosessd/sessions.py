@@ -152,7 +152,7 @@ class Sessions:
         self.slots: dict[int, Slot] = {}
         self.last_not_reused: dict[str, Any] | None = None
         self.started_at = time.time()
-        self.inputs: dict[str, Any] = {}  # filled by the daemon: which inputs are on
+        self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
         self.engine_healthy: bool | None = None
         self._finalizing: dict[str, asyncio.Future] = {}
         self._prune_task: asyncio.Task | None = None
@@ -340,6 +340,9 @@ class Sessions:
         finally:
             if not handed_off:
                 self._release(final)
+        if s.held is not None and s.held.key == key and target is None:
+            # The engine's count is the truth (a client's usage may differ by one).
+            s.held = Held(key, res.n_tokens, s.held.durable)
         self.counters.saves += 1
         self.counters.bytes_saved += res.n_bytes
         self.counters.ms_saved += res.ms
@@ -655,7 +658,7 @@ class Sessions:
                       "auto_bytes": sum(e.bytes for e in entries), "free_bytes": free,
                       "min_tokens": self.cfg.auto_sessions_min_tokens, "keep": self.cfg.auto_sessions_keep,
                       "max_gb": self.cfg.auto_sessions_max_gb},
-            "inputs": self.inputs,
+            "inputs": {name: describe() for name, describe in self.inputs.items()},
         }
 
     def ls(self) -> list[dict[str, Any]]:

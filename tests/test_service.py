@@ -1,0 +1,110 @@
+"""Service files: systemd units verify, launchd agents parse and carry the keys that matter;
+and the daemon's side of the systemd protocol (sd_notify)."""
+
+import os
+import plistlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, Daemon, FakeEngine, engine_paths
+
+UNITS = ROOT / "systemd"
+AGENTS = ROOT / "launchd"
+
+
+def test_systemd_units_verify(tmp_path):
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze is not installed here (Debian/Ubuntu: apt-get install systemd)")
+    # verify checks that ExecStart binaries exist: point them at the ones this checkout has.
+    autosessd = shutil.which("autosessd") or str(ROOT / ".venv" / "bin" / "autosessd")
+    server = engine_paths()["LLAMA_SERVER"]
+    for unit in ("autosessd.service", "llama-server.service"):
+        text = (UNITS / unit).read_text().replace("/usr/local/bin/autosessd", autosessd)
+        (tmp_path / unit).write_text(text.replace("/usr/local/bin/llama-server", server))
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", "autosessd.service", "llama-server.service"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == ""
+
+
+def test_autosessd_unit_has_what_the_daemon_relies_on():
+    text = (UNITS / "autosessd.service").read_text()
+    for line in ("Type=notify", "After=llama-server.service", "BindsTo=llama-server.service",
+                 "StateDirectory=autosessd", "RuntimeDirectory=autosessd", "ReadWritePaths=/var/lib/llm-sessions",
+                 "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                 "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "TimeoutStopSec=15min", "WatchdogSec=",
+                 "ExecReload=/bin/kill -HUP $MAINPID"):
+        assert line in text, line
+    assert "--slot-save-path /var/lib/llm-sessions" in (UNITS / "llama-server.service").read_text()
+    assert "-np 1" in (UNITS / "llama-server.service").read_text()
+
+
+@pytest.mark.parametrize("name", ["org.autosessd.autosessd.plist", "org.autosessd.llama-server.plist"])
+def test_launchd_agents_parse(name):
+    with open(AGENTS / name, "rb") as f:
+        p = plistlib.load(f)
+    assert p["Label"] == name.removesuffix(".plist")
+    assert p["ProgramArguments"][0].startswith("/")
+    assert p["KeepAlive"] and p["RunAtLoad"] is True
+    assert p["StandardErrorPath"].endswith(".log") and p["StandardOutPath"].endswith(".log")
+    assert p["ExitTimeOut"] >= (600 if "autosessd.autosessd" in name else 10)
+    if "autosessd.autosessd" in name:
+        assert p["ProgramArguments"][1] == "run"
+
+
+def test_sd_notify_ready_status_stopping(tmp_path, session_dir):
+    """The daemon under a fake systemd: READY=1 after the engine check, STOPPING=1 and an
+    EXTEND_TIMEOUT_USEC at the stop, WATCHDOG=1 while WATCHDOG_USEC is set."""
+    eng = FakeEngine(session_dir).start()
+    sock_path = str(tmp_path / "notify.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(sock_path)
+    s.settimeout(30)
+    d = Daemon(tmp_path, session_dir, eng.url, gate=False)
+    env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "200000"}
+    p = subprocess.Popen([sys.executable, "-m", "autosessd", "run", "--config", str(d.config)], env=env,
+                         stderr=subprocess.DEVNULL)
+    try:
+        got = []
+        while not any("READY=1" in m for m in got):
+            got.append(s.recv(4096).decode())
+        while not any("WATCHDOG=1" in m for m in got):
+            got.append(s.recv(4096).decode())
+        p.send_signal(signal.SIGTERM)
+        while not any("EXTEND_TIMEOUT_USEC=" in m for m in got):
+            got.append(s.recv(4096).decode())
+        assert p.wait(30) == 0
+        assert any("STOPPING=1" in m for m in got)
+    finally:
+        p.kill()
+        eng.stop()
+        s.close()
+
+
+def test_sighup_reloads_and_keeps_the_old_config_when_the_new_one_is_bad(tmp_path, session_dir):
+    import json
+
+    from harness import wait_until
+
+    eng = FakeEngine(session_dir).start()
+    d = Daemon(tmp_path, session_dir, eng.url, gate=True, min_tokens=100).start()
+    try:
+        assert d.status()["store"]["min_tokens"] == 100
+        d.config.write_text(d.config.read_text().replace("auto_sessions_min_tokens = 100",
+                                                         "auto_sessions_min_tokens = 7"))
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: d.status()["store"]["min_tokens"] == 7, 10, what="the reload")
+        good = d.config.read_text()
+        d.config.write_text(good + "\nbogus_key = 1\n")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "reload refused" in d.logtext(), 10, what="the refusal")
+        assert "bogus_key" in d.logtext() and d.status()["store"]["min_tokens"] == 7
+        assert json.loads(json.dumps(d.status()))["engine"]["healthy"] is True
+    finally:
+        d.stop()
+        eng.stop()
