@@ -23,5 +23,9 @@ demo: $(BIN)/.installed engine
 test: $(BIN)/.installed engine
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# 20 minutes of random switches with engine restarts and log rotation (SOAK_MINUTES to change).
+soak: $(BIN)/.installed engine
+	$(BIN)/python scripts/soak.py
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

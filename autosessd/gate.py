@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -94,15 +95,26 @@ class SSEWatcher:
 
 
 class RequestLog:
-    """The gate's JSONL request log (DESIGN §2), for a tail elsewhere."""
+    """The gate's JSONL request log (DESIGN §2), for a tail elsewhere. Rotation by rename
+    (logrotate without copytruncate) is noticed at the next line: the file is reopened."""
 
     def __init__(self, path: str):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1, encoding="utf-8")
+        self._f = self._open()
+
+    def _open(self) -> Any:
+        return open(self.path, "a", buffering=1, encoding="utf-8")
 
     def write(self, **fields: Any) -> None:
         try:
+            try:
+                rotated = os.stat(self.path).st_ino != os.fstat(self._f.fileno()).st_ino
+            except FileNotFoundError:
+                rotated = True
+            if rotated:
+                self._f.close()
+                self._f = self._open()
             self._f.write(json.dumps({"ts": round(time.time(), 3), **fields}) + "\n")
         except OSError as e:
             log.warning("gate: cannot write the request log %s: %s", self.path, e)
@@ -183,6 +195,9 @@ class Gate:
         path = request.path
         if path.startswith("/autosessd/"):
             return await self.own_endpoint(request)
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return gate_error(413, f"request body of {request.content_length:,} bytes is over the gate's limit of "
+                                   f"{MAX_BODY:,}", "invalid_request_error")
         self.requests += 1
         self.in_flight += 1
         self._idle.clear()
@@ -321,10 +336,11 @@ class Gate:
 
     async def _after(self, slot_id: int, key: str, watcher: SSEWatcher, status: str, rid: str) -> None:
         """Still holding the FIFO: read what the slot holds now and report it."""
-        n_tokens, cache_n = None, None
+        n_tokens, cache_n, n_prompt = None, None, None
         t = watcher.timings or {}
         if "cache_n" in t:
             cache_n = int(t["cache_n"])
+            n_prompt = cache_n + int(t.get("prompt_n") or 0)
         try:
             st = next((x for x in await self.sessions.engine.slots() if x.id == slot_id), None)
             if st is not None:
@@ -336,7 +352,7 @@ class Gate:
             total = u.get("total_tokens") or (u.get("input_tokens", 0) + u.get("output_tokens", 0))
             n_tokens = int(total) if total else None
         log.debug("gate: %s ended %s: slot holds %s tokens, cache_n %s", key, status, n_tokens, cache_n)
-        self.sessions.finish(slot_id, key, n_tokens, cache_n, status)
+        self.sessions.finish(slot_id, key, n_tokens, cache_n, status, n_prompt)
         if self.request_log:
             self.request_log.write(event="end", id=rid, slot=slot_id, n_tokens=n_tokens, status=status)
 

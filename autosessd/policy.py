@@ -104,9 +104,11 @@ def plan_restore(held: Held | None, key: str | None, outcome: SaveOutcome, file:
     return Restore(key, file.n_tokens)
 
 
-def restore_reused(n_restored: int, cache_n: int) -> bool:
+def restore_reused(n_restored: int, cache_n: int, n_prompt: int | None = None) -> bool:
     """Did the engine reuse a restored state? A conversation grows by appending, so its
-    next prompt starts with the restored tokens; an engine that reused the state reports
-    most of them in `timings.cache_n`. A sliding-window model run without --swa-full
-    reports 0."""
-    return cache_n * 2 >= n_restored
+    next prompt starts with the restored tokens (or, when the client cut the conversation
+    short, the prompt is a prefix of them); an engine that reused the state reports most
+    of the shared part in `timings.cache_n`. A sliding-window model run without
+    --swa-full reports 0."""
+    shared = min(n_restored, n_prompt) if n_prompt else n_restored
+    return cache_n * 2 >= shared

@@ -156,6 +156,7 @@ class Sessions:
         self.engine_healthy: bool | None = None
         self._finalizing: dict[str, asyncio.Future] = {}
         self._prune_task: asyncio.Task | None = None
+        self._free_target = 0  # bytes a refused save needed free; the next prune makes room
         self._background: set[asyncio.Task] = set()
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
@@ -298,6 +299,8 @@ class Sessions:
         await self._wait_file(key)
         short = self.store.check_space(held.n_tokens)
         if short:
+            # The prune after this turn evicts the oldest auto files until the next save fits.
+            self._free_target = max(self._free_target, self.store.space_needed(held.n_tokens))
             self.counters.skipped_disk_full += 1
             self.counters.save_failures += 1
             return self._save_failed(what, short, key, result)
@@ -426,7 +429,7 @@ class Sessions:
 
     # -- after the request -------------------------------------------------------
     def finish(self, slot_id: int | None, key: str | None, n_tokens: int | None = None,
-               cache_n: int | None = None, status: str = "ok") -> None:
+               cache_n: int | None = None, status: str = "ok", n_prompt: int | None = None) -> None:
         """The request of `key` ended: update the held token count and durability, and
         verify a restore from the engine's timings.cache_n."""
         if key is None or not self.cfg.auto_sessions:
@@ -438,7 +441,7 @@ class Sessions:
         s.held = Held(key, tokens, durable=(status == "ok"))
         if s.restored is not None and cache_n is not None:
             n_restored, s.restored = s.restored, None
-            if policy.restore_reused(n_restored, cache_n):
+            if policy.restore_reused(n_restored, cache_n, n_prompt):
                 self.counters.restores_reused += 1
                 self.counters.prefill_tokens_avoided += cache_n
                 self.events.emit("restore_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
@@ -565,7 +568,9 @@ class Sessions:
                     dry_run: bool = False) -> dict[str, Any]:
         keep = self.cfg.auto_sessions_keep if keep is None else keep
         max_bytes = int((self.cfg.auto_sessions_max_gb if max_gb is None else max_gb) * 1e9)
-        plan = await asyncio.get_running_loop().run_in_executor(None, self.store.prune, keep, max_bytes, dry_run)
+        free_target, self._free_target = (0, self._free_target) if dry_run else (self._free_target, 0)
+        plan = await asyncio.get_running_loop().run_in_executor(None, self.store.prune, keep, max_bytes, dry_run,
+                                                                free_target)
         removed = [{"key": e.key, "file": e.name, "bytes": e.bytes} for e in plan.remove]
         if removed and not dry_run:
             self.counters.pruned_files += len(removed)

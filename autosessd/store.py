@@ -116,8 +116,11 @@ class PrunePlan:
         return sum(e.bytes for e in self.remove)
 
 
-def plan_prune(entries: list[Entry], keep: int, max_bytes: int, in_use: set[str] = frozenset()) -> PrunePlan:
+def plan_prune(entries: list[Entry], keep: int, max_bytes: int, in_use: set[str] = frozenset(),
+               must_free: int = 0) -> PrunePlan:
     """Keep the newest `keep` auto files and at most `max_bytes` of them; never one in use.
+    With must_free > 0 (a save was refused for space), also remove the oldest of the rest
+    until that many bytes are freed.
 
     Pure: the caller scans and deletes. Files in use are kept and count toward the
     budget (they are on the disk either way)."""
@@ -131,6 +134,14 @@ def plan_prune(entries: list[Entry], keep: int, max_bytes: int, in_use: set[str]
             total += e.bytes
         else:
             removed.append(e)
+    freed = sum(e.bytes for e in removed)
+    for e in reversed(list(kept)):  # oldest first
+        if freed >= must_free:
+            break
+        if e.name not in in_use:
+            kept.remove(e)
+            removed.append(e)
+            freed += e.bytes
     return PrunePlan(remove=removed, keep=kept)
 
 
@@ -181,12 +192,17 @@ class Store:
         per_token = [e.meta.bytes / e.meta.n_tokens for e in self.scan() if e.meta and e.meta.n_tokens > 0]
         return int(max(per_token) * n_tokens) if per_token else None
 
+    def space_needed(self, n_tokens: int) -> int:
+        """Free bytes a save of n_tokens needs: its estimated size plus headroom (64 MiB,
+        or 5% of a smaller filesystem)."""
+        total = psutil.disk_usage(str(self.path)).total
+        return (self.estimate_bytes(n_tokens) or 0) + min(FREE_MARGIN, total // 20)
+
     def check_space(self, n_tokens: int) -> str | None:
         """None when a save of n_tokens fits; otherwise why not (the save is skipped)."""
-        free = self.free_bytes()
-        need = (self.estimate_bytes(n_tokens) or 0) + FREE_MARGIN
+        free, need = self.free_bytes(), self.space_needed(n_tokens)
         if free < need:
-            return f"disk full: {free / 1e6:,.0f} MB free in {self.path}, a save needs about {need / 1e6:,.0f} MB"
+            return f"disk full: {free / 1e6:,.1f} MB free in {self.path}, a save needs about {need / 1e6:,.1f} MB"
         return None
 
     # -- the save path -----------------------------------------------------
@@ -320,8 +336,10 @@ class Store:
         self._unlink(self.meta_path(key))
         return size
 
-    def prune(self, keep: int, max_bytes: int, dry_run: bool = False) -> PrunePlan:
-        plan = plan_prune(self.scan(), keep, max_bytes, set(self.in_use))
+    def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
+        """Apply plan_prune; free_target: bytes that should be free on the disk afterwards."""
+        must_free = max(0, free_target - self.free_bytes()) if free_target else 0
+        plan = plan_prune(self.scan(), keep, max_bytes, set(self.in_use), must_free)
         if not dry_run:
             for e in plan.remove:
                 if e.name not in self.in_use:  # in use may have changed since the plan

@@ -92,6 +92,7 @@ class Stack:
         self.gate_port = free_port()
         self.engine: subprocess.Popen | None = None
         self.daemon: subprocess.Popen | None = None
+        self.extra_daemon_args: list[str] = []
 
     def start_engine(self) -> None:
         args = [self.server, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.engine_port), "-np", "1",
@@ -104,7 +105,8 @@ class Stack:
         args = [sys.executable, "-m", "autosessd", "run", "--engine-url", f"http://127.0.0.1:{self.engine_port}",
                 "--slot-save-path", str(self.sessions), "--gate", f"127.0.0.1:{self.gate_port}",
                 "--min-tokens", "256", "--state-dir", str(self.work / "state"),
-                "--socket", str(self.work / "autosessd.sock"), "--log-level", os.environ.get("DEMO_LOG_LEVEL", "info")]
+                "--socket", str(self.work / "autosessd.sock"), "--log-level", os.environ.get("DEMO_LOG_LEVEL", "info"),
+                *self.extra_daemon_args]
         self.daemon = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.work / "autosessd.log", "ab"),
                                        env={**os.environ, "AUTOSESSD_CONFIG": str(self.work / "none.toml")})
         (self.work / "none.toml").touch()

@@ -13,7 +13,8 @@ autosessd, and misbehaves when asked to:
     --fault slow-save=SECONDS   write the file slowly (for crash tests)
 
 Faults apply to session files, not to autosessd's start probe. State files start with
-llama-server's magic "qsgg"; a conversation's "state" is its prompt text.
+llama-server's magic "qsgg", then the token count and the prompt text (its "KV state"),
+padded to --bytes-per-token per token.
 
     python tests/fake_engine.py --port P --dir D [--control unix:/path] [--fault F]
 """
@@ -55,12 +56,14 @@ class Fake:
         if self.fault("500-save", name):
             raise web.HTTPInternalServerError(text=json.dumps({"error": {"message": "boom", "code": 500}}),
                                               content_type="application/json")
-        n_bytes = 12 + self.tokens * self.bytes_per_token
+        prompt = self.last_prompt.encode()
+        head = MAGIC + self.tokens.to_bytes(8, "little") + len(prompt).to_bytes(4, "little") + prompt
+        n_bytes = max(len(head), 16 + self.tokens * self.bytes_per_token)
         t0 = time.monotonic()
         slow = float(self.params.get("slow-save", 0)) if "probe" not in name else 0
         with open(path, "wb") as f:
-            f.write(MAGIC + self.tokens.to_bytes(8, "little"))
-            body = n_bytes - 12
+            f.write(head)
+            body = n_bytes - len(head)
             die = self.fault("die-save", name)
             chunks = 20 if slow else (2 if die else 1)
             for i in range(chunks):
@@ -85,7 +88,8 @@ class Fake:
             os._exit(9)
         try:
             with open(path, "rb") as f:
-                head = f.read(12)
+                head = f.read(16)
+                prompt = f.read(int.from_bytes(head[12:16], "little")).decode(errors="replace")
         except FileNotFoundError:
             self.tokens = 0
             raise web.HTTPBadRequest(text='{"error": {"message": "failed to open file"}}',
@@ -95,6 +99,7 @@ class Fake:
             raise web.HTTPBadRequest(text='{"error": {"message": "invalid slot save file"}}',
                                      content_type="application/json")
         self.tokens = int.from_bytes(head[4:12], "little")
+        self.last_prompt = prompt
         return {"n_restored": self.tokens, "n_read": os.path.getsize(path),
                 "timings": {"restore_ms": 1.0}}
 

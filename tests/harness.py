@@ -190,14 +190,15 @@ class Daemon:
 class FakeEngine:
     """tests/fake_engine.py in a subprocess."""
 
-    def __init__(self, save_dir: Path, faults: list[str] = (), control: str | None = None, model: str = "fake"):
+    def __init__(self, save_dir: Path, faults: list[str] = (), control: str | None = None, model: str = "fake",
+                 bytes_per_token: int = 1000):
         import sys
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.save_dir = save_dir
         self.args = [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", str(self.port),
-                     "--dir", str(save_dir), "--model", model]
+                     "--dir", str(save_dir), "--model", model, "--bytes-per-token", str(bytes_per_token)]
         for f in faults:
             self.args += ["--fault", f]
         if control:

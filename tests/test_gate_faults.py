@@ -136,3 +136,19 @@ def test_request_log_lines(fake, session_dir, tmp_path):
         assert end["n_tokens"] > 0
     finally:
         d.stop()
+
+
+def test_request_log_follows_rotation_by_rename(fake, session_dir, tmp_path):
+    eng = fake()
+    log = tmp_path / "gate.jsonl"
+    d = Daemon(tmp_path, session_dir, eng.url, args=["--gate-request-log", str(log)]).start()
+    try:
+        post(d.gate_url, A)
+        log.rename(tmp_path / "gate.jsonl.1")
+        post(d.gate_url, B)
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+        assert [x["event"] for x in lines] == ["start", "end"]
+        assert lines[0]["key"] == conversation_key(B)
+        assert len((tmp_path / "gate.jsonl.1").read_text().splitlines()) == 2
+    finally:
+        d.stop()

@@ -63,7 +63,10 @@ def test_empty_held_is_never_saved_even_with_min_zero():
     assert plan_save(Held(A, 0, True), B, 0) == Skip("save", A, BELOW_MIN)
 
 
-@pytest.mark.parametrize("n_restored, cache_n, reused", [(3520, 3519, True), (3520, 1760, True),
-                                                          (3520, 0, False), (3520, 100, False)])
-def test_restore_reused(n_restored, cache_n, reused):
-    assert restore_reused(n_restored, cache_n) is reused
+@pytest.mark.parametrize("n_restored, cache_n, n_prompt, reused", [
+    (3520, 3519, 3600, True), (3520, 1760, None, True), (3520, 0, 3600, False), (3520, 100, 3600, False),
+    (3520, 1000, 1001, True),  # the client cut the conversation short: its prompt is a prefix
+    (3520, 0, 1001, False),
+])
+def test_restore_reused(n_restored, cache_n, n_prompt, reused):
+    assert restore_reused(n_restored, cache_n, n_prompt) is reused

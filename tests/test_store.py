@@ -153,3 +153,10 @@ def test_space_check_uses_density_of_earlier_saves(tmp_path, monkeypatch):
 
 def test_temp_names_are_hidden_and_distinct():
     assert temp_name(K[0]).startswith(".") and auto_name(K[0]) == f"auto-{K[0]}.bin"
+
+
+def test_plan_prune_makes_room_oldest_first_never_in_use():
+    files = entries((0, 100, 1), (1, 100, 2), (2, 100, 3), (3, 100, 4))
+    plan = plan_prune(files, 10, 10**9, {auto_name(K[0])}, must_free=150)
+    assert {K.index(e.key) for e in plan.remove} == {1, 2}
+    assert plan_prune(files, 10, 10**9, set(), must_free=0).remove == []

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""`make soak`: random conversation switches through the gate for SOAK_MINUTES (default 20),
+with engine restarts and request-log rotation, against the real llama-server.
+
+Reports turns, saves, restores and failures, and autosessd's resident memory and open
+file descriptors after a warm-up and at the end; checks the session directory for torn or
+disagreeing files. Exits 1 when a request failed, a file is corrupt, or memory or
+descriptors grew more than 10%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import demo  # noqa: E402  (the same engine/daemon plumbing as the demo)
+
+MINUTES = float(os.environ.get("SOAK_MINUTES", "20"))
+ENGINE_RESTART_S = 180
+ROTATE_S = 120
+WARMUP_S = min(120.0, MINUTES * 60 / 4)
+
+
+def status(port: int) -> dict:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/autosessd/status")
+    return json.loads(c.getresponse().read())
+
+
+def footprint(pid: int) -> tuple[int, int]:
+    p = psutil.Process(pid)
+    return p.memory_info().rss, p.num_fds()
+
+
+def check_files(directory: Path) -> list[str]:
+    bad = []
+    for name in os.listdir(directory):
+        if name.startswith(".autosessd-") and not name.endswith(".partial"):
+            bad.append(f"unexpected temporary {name}")
+        if name.startswith("auto-") and name.endswith(".bin"):
+            meta_path = directory / (name[:-4] + ".json")
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                bad.append(f"{name} without readable metadata")
+                continue
+            data = (directory / name).read_bytes()[:4]
+            if meta["bytes"] != (directory / name).stat().st_size or data != b"qsgg":
+                bad.append(f"{name} disagrees with its metadata or has no state header")
+    return bad
+
+
+def main() -> int:
+    out = __import__("subprocess").run([str(demo.ROOT / "scripts" / "fetch-engine")], check=True,
+                                       capture_output=True, text=True).stdout
+    paths = dict(line.split("=", 1) for line in out.split())
+    rng = random.Random(int(os.environ.get("SOAK_SEED", "1")))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="autosessd-soak-") as tmp:
+        work = Path(tmp)
+        stack = demo.Stack(work, paths["LLAMA_SERVER"], paths["MODEL"])
+        log = work / "requests.jsonl"
+        stack.extra_daemon_args = ["--gate-request-log", str(log)]
+        convs = [[{"role": "user", "content": demo.facts(40 + 15 * i, f"crate{i}") + f"\nQuestion {i}?"}]
+                 for i in range(6)]
+        requests = failed = restarts = rotations = 0
+        try:
+            stack.start_engine()
+            stack.start_daemon()
+            pid = stack.daemon.pid
+            t0 = time.monotonic()
+            next_restart, next_rotate = t0 + ENGINE_RESTART_S, t0 + ROTATE_S
+            warm = None
+            while time.monotonic() - t0 < MINUTES * 60:
+                i = rng.randrange(len(convs))
+                try:
+                    r = demo.ask(stack.gate_port, convs[i])
+                    convs[i] = convs[i] + [{"role": "assistant", "content": r["text"]},
+                                           {"role": "user", "content": f"And box {rng.randrange(100)}?"}]
+                    if len(convs[i]) > 40:
+                        convs[i] = convs[i][:1]
+                except SystemExit as e:  # demo.ask exits on a non-200 answer
+                    failed += 1
+                    print(f"soak: request failed: {e}", flush=True)
+                requests += 1
+                now = time.monotonic()
+                if warm is None and now - t0 >= WARMUP_S:
+                    warm = footprint(pid)
+                    print(f"soak: after warm-up: rss {warm[0] / 1e6:.1f} MB, {warm[1]} fds", flush=True)
+                if now >= next_rotate:
+                    log.rename(log.with_name(f"requests.jsonl.{rotations}"))
+                    rotations += 1
+                    next_rotate = now + ROTATE_S
+                if now >= next_restart:
+                    stack.stop_engine()
+                    stack.start_engine()
+                    restarts += 1
+                    next_restart = time.monotonic() + ENGINE_RESTART_S
+            end = footprint(pid)
+            st = status(stack.gate_port)
+        finally:
+            stack.stop_all()
+        bad = check_files(stack.sessions)
+        c = st["counters"]
+        warm = warm or end
+        print()
+        print("| | after warm-up | end |")
+        print("|---|---:|---:|")
+        print(f"| resident memory | {warm[0] / 1e6:.1f} MB | {end[0] / 1e6:.1f} MB |")
+        print(f"| open file descriptors | {warm[1]} | {end[1]} |")
+        print()
+        print(f"{MINUTES:g} min: {requests} requests ({failed} failed), turns {c['turns']}, saves {c['saves']}, "
+              f"restores {c['restores']} (reused {c['restores_reused']}, not reused {c['restores_not_reused']}), "
+              f"save failures {c['save_failures']}, restore failures {c['restore_failures']}, engine restarts "
+              f"{restarts}, log rotations {rotations}, engine resets seen {c['engine_resets']}")
+        print(f"session files: {'all whole and agreeing' if not bad else '; '.join(bad)}")
+        grew = end[0] > warm[0] * 1.10 or end[1] > warm[1] * 1.10
+        ok = not failed and not bad and not grew
+        print("soak:", "PASS" if ok else "FAIL" + (" (memory or descriptors grew over 10%)" if grew else ""))
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
