@@ -23,6 +23,10 @@ demo: $(BIN)/.installed engine
 test: $(BIN)/.installed engine
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some.
+bench: $(BIN)/.installed engine
+	$(BIN)/python bench/run.py $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
+
 # 20 minutes of random switches with engine restarts and log rotation (SOAK_MINUTES to change).
 soak: $(BIN)/.installed engine
 	$(BIN)/python scripts/soak.py

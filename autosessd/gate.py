@@ -49,6 +49,7 @@ log = logging.getLogger("autosessd")
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+ENGINE_KEEPALIVE_S = 3.0
 MAX_BODY = 1 << 30  # requests are read whole (the key is in the body); the engine sets the real limit
 
 
@@ -134,6 +135,7 @@ class Gate:
         self.upstream = cfg.engine.url.rstrip("/")
         self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None
         self.client: aiohttp.ClientSession | None = None
+        self._retired: list[aiohttp.ClientSession] = []
         self.runner: web.AppRunner | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -143,12 +145,25 @@ class Gate:
         self.errors_502 = 0
 
     # -- life ------------------------------------------------------------------
-    async def start(self) -> None:
+    async def _fresh_client(self) -> None:
+        """New connections to the engine from now on. The old pool is retired, not closed:
+        closing it would cut requests still streaming through it (closed at stop)."""
+        if self.client is not None:
+            self._retired.append(self.client)
+        self.client = self._new_client()
+
+    def _new_client(self) -> aiohttp.ClientSession:
         # No total timeout: a generation may run for minutes; connecting must be quick.
         timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.engine.timeout_s,
                                         sock_connect=self.cfg.engine.timeout_s)
-        self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                            connector=aiohttp.TCPConnector(limit=0))
+        # llama-server (cpp-httplib) drops an idle kept-alive connection after 5 s; reusing one
+        # just as it does fails the request, so ours are dropped sooner.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
+        return aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector)
+
+    async def start(self) -> None:
+        self.client = self._new_client()
+        self.sessions.on_engine_restart.append(self._fresh_client)
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -175,8 +190,9 @@ class Gate:
             await self.runner.cleanup()
         for t in list(self._tasks):
             t.cancel()
-        if self.client is not None:
-            await self.client.close()
+        for client in [*self._retired, self.client]:
+            if client is not None:
+                await client.close()
         if self.request_log:
             self.request_log.close()
 
@@ -227,9 +243,18 @@ class Gate:
         """Forward one request to the engine and its response back, as it arrives."""
         assert self.client is not None
         url = self.upstream + request.rel_url.path_qs
+        headers = _forward_headers(request.headers)
+        data = body if body else None
         try:
-            up = await self.client.request(request.method, url, headers=_forward_headers(request.headers),
-                                           data=body if body else None, allow_redirects=False)
+            try:
+                up = await self.client.request(request.method, url, headers=headers, data=data,
+                                               allow_redirects=False)
+            except aiohttp.ServerDisconnectedError:
+                # A kept-alive connection the engine closed as we reused it (its idle timeout,
+                # or a restart): it never saw the request. Once more on fresh connections.
+                await self._fresh_client()
+                up = await self.client.request(request.method, url, headers=headers, data=data,
+                                               allow_redirects=False)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
             self.errors_502 += 1
             why = "timed out connecting" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__

@@ -223,6 +223,8 @@ class Tail:
         self._bad_burst = 0
         self._bad_logged_at = 0.0
         self._save_task: asyncio.Task | None = None
+        self._save_wanted = False
+        self._read_lock = asyncio.Lock()
         self._last_held: str | None = None
 
     # -- life ------------------------------------------------------------------
@@ -277,16 +279,21 @@ class Tail:
 
     # -- reading -----------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), POLL_S)
             self._wake.clear()
             try:
-                lines = await loop.run_in_executor(None, self.follower.read)
+                await self.read_new_lines()
             except OSError as e:
                 log.warning("tail: reading %s: %s", self.path, e)
-                continue
+
+    async def read_new_lines(self) -> None:
+        """Read and act on what the log gained. One reader at a time: the follower's offset
+        and buffer are not for two threads."""
+        loop = asyncio.get_running_loop()
+        async with self._read_lock:
+            lines = await loop.run_in_executor(None, self.follower.read)
             if self.follower.too_long:
                 self._bad(self.follower.too_long, f"a line over {MAX_LINE:,} bytes")
                 self.follower.too_long = 0
@@ -329,13 +336,19 @@ class Tail:
             return
         self.sessions.finish(ev.slot, start.key, ev.n_tokens, None, ev.status or "ok")
         if ev.status == "ok" and not self.in_flight:
-            self._schedule_save_behind(start.key)
+            self._schedule_save_behind()
 
     # -- save behind ---------------------------------------------------------------
-    def _schedule_save_behind(self, key: str) -> None:
-        if self._save_task is not None and not self._save_task.done():
-            return  # the running one re-checks what is held when it gets there
-        self._save_task = asyncio.get_running_loop().create_task(self._save_behind())
+    def _schedule_save_behind(self) -> None:
+        self._save_wanted = True
+        if self._save_task is None or self._save_task.done():
+            self._save_task = asyncio.get_running_loop().create_task(self._save_behind_loop())
+
+    async def _save_behind_loop(self) -> None:
+        # An end that arrives while a save behind is running asks for another pass.
+        while self._save_wanted:
+            self._save_wanted = False
+            await self._save_behind()
 
     async def _save_behind(self) -> None:
         s = self.sessions.slot(self.cfg.engine.slot)
@@ -365,8 +378,7 @@ class Tail:
         async def check(n_tokens_before: int) -> str | None:
             """Why the state just saved may not be the held conversation's, or None."""
             with contextlib.suppress(OSError):
-                for line in await asyncio.get_running_loop().run_in_executor(None, self.follower.read):
-                    self.handle(line)
+                await self.read_new_lines()
             if self.starts_seen != starts_before or self.in_flight:
                 return "a request started while it was being saved"
             st = await self._slot_state()

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import demo  # noqa: E402  (the same engine/daemon plumbing as the demo)
 
 MINUTES = float(os.environ.get("SOAK_MINUTES", "20"))
-ENGINE_RESTART_S = 180
-ROTATE_S = 120
+ENGINE_RESTART_S = float(os.environ.get("SOAK_RESTART_S", "180"))
+ROTATE_S = float(os.environ.get("SOAK_ROTATE_S", "120"))
 WARMUP_S = min(120.0, MINUTES * 60 / 4)
 
 
@@ -111,6 +111,8 @@ def main() -> int:
         finally:
             stack.stop_all()
         bad = check_files(stack.sessions)
+        notes = [line.split(" ", 2)[2] for line in (work / "autosessd.log").read_text().splitlines()
+                 if "WARNING" in line or "ERROR" in line]
         c = st["counters"]
         warm = warm or end
         print()
@@ -124,6 +126,10 @@ def main() -> int:
               f"save failures {c['save_failures']}, restore failures {c['restore_failures']}, engine restarts "
               f"{restarts}, log rotations {rotations}, engine resets seen {c['engine_resets']}")
         print(f"session files: {'all whole and agreeing' if not bad else '; '.join(bad)}")
+        if notes:
+            print(f"autosessd warnings ({len(notes)}), the first ones:")
+            for line in notes[:8]:
+                print("   ", line[:300])
         grew = end[0] > warm[0] * 1.10 or end[1] > warm[1] * 1.10
         ok = not failed and not bad and not grew
         print("soak:", "PASS" if ok else "FAIL" + (" (memory or descriptors grew over 10%)" if grew else ""))

@@ -133,8 +133,21 @@ class Fake:
             "timings": {"prompt_n": n_prompt - cached, "cache_n": cached, "predicted_n": 5},
         })
 
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """SSE chunks stamped with their send time (bench: the delay a proxy adds per chunk)."""
+        n = int(request.query.get("n", "50"))
+        interval = float(request.query.get("interval_ms", "10")) / 1000
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            await resp.write(f"data: {json.dumps({'i': i, 'sent': time.time()})}\n\n".encode())
+            await asyncio.sleep(interval)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
     def app(self) -> web.Application:
         app = web.Application()
+        app.router.add_get("/bench/stream", self.stream)
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get("/props", lambda r: web.json_response(
             {"total_slots": 1, "model_path": f"/models/{self.model}.gguf"}))

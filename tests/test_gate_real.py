@@ -159,3 +159,18 @@ def test_client_disconnect_stops_the_engine_and_leaves_state_provisional(engines
         assert post(d.gate_url, chat_body("Say hi."))["choices"]
     finally:
         d.stop()
+
+
+def test_engine_restart_between_requests_fails_nothing(engines, session_dir, tmp_path):
+    """An engine restarted between two requests: the next one restores and nothing fails."""
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        post(d.gate_url, A)
+        post(d.gate_url, B)  # A saved
+        eng.restart()
+        a = post(d.gate_url, A)  # straight away: the watcher may not have noticed yet
+        assert a["timings"]["cache_n"] >= 0.9 * a["usage"]["prompt_tokens"]
+        assert "cannot reach" not in d.logtext()
+    finally:
+        d.stop()

@@ -32,24 +32,40 @@ class LlamaServer:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._retired: list[aiohttp.ClientSession] = []
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._session = aiohttp.ClientSession(headers=headers)
+            # Idle connections are dropped before the engine's own 5 s keep-alive timeout.
+            self._session = aiohttp.ClientSession(headers=headers,
+                                                  connector=aiohttp.TCPConnector(keepalive_timeout=3.0))
         return self._session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in [*self._retired, self._session]:
+            if session is not None:
+                await session.close()
+        self._session, self._retired = None, []
 
     async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._client().request(method, self.url + path, json=body, timeout=timeout) as r:
-                text = await r.text(errors="replace")
-                status = r.status
+            for attempt in (1, 2):
+                try:
+                    async with self._client().request(method, self.url + path, json=body, timeout=timeout) as r:
+                        text = await r.text(errors="replace")
+                        status = r.status
+                    break
+                except aiohttp.ServerDisconnectedError:
+                    # A kept-alive connection the engine closed as we reused it (idle timeout,
+                    # restart): it never saw the request (slot actions are idempotent anyway). Once more on a new pool;
+                    # the old one is retired, not closed, as other calls may be using it.
+                    if attempt == 2:
+                        raise
+                    if self._session is not None:
+                        self._retired.append(self._session)
+                    self._session = None
         except asyncio.TimeoutError:
             raise EngineTimeout(f"the engine at {self.url} did not answer {method} {path} "
                                 f"within {timeout.total:g} s") from None
