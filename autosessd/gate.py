@@ -367,7 +367,7 @@ class Gate:
             cache_n = int(t["cache_n"])
             n_prompt = cache_n + int(t.get("prompt_n") or 0)
         try:
-            st = next((x for x in await self.sessions.engine.slots() if x.id == slot_id), None)
+            st = await self.sessions.engine_slot(slot_id)
             if st is not None:
                 n_tokens = st.n_tokens
                 if cache_n is None:
@@ -394,7 +394,7 @@ class Gate:
             n_tokens = None
             while time.monotonic() < deadline:
                 try:
-                    st = next((x for x in await self.sessions.engine.slots() if x.id == slot.id), None)
+                    st = await self.sessions.engine_slot(slot.id)
                 except EngineError:
                     break
                 if st is None or not st.is_processing:

@@ -168,6 +168,10 @@ class Sessions:
             self.slots[sid] = Slot(sid)
         return self.slots[sid]
 
+    async def engine_slot(self, slot_id: int) -> SlotState | None:
+        """What the engine itself says of one slot (EngineError when it cannot say)."""
+        return next((x for x in await self.engine.slots() if x.id == slot_id), None)
+
     @contextlib.asynccontextmanager
     async def lock(self, slot_id: int | None = None) -> AsyncIterator[Slot]:
         s = self.slot(slot_id)
@@ -217,11 +221,10 @@ class Sessions:
         """Compares what the engine's slot shows with what we think it holds. False when
         the turn must not touch the slot at all (someone else's request is running)."""
         try:
-            states = await self.engine.slots()
+            st = await self.engine_slot(s.id)
         except EngineError as e:
             log.debug("auto sessions: slot check skipped: %s", e)
             return True
-        st: SlotState | None = next((x for x in states if x.id == s.id), None)
         if st is None:
             return True
         if st.is_processing:
@@ -511,11 +514,10 @@ class Sessions:
             log.info("auto sessions: %s: nothing held on slot %d, nothing to save", why, s.id)
             return False
         try:
-            states = await self.engine.slots()
+            st = await self.engine_slot(s.id)
         except EngineError as e:
             log.warning("auto sessions: %s save skipped: %s", why, e)
             return False
-        st = next((x for x in states if x.id == s.id), None)
         if st is None or st.is_processing:
             log.warning("auto sessions: %s save skipped: a request is running on slot %d and its state "
                         "is partial", why, s.id)
@@ -642,7 +644,7 @@ class Sessions:
 
     # -- status ------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        entries = self.store.scan()
+        entries = self.store.scan(with_meta=False)
         try:
             free = self.store.free_bytes()
         except OSError:

@@ -166,6 +166,9 @@ class Store:
         self.path = Path(path)
         # Names being written or read right now; prune never removes them.
         self.in_use: Counter[str] = Counter()
+        # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
+        # of thousands of sessions stats them instead of reading every JSON again.
+        self._meta_cache: dict[str, tuple[tuple[int, int, int], Meta]] = {}
 
     # -- names -------------------------------------------------------------
     def bin_path(self, key: str) -> Path:
@@ -259,7 +262,9 @@ class Store:
             return None
         return meta
 
-    def scan(self) -> list[Entry]:
+    def scan(self, with_meta: bool = True) -> list[Entry]:
+        """The auto files. Without metadata (status, prune: sizes and ages are enough) a scan
+        of 10,000 sessions costs half as much; an entry's age is then its file's mtime."""
         entries = []
         metas: dict[str, Meta] = {}
         bins: dict[str, os.stat_result] = {}
@@ -274,17 +279,30 @@ class Store:
                         bins[m.group(1)] = d.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         pass
-                elif m := AUTO_META.match(d.name):
+                elif with_meta and (m := AUTO_META.match(d.name)):
                     try:
-                        metas[m.group(1)] = Meta.from_json(Path(d.path).read_bytes())
+                        metas[m.group(1)] = self._cached_meta(d)
                     except (OSError, ValueError, KeyError, TypeError):
                         pass
+        if with_meta and len(self._meta_cache) > len(metas):
+            live = {meta_name(k) for k in metas}
+            self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
         for key, st in bins.items():
             meta = metas.get(key)
             if meta is not None and (meta.bytes != st.st_size or meta.key != key):
                 meta = None
             entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta))
         return entries
+
+    def _cached_meta(self, d: os.DirEntry) -> Meta:
+        st = d.stat(follow_symlinks=False)
+        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
+        hit = self._meta_cache.get(d.name)
+        if hit is not None and hit[0] == ident:
+            return hit[1]
+        meta = Meta.from_json(Path(d.path).read_bytes())
+        self._meta_cache[d.name] = (ident, meta)
+        return meta
 
     def manual_files(self) -> list[tuple[str, int, float]]:
         """Other .bin files in the directory (parked by name, or saved by hand)."""
@@ -339,7 +357,7 @@ class Store:
     def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
         """Apply plan_prune; free_target: bytes that should be free on the disk afterwards."""
         must_free = max(0, free_target - self.free_bytes()) if free_target else 0
-        plan = plan_prune(self.scan(), keep, max_bytes, set(self.in_use), must_free)
+        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, set(self.in_use), must_free)
         if not dry_run:
             for e in plan.remove:
                 if e.name not in self.in_use:  # in use may have changed since the plan

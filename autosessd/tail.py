@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .engines.base import EngineError
 from .keys import is_key, messages_key
 from .policy import Held
 from .sessions import Sessions
@@ -390,11 +391,10 @@ class Tail:
 
     async def _slot_state(self) -> Any:
         try:
-            states = await self.sessions.engine.slots()
-        except Exception as e:
+            return await self.sessions.engine_slot(self.cfg.engine.slot)
+        except EngineError as e:
             log.debug("tail: slot state: %s", e)
             return None
-        return next((x for x in states if x.id == self.cfg.engine.slot), None)
 
     # -- after an engine restart ---------------------------------------------------
     async def _engine_restarted(self) -> None:

@@ -295,44 +295,45 @@ def s4_disk(run: Run) -> dict[str, Any]:
             demo.ask(d["port"], a)  # saves B (small), restores A (big)
         events = [ev for ev in ctl(d["socket"], "events", limit=1000) if ev["type"] == "turn"]
         run.close()
-        rows = []
-        for ev in events:
-            moved = [x for x in (ev.get("saved"), ev.get("restored")) if x]
-            if not moved:
-                continue
-            engine_ms = sum(x["engine_ms"] for x in moved)
-            rows.append({"turn_ms": ev["ms"], "engine_ms": engine_ms, "bytes": sum(x["bytes"] for x in moved),
-                         "save_ms": (ev.get("saved") or {}).get("engine_ms"),
-                         "restore_ms": (ev.get("restored") or {}).get("engine_ms"),
-                         "big_save": bool(ev.get("saved") and ev["saved"]["n_tokens"] > size / 2),
-                         "big_restore": bool(ev.get("restored") and ev["restored"]["n_tokens"] > size / 2)})
-        big_bytes = max(r["bytes"] for r in rows)
-        w_mbs, r_mbs = plain_loop(e["sessions"], big_bytes)
-        turn_ms = [r["turn_ms"] for r in rows]
-        overhead = [r["turn_ms"] - r["engine_ms"] for r in rows]
-        thr = [r["bytes"] / (r["turn_ms"] / 1000) / 1e6 for r in rows]
+        big_save = [ev for ev in events if ev.get("saved") and ev["saved"]["n_tokens"] > size / 2]
+        big_restore = [ev for ev in events if ev.get("restored") and ev["restored"]["n_tokens"] > size / 2]
+
+        def summary(evs: list[dict[str, Any]]) -> dict[str, float]:
+            moved = [[x for x in (ev.get("saved"), ev.get("restored")) if x] for ev in evs]
+            turn = [ev["ms"] for ev in evs]
+            engine = [sum(x["engine_ms"] for x in m) for m in moved]
+            nbytes = [sum(x["bytes"] for x in m) for m in moved]
+            return {"turn_ms": med(turn), "engine_ms": med(engine), "overhead_ms": med([t - e for t, e in
+                                                                                         zip(turn, engine)]),
+                    "overhead_share": med([(t - e) / t for t, e in zip(turn, engine)]),
+                    "mb_s": med([b / (t / 1000) / 1e6 for b, t in zip(nbytes, turn)]), "n": len(evs)}
+
+        state_bytes = big_save[0]["saved"]["bytes"]
+        w_mbs, r_mbs = plain_loop(e["sessions"], state_bytes)
         out["sizes"][str(size)] = {
-            "state_bytes": big_bytes,
-            "save_ms_median": med([r["save_ms"] for r in rows if r["big_save"]]),
-            "restore_ms_median": med([r["restore_ms"] for r in rows if r["big_restore"]]),
-            "turn_ms_median": med(turn_ms), "overhead_ms_median": med(overhead),
-            "overhead_share_median": med([o / t for o, t in zip(overhead, turn_ms)]),
-            "turn_mb_s_median": med(thr), "plain_write_mb_s": w_mbs, "plain_read_mb_s": r_mbs,
-            "turns": rows}
+            "state_tokens": big_save[0]["saved"]["n_tokens"], "state_bytes": state_bytes,
+            "save_ms_median": med([ev["saved"]["engine_ms"] for ev in big_save]),
+            "restore_ms_median": med([ev["restored"]["engine_ms"] for ev in big_restore]),
+            "away": summary(big_save), "back": summary(big_restore),
+            "plain_write_mb_s": w_mbs, "plain_read_mb_s": r_mbs}
     return out
 
 
 def t4(r: dict[str, Any]) -> str:
-    lines = ["| state | engine save ms | engine restore ms | turn wall ms | autosessd overhead ms (share) | "
-             "turn MB/s | plain write+fsync MB/s | plain read MB/s | turn / plain (w+r) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for size, d in r["sizes"].items():
-        plain = 2 / (1 / d["plain_write_mb_s"] + 1 / d["plain_read_mb_s"])
-        lines.append(f"| {int(size):,} tok, {d['state_bytes'] / 1e6:.1f} MB | {d['save_ms_median']:.1f} | "
-                     f"{d['restore_ms_median']:.1f} | {d['turn_ms_median']:.1f} | {d['overhead_ms_median']:.1f} "
-                     f"({d['overhead_share_median']:.0%}) | {d['turn_mb_s_median']:,.0f} | "
-                     f"{d['plain_write_mb_s']:,.0f} | {d['plain_read_mb_s']:,.0f} | "
-                     f"{d['turn_mb_s_median'] / plain:.2f} |")
+    lines = ["`away`: the turn that saves the big state (and restores a small one); `back`: the turn that "
+             "restores it (and saves a small one). Overhead = the turn's wall time minus the engine's own "
+             "save_ms + restore_ms. The fsync/rename/metadata runs after the turn, off the request's path.", "",
+             "| state | engine save ms | engine restore ms | turn | turn wall ms | overhead ms (share) | "
+             "turn MB/s | plain write+fsync / read MB/s | turn / plain |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for d in r["sizes"].values():
+        for name in ("away", "back"):
+            t = d[name]
+            plain = d["plain_write_mb_s"] if name == "away" else d["plain_read_mb_s"]
+            lines.append(f"| {d['state_tokens']:,} tok, {d['state_bytes'] / 1e6:.1f} MB | {d['save_ms_median']:.1f} | "
+                         f"{d['restore_ms_median']:.1f} | {name} | {t['turn_ms']:.1f} | {t['overhead_ms']:.1f} "
+                         f"({t['overhead_share']:.0%}) | {t['mb_s']:,.0f} | {d['plain_write_mb_s']:,.0f} / "
+                         f"{d['plain_read_mb_s']:,.0f} | {t['mb_s'] / plain:.2f} |")
     return "\n".join(lines)
 
 
@@ -489,7 +490,7 @@ def s7_scale(run: Run) -> dict[str, Any]:
         sessions = Sessions(cfg, Nothing(), store, "m")  # type: ignore[arg-type]
         res = {}
         for name, fn in (("status", sessions.status), ("ls", sessions.ls),
-                         ("prune plan", lambda: plan_prune(store.scan(), 12, 10**11))):
+                         ("prune plan", lambda: plan_prune(store.scan(with_meta=False), 12, 10**11))):
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
@@ -568,7 +569,8 @@ def main() -> int:
     args = ap.parse_args()
     out = subprocess.run([str(ROOT / "scripts" / "fetch-engine")], check=True, capture_output=True, text=True).stdout
     paths = dict(line.split("=", 1) for line in out.split())
-    results: dict[str, Any] = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+    started = dt.datetime.now().isoformat(timespec="seconds")
+    results: dict[str, Any] = {"date": started, "machine": machine(),
                                "sizes": SIZES, "reps": REPS, "scenarios": {}}
     tables = []
     t_all = time.monotonic()
@@ -586,14 +588,24 @@ def main() -> int:
         results["scenarios"][num] = r
         tables.append(f"### {num}. {title}\n\n{table(r)}\n")
         print(f"bench: {num} done in {r['seconds']:.0f} s", flush=True)
-    results["seconds"] = round(time.monotonic() - t_all, 1)
+    elapsed = time.monotonic() - t_all
+    results["seconds"] = round(elapsed, 1)
     dest = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-{socket.gethostname()}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
+    for r in results["scenarios"].values():
+        r["run_started"] = results["date"]
+    if dest.exists() and args.only != ",".join(SCENARIOS):
+        # A partial run updates its scenarios in the day's file; each keeps the time of its run.
+        merged = json.loads(dest.read_text())
+        for r in merged["scenarios"].values():
+            r.setdefault("run_started", merged["date"])
+        merged["scenarios"].update(results["scenarios"])
+        results = {**merged, "machine": results["machine"]}
     dest.write_text(json.dumps(results, indent=1))
     m = results["machine"]
-    print(f"\n## autosessd bench, {results['date']}, {m['host']}: {m['cpus']} CPUs, {m['memory_gb']} GB, "
-          f"{m['cpu']}, Python {m['python']}\n{m['engine']}; {REPS} repetitions; whole run "
-          f"{results['seconds'] / 60:.1f} min\n")
+    print(f"\n## autosessd bench, {started}, {m['host']}: {m['cpus']} CPUs, {m['memory_gb']} GB, "
+          f"{m['cpu']}, Python {m['python']}\n{m['engine']}; {REPS} repetitions; this run "
+          f"{elapsed / 60:.1f} min\n")
     print("\n".join(tables))
     print(f"results: {dest.relative_to(ROOT)}")
     return 0
