@@ -240,7 +240,7 @@ def _validate(c: Config, source: str) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         bad("engine.url", f"must be an http:// or https:// URL with a host, got {e.url!r}")
     try:
-        parts.port
+        _ = parts.port  # urlsplit checks the port only when asked
     except ValueError:
         bad("engine.url", f"has an invalid port: {e.url!r}")
     if e.slot < 0:

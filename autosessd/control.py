@@ -26,7 +26,6 @@ import socket
 import stat
 import struct
 import sys
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from . import protocol

@@ -205,7 +205,7 @@ class Daemon:
         if self.cfg.gate.listen:
             from .gate import Gate
 
-            inputs.append(Gate(self.cfg, self.sessions, self))
+            inputs.append(Gate(self.cfg, self.sessions))
         if self.cfg.tail.request_log:
             from .tail import Tail
 

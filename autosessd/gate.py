@@ -127,10 +127,9 @@ class RequestLog:
 class Gate:
     name = "gate"
 
-    def __init__(self, cfg: Config, sessions: Sessions, daemon: Any = None):
+    def __init__(self, cfg: Config, sessions: Sessions):
         self.cfg = cfg
         self.sessions = sessions
-        self.daemon = daemon
         self.host, self.port = parse_hostport(cfg.gate.listen or "127.0.0.1:0")
         self.upstream = cfg.engine.url.rstrip("/")
         self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None

@@ -157,7 +157,6 @@ class Sessions:
         self._finalizing: dict[str, asyncio.Future] = {}
         self._prune_task: asyncio.Task | None = None
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
-        self._background: set[asyncio.Task] = set()
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
 
@@ -364,16 +363,8 @@ class Sessions:
     def _finalize(self, key: str, meta: Meta, target: str | None) -> None:
         if target is None:
             self.store.finalize(key, meta)
-        else:  # a manual file: same atomic rename, no metadata (it is a person's file)
-            tmp = self.store.temp_path(key)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.store.path / target)
-            fd = os.open(self.store.path, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        else:
+            self.store.finalize_manual(key, target)
 
     def _finalized(self, key: str, final: str, fut: asyncio.Future) -> None:
         if self._finalizing.get(key) is fut:
@@ -450,11 +441,16 @@ class Sessions:
                 self.events.emit("restore_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
             else:
                 self.counters.restores_not_reused += 1
+                cause = NOT_REUSED_CAUSE
+                if n_prompt is not None and n_prompt < n_restored:
+                    cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) is shorter than the restored conversation: "
+                             f"the client cut it, and the engine read the prompt again instead of cutting its "
+                             f"state back")
                 self.last_not_reused = {"key": key, "n_restored": n_restored, "cache_n": cache_n,
-                                        "at": time.time(), "likely_cause": NOT_REUSED_CAUSE}
+                                        "at": time.time(), "likely_cause": cause}
                 log.warning("auto sessions: restored %s tokens of %s but the engine reused %s "
                             "(timings.cache_n): %s", fmt_tokens(n_restored), auto_name(key),
-                            fmt_tokens(cache_n), NOT_REUSED_CAUSE)
+                            fmt_tokens(cache_n), cause)
                 self.events.emit("restore_not_reused", slot=s.id, key=key, cache_n=cache_n,
                                  n_restored=n_restored)
         elif status != "ok":

@@ -232,6 +232,13 @@ class Store:
         _fsync_dir(self.path)
         self._write_meta(meta)
 
+    def finalize_manual(self, key: str, name: str) -> None:
+        """A parked session under a person's name: the same atomic rename, no metadata."""
+        temp = self.temp_path(key)
+        _fsync_file(temp)
+        os.replace(temp, self.path / manual_name(name))
+        _fsync_dir(self.path)
+
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
         data = json.dumps(asdict(meta), sort_keys=True).encode() + b"\n"

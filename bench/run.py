@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -165,7 +164,7 @@ def s1_switch_back(run: Run) -> dict[str, Any]:
         ttft: dict[str, list[float]] = {k: [] for k in comps}
         cached: dict[str, list[int]] = {k: [] for k in comps}
         prompt = 0
-        for name, port in comps.items():  # conversation A once on each
+        for port in comps.values():  # conversation A once on each
             prompt = demo.ask(port, a)["prompt"]
         for _ in range(REPS):
             for name, port in comps.items():  # interleaved: every competitor each repetition

@@ -54,7 +54,7 @@ def engine_paths() -> dict[str, str]:
         except (subprocess.SubprocessError, OSError) as e:
             if os.environ.get("AUTOSESSD_REQUIRE_ENGINE"):
                 raise
-            pytest.skip(f"no llama-server: scripts/fetch-engine failed ({e})")
+            pytest.skip(reason=f"no llama-server: scripts/fetch-engine failed ({e})")
     return _paths
 
 

@@ -152,7 +152,7 @@ def test_not_running_and_permission_exit_codes(tmp_path, daemon):
 
 def test_another_uid_is_refused(engines, session_dir, tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("dropping to another uid needs root")
+        pytest.skip(reason="dropping to another uid needs root")
     import tempfile
 
     top = tempfile.mkdtemp(prefix="autosessd-peer-")  # world-traversable, unlike pytest's tmp

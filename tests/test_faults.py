@@ -39,12 +39,12 @@ def no_torn_files(directory):
 @pytest.fixture
 def small_fs(tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the session directory needs root")
+        pytest.skip(reason="mounting a small tmpfs for the session directory needs root")
     d = tmp_path / "small"
     d.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(d)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        pytest.skip(reason=f"cannot mount a tmpfs here: {r.stderr.strip()}")
     yield d
     subprocess.run(["umount", "-l", str(d)])
 

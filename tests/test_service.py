@@ -19,7 +19,7 @@ AGENTS = ROOT / "launchd"
 
 def test_systemd_units_verify(tmp_path):
     if not shutil.which("systemd-analyze"):
-        pytest.skip("systemd-analyze is not installed here (Debian/Ubuntu: apt-get install systemd)")
+        pytest.skip(reason="systemd-analyze is not installed here (Debian/Ubuntu: apt-get install systemd)")
     # verify checks that ExecStart binaries exist: point them at the ones this checkout has.
     autosessd = shutil.which("autosessd") or str(ROOT / ".venv" / "bin" / "autosessd")
     server = engine_paths()["LLAMA_SERVER"]
