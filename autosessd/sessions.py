@@ -235,12 +235,16 @@ class Sessions:
             s.held, s.restored = None, None
             return False
         assert s.held is not None
-        if s.held.n_tokens == 0 and st.n_tokens > 0:
-            # The held conversation's request ran without us seeing its end (turn hook, tail):
-            # what the slot holds now is its state, and its cache_n verifies a restore.
-            self.finish(s.id, s.held.key, st.n_tokens, st.n_cached, "ok")
-        elif st.n_tokens == 0 or st.n_tokens < s.held.n_tokens * 0.9:
+        if not self._adopt_unseen_end(s, st) and (st.n_tokens == 0 or st.n_tokens < s.held.n_tokens * 0.9):
             self.reset_held(s.id, f"its slot shows {st.n_tokens:,} tokens, {s.held.n_tokens:,} were held")
+        return True
+
+    def _adopt_unseen_end(self, s: Slot, st: SlotState) -> bool:
+        """The held conversation's request ran without us seeing its end (turn hook, tail):
+        what the idle slot holds now is its state, and its cache_n verifies a restore."""
+        if s.held is None or s.held.n_tokens != 0 or st.n_tokens == 0:
+            return False
+        self.finish(s.id, s.held.key, st.n_tokens, st.n_cached, "ok")
         return True
 
     async def _turn(self, s: Slot, key: str, result: TurnResult) -> None:
@@ -309,7 +313,7 @@ class Sessions:
         t0 = time.monotonic()
         tmp = temp_name(key)
         self.events.emit("saving", slot=s.id, key=key, file=final, n_tokens=held.n_tokens)
-        self.store.in_use[final] += 1
+        self.store.acquire(final)
         handed_off = False
         try:
             try:
@@ -344,7 +348,7 @@ class Sessions:
             handed_off = True
         finally:
             if not handed_off:
-                self._release(final)
+                self.store.release(final)
         if s.held is not None and s.held.key == key and target is None:
             # The engine's count is the truth (a client's usage may differ by one).
             s.held = Held(key, res.n_tokens, s.held.durable)
@@ -369,7 +373,7 @@ class Sessions:
     def _finalized(self, key: str, final: str, fut: asyncio.Future) -> None:
         if self._finalizing.get(key) is fut:
             del self._finalizing[key]
-        self._release(final)
+        self.store.release(final)
         exc = fut.exception() if not fut.cancelled() else None
         if exc is not None:
             self.counters.save_failures += 1
@@ -379,11 +383,6 @@ class Sessions:
                     self.store.remove(key)
             log.error("auto sessions: finalize of %s: %s", final, exc)
             self.events.emit("save_failed", key=key, file=final, error=str(exc))
-
-    def _release(self, name: str) -> None:
-        self.store.in_use[name] -= 1
-        if self.store.in_use[name] <= 0:
-            del self.store.in_use[name]
 
     def _save_failed(self, what: str, why: str, key: str, result: TurnResult | None) -> SaveOutcome:
         log.warning("auto sessions: %s: %s", what, why)
@@ -518,8 +517,7 @@ class Sessions:
             log.warning("auto sessions: %s save skipped: a request is running on slot %d and its state "
                         "is partial", why, s.id)
             return False
-        if s.held.n_tokens == 0 and st.n_tokens > 0:  # its request ran without us seeing the end
-            self.finish(s.id, s.held.key, st.n_tokens, st.n_cached, "ok")
+        self._adopt_unseen_end(s, st)
         if s.held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
             log.info("auto sessions: %s: %s holds %s tokens, below min tokens: not saved", why,
                      auto_name(s.held.key), fmt_tokens(s.held.n_tokens))

@@ -19,6 +19,7 @@ such pairs, together with leftover temporaries and metadata without a .bin.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -26,6 +27,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -183,8 +185,22 @@ class Store:
     def manual_path(self, name: str) -> Path:
         return self.path / manual_name(name)
 
-    def using(self, name: str) -> "_InUse":
-        return _InUse(self, name)
+    def acquire(self, name: str) -> None:
+        """Mark a name as being written or read: prune and remove leave it alone."""
+        self.in_use[name] += 1
+
+    def release(self, name: str) -> None:
+        self.in_use[name] -= 1
+        if self.in_use[name] <= 0:
+            del self.in_use[name]
+
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        self.acquire(name)
+        try:
+            yield
+        finally:
+            self.release(name)
 
     # -- space -------------------------------------------------------------
     def free_bytes(self) -> int:
@@ -383,16 +399,4 @@ class Store:
                 return False
             raise
 
-
-class _InUse:
-    def __init__(self, store: Store, name: str):
-        self.store, self.name = store, name
-
-    def __enter__(self) -> None:
-        self.store.in_use[self.name] += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.store.in_use[self.name] -= 1
-        if self.store.in_use[self.name] <= 0:
-            del self.store.in_use[self.name]
 
