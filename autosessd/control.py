@@ -262,8 +262,10 @@ class ControlServer:
         if slot is not None and slot != self.cfg.engine.slot:
             raise ProtocolError(Code.BAD_ARGS, f"turn: slot {slot} is not driven (engine.slot is "
                                                f"{self.cfg.engine.slot})")
-        async with self.sessions.lock(slot):
-            result = await self.sessions.turn(key, slot)
+        # The serving layer runs the request after our answer and does not report its end:
+        # the next turn finds it ended (sessions: SWITCHED, end not seen).
+        async with await self.sessions.admit(slot) as ticket:
+            result = await self.sessions.turn(ticket, key, sees_end=False)
         return result.to_dict()
 
     async def cmd_events(self, args: dict[str, Any], reader: asyncio.StreamReader,

@@ -24,13 +24,14 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from . import config as config_mod
 from .config import Config, ConfigError
 from .engines import make_engine
-from .engines.base import Engine, EngineError, SlotSavingOff
+from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
 from .sessions import Sessions, fmt_bytes
 from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
@@ -114,24 +115,35 @@ async def wait_engine(engine: Engine, deadline_s: float) -> None:
         await asyncio.sleep(0.25)
 
 
-async def wait_idle(engine: Engine, slot: int, deadline_s: float) -> None:
+async def wait_idle(engine: Engine, slot: int, deadline_s: float) -> bool:
+    """Until the slot is idle. False when the engine does not show its slots (--no-slots)."""
     deadline = time.monotonic() + deadline_s
     while True:
-        states = await engine.slots()
+        try:
+            states = await engine.slots()
+        except SlotsHidden:
+            return False
         st = next((s for s in states if s.id == slot), None)
         if st is None:
             raise StartupError(f"the engine at {engine.address} has no slot {slot} "
                                f"(it has {', '.join(str(s.id) for s in states) or 'none'}): fix engine.slot")
         if not st.is_processing:
-            return
+            return True
         if time.monotonic() >= deadline:
             raise StartupError(f"slot {slot} of the engine at {engine.address} stayed busy for {deadline_s:g} s; "
                                f"autosessd checks the engine with a probe save while it is idle")
         await asyncio.sleep(0.25)
 
 
-async def check_engine(cfg: Config, engine: Engine, store: Store) -> tuple[str, str]:
-    """Refuse to start unless the engine is usable. Returns (model fingerprint, model name)."""
+@dataclass(frozen=True)
+class Checked:
+    model: str  # fingerprint
+    model_name: str
+    slots_visible: bool  # False: the engine runs with --no-slots
+
+
+async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
+    """Refuse to start unless the engine is usable."""
     await wait_engine(engine, cfg.engine.timeout_s)
     try:
         info = await engine.info()
@@ -141,14 +153,18 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> tuple[str, 
         raise StartupError(f"the engine at {engine.address} runs {info.total_slots} slots; autosessd drives one: "
                            f"start llama-server with -np 1 (multi-slot support is separate work)")
     try:
-        await wait_idle(engine, cfg.engine.slot, cfg.engine.timeout_s)
+        visible = await wait_idle(engine, cfg.engine.slot, cfg.engine.timeout_s)
         await probe_save(engine, store, cfg.engine.slot)
     except SlotSavingOff:
         raise StartupError(f"slot saving is off in the engine at {engine.address}: start llama-server with "
                            f"--slot-save-path {store.path}") from None
     except EngineError as e:
         raise StartupError(f"the probe save failed: {e}") from None
-    return info.model, info.model_name
+    if not visible:
+        log.warning("engine: %s does not show its slots (--no-slots): autosessd takes token counts from the "
+                    "responses, and cannot see requests that bypass the gate (or a serving layer that does not "
+                    "use the turn hook); switch-back and restart work as usual", engine.address)
+    return Checked(info.model, info.model_name, visible)
 
 
 async def probe_save(engine: Engine, store: Store, slot: int) -> None:
@@ -214,10 +230,12 @@ class Daemon:
 
     async def start(self) -> None:
         self.store = check_store(self.cfg)
-        model, model_name = await check_engine(self.cfg, self.engine, self.store)
+        checked = await check_engine(self.cfg, self.engine, self.store)
+        model_name = checked.model_name
         for what in self.store.cleanup():
             log.info("auto sessions: removed %s", what)
-        self.sessions = Sessions(self.cfg, self.engine, self.store, model, model_name)
+        self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
+                                 slots_visible=checked.slots_visible)
         self.sessions.engine_healthy = True
         self.inputs = self.build_inputs()
         started: list[Input] = []

@@ -4,16 +4,19 @@ before a conversation request reaches it.
     client ──► gate ──► engine (always engine.url: the request's Host or an absolute-form
                                 URI never chooses where it goes)
 
-Conversation requests (POST /v1/chat/completions, /chat/completions, /v1/messages,
-/v1/responses with user text) take the slot's FIFO, run the turn (save → restore),
-are forwarded, and release the FIFO only when the response has been delivered or the
-client went away. A client's own POST /slots/... waits for the FIFO too, so a hand-made
-save never interleaves with a turn. Everything else is passed through untouched.
+Every POST that can run on a slot takes the slot's FIFO (sessions.admit): conversation
+requests (POST /v1/chat/completions, /chat/completions, /v1/messages, /v1/responses with
+user text) run the turn (save → restore) first; the others (raw completions, infill,
+embeddings, a chat with no user text) only have the held conversation saved, since they
+replace what the slot holds. Either is forwarded untouched and the FIFO is released only
+when the response has been delivered or the client went away. A client's own POST
+/slots/... waits for the FIFO too, so a hand-made save never interleaves with a turn.
+GETs and the POSTs that never touch a slot (SLOTLESS_POSTS) pass straight through.
 
-Responses are forwarded as they arrive (SSE chunk by chunk, never buffered). After a
-conversation request the gate reads the slot's token count (GET /slots, still holding
-the FIFO, so it is this request's state) and reports timings.cache_n, which verifies a
-restore.
+Responses are forwarded as they arrive (SSE chunk by chunk, never buffered). After the
+request, still holding the FIFO, the gate tells sessions how it ended (ok, rejected with
+a 4xx, failed, cancelled, never reached the engine) with the response's
+timings.cache_n, which verifies a restore; sessions reads the slot's token count itself.
 
 A client that disconnects cancels the handler (aiohttp handler_cancellation), which
 closes the upstream connection, so the engine stops generating. Its state is then
@@ -42,11 +45,19 @@ from aiohttp import web
 from .config import Config, parse_hostport
 from .engines.base import EngineError
 from .keys import conversation_key
-from .sessions import Sessions
+from .sessions import Sessions, Ticket
 
 log = logging.getLogger("autosessd")
 
-CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
+CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses",
+                                "/responses"})
+# POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
+# slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
+# passes the slot's FIFO: unknown routes err on the safe side.
+SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
+                            "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
+                            "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
+                            "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens"})
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 ENGINE_KEEPALIVE_S = 3.0
@@ -74,6 +85,7 @@ class SSEWatcher:
         self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         self.broken = False  # the engine broke off the response
+        self.reached = False  # the engine answered (a status line came back)
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -93,6 +105,30 @@ class SSEWatcher:
         for holder in (d, d.get("response"), d.get("message")):
             if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
                 self.usage = holder["usage"]
+
+    def numbers(self) -> tuple[int | None, int | None, int | None]:
+        """(cache_n, prompt tokens, prompt + generated tokens) as the response gave them; None
+        for what it did not say, or said as something other than a count."""
+        t, u = self.timings or {}, self.usage or {}
+        cache_n, prompt_n = _count(t.get("cache_n")), _count(t.get("prompt_n"))
+        n_prompt = cache_n + (prompt_n or 0) if cache_n is not None else None
+        total = _count(u.get("total_tokens"))
+        if total is None:
+            i, o = _count(u.get("input_tokens")), _count(u.get("output_tokens"))
+            total = i + o if i is not None and o is not None else None
+        return cache_n, n_prompt, total
+
+
+def _count(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v != int(v):
+        return None
+    return int(v)
+
+
+def _slot_in_path(path: str) -> int | None:
+    """/slots/3 → 3; anything else → None (the configured slot)."""
+    tail = path[len("/slots/"):]
+    return int(tail) if tail.isdigit() and len(tail) < 6 else None
 
 
 class RequestLog:
@@ -183,9 +219,7 @@ class Gate:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
                 # A conversation's FIFO outlives its handler (bookkeeping after the last
                 # byte, settling after a disconnect): wait until every slot is free.
-                for slot in list(self.sessions.slots.values()):
-                    await asyncio.wait_for(slot.lock.acquire(), max(0.0, deadline - time.monotonic()))
-                    slot.lock.release()
+                await asyncio.wait_for(self.sessions.fifos_free(), max(0.0, deadline - time.monotonic()))
             await self.runner.cleanup()
         for t in list(self._tasks):
             t.cancel()
@@ -217,10 +251,10 @@ class Gate:
         self.in_flight += 1
         self._idle.clear()
         try:
-            if request.method == "POST" and path in CONVERSATION_PATHS:
-                return await self.conversation(request)
-            if request.method == "POST" and path.startswith("/slots"):
+            if request.method == "POST" and path.startswith("/slots/"):
                 return await self.slot_action(request)
+            if request.method == "POST" and path not in SLOTLESS_POSTS:
+                return await self.kv_request(request)
             return await self.proxy(request, await request.read())
         finally:
             self.in_flight -= 1
@@ -260,6 +294,8 @@ class Gate:
             return gate_error(502, f"cannot reach the engine at {self.upstream}: {why}")
         done = False
         resp: web.StreamResponse | None = None
+        if watcher is not None:
+            watcher.reached = True
         try:
             headers = _forward_headers(up.headers)
             streaming = "text/event-stream" in up.headers.get("Content-Type", "") or up.content_length is None
@@ -299,114 +335,106 @@ class Gate:
                 up.close()  # unfinished: closing tells the engine to stop generating
 
     async def slot_action(self, request: web.Request) -> web.StreamResponse:
+        """A client's own POST /slots/N?action=...: it waits for the slot's FIFO, so it never
+        lands between a turn and its request."""
         body = await request.read()
-        slot = self.sessions.slot()
-        async with slot.lock:
+        slot_id = _slot_in_path(request.path)
+        async with await self.sessions.admit(slot_id) as ticket:
             resp = await self.proxy(request, body)
-            if request.query.get("action") in ("restore", "erase"):
+            if request.query.get("action") in ("restore", "erase") and resp.status < 400:
                 # Someone else replaced what the slot holds.
-                self.sessions.reset_held(slot.id, f"a client's POST {request.path_qs} through the gate")
+                self.sessions.lost(ticket.slot_id, f"a client's POST {request.path_qs} through the gate")
             return resp
 
-    async def conversation(self, request: web.Request) -> web.StreamResponse:
+    async def kv_request(self, request: web.Request) -> web.StreamResponse:
+        """A request that runs on a slot: it takes the slot's FIFO. One of a conversation gets
+        the turn (save → restore) before it is forwarded; one without a conversation (a raw
+        completion, an embedding, a chat with no user text) only the save of the held
+        conversation, since it replaces what the slot holds. The FIFO is released once the
+        response has been delivered, or the client went away and the engine stopped."""
         body = await request.read()
-        try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            parsed = None  # the engine answers a bad body itself
-        key = conversation_key(parsed)
-        if key is None:
-            return await self.proxy(request, body)
+        key = None
+        if request.path in CONVERSATION_PATHS:
+            try:
+                key = conversation_key(json.loads(body))
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                key = None  # the engine answers a bad body itself
         s = self.sessions
-        slot = s.slot()
+        ticket = await s.admit()
         rid = uuid.uuid4().hex[:12]
-        await slot.lock.acquire()
         # The turn is shielded: a client leaving mid-save must not leave the engine's slot
         # half-way between two conversations while the FIFO moves on.
-        turn_task = asyncio.get_running_loop().create_task(s.turn(key, slot.id))
+        turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key))
         forwarded = False
+        watcher = SSEWatcher()
         try:
             await asyncio.shield(turn_task)
             if self.request_log:
-                self.request_log.write(event="start", id=rid, slot=slot.id, key=key)
-            watcher = SSEWatcher()
-            slot.busy = forwarded = True
+                self.request_log.write(event="start", id=rid, slot=ticket.slot_id, key=key)
+            forwarded = True
             # Not shielded: cancelling it (client gone) closes the upstream request.
             resp = await self.proxy(request, body, watcher)
         except asyncio.CancelledError:
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
-            self._spawn(self._settle_cancelled(slot, key, rid, turn_task, forwarded))
+            self._spawn(self._settle_cancelled(ticket, key, rid, turn_task, forwarded))
             raise
         except BaseException:
-            s.finish(slot.id, key, None, None, "error")
-            if self.request_log and forwarded:
-                self.request_log.write(event="end", id=rid, slot=slot.id, n_tokens=None, status="error")
-            slot.busy = False
-            slot.lock.release()
+            self._spawn(self._after(ticket, key, watcher, "error" if forwarded else "not_run", rid))
             raise
         # Delivered. The bookkeeping runs to its end even if the client hangs up now (a
         # streaming client often closes right after the last chunk), and releases the FIFO.
-        status = "ok" if resp.status < 400 and not watcher.broken else "error"
-        after = self._spawn(self._after(slot.id, key, watcher, status, rid))
-
-        def release(_: asyncio.Task) -> None:
-            slot.busy = False
-            slot.lock.release()
-
-        after.add_done_callback(release)
-        await asyncio.shield(after)
+        if resp.status == 502 and not watcher.reached:
+            status = "not_run"  # the gate could not reach the engine: nothing ran
+        elif 400 <= resp.status < 500:
+            status = "rejected"  # llama-server refuses a request (4xx) before it runs it
+        else:
+            status = "ok" if resp.status < 400 and not watcher.broken else "error"
+        await asyncio.shield(self._spawn(self._after(ticket, key, watcher, status, rid)))
         return resp
 
-    async def _after(self, slot_id: int, key: str, watcher: SSEWatcher, status: str, rid: str) -> None:
-        """Still holding the FIFO: read what the slot holds now and report it."""
-        n_tokens, cache_n, n_prompt = None, None, None
-        t = watcher.timings or {}
-        if "cache_n" in t:
-            cache_n = int(t["cache_n"])
-            n_prompt = cache_n + int(t.get("prompt_n") or 0)
+    async def _after(self, ticket: Ticket, key: str | None, watcher: SSEWatcher, status: str, rid: str) -> None:
+        """Still holding the FIFO: tell sessions how the request ended (it reads the slot
+        itself), then release the FIFO whatever happens."""
         try:
-            st = await self.sessions.engine_slot(slot_id)
-            if st is not None:
-                n_tokens = st.n_tokens
-                if cache_n is None:
-                    cache_n = st.n_cached
-        except EngineError:
-            u = watcher.usage or {}
-            total = u.get("total_tokens") or (u.get("input_tokens", 0) + u.get("output_tokens", 0))
-            n_tokens = int(total) if total else None
-        log.debug("gate: %s ended %s: slot holds %s tokens, cache_n %s", key, status, n_tokens, cache_n)
-        self.sessions.finish(slot_id, key, n_tokens, cache_n, status, n_prompt)
-        if self.request_log:
-            self.request_log.write(event="end", id=rid, slot=slot_id, n_tokens=n_tokens, status=status)
+            cache_n, n_prompt, n_tokens = watcher.numbers()
+            log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
+            await self.sessions.ended(ticket.slot_id, key, status, n_tokens, cache_n, n_prompt)
+            if self.request_log and status != "not_run":
+                self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
+                                       status="ok" if status == "ok" else "error",
+                                       **({"cache_n": cache_n} if cache_n is not None else {}))
+        except Exception as e:  # the answer is delivered; bookkeeping must not turn it into an error
+            log.exception("gate: bookkeeping after a request of %s: %s", key, e)
+        finally:
+            ticket.release()
 
-    async def _settle_cancelled(self, slot: Any, key: str, rid: str, turn_task: asyncio.Task,
+    async def _settle_cancelled(self, ticket: Ticket, key: str | None, rid: str, turn_task: asyncio.Task,
                                 forwarded: bool) -> None:
         """After a client disconnect: let the turn finish, wait (bounded) for the engine to
-        stop generating, mark the held state provisional, then release the FIFO."""
+        stop generating, tell sessions (a partial state: provisional), then release the FIFO."""
         try:
             with contextlib.suppress(Exception):
                 await turn_task
             if not forwarded:
-                return  # the request never reached the engine: the turn's view stands
+                await self.sessions.ended(ticket.slot_id, key, "not_run")
+                return
             deadline = time.monotonic() + self.cfg.engine.timeout_s
-            n_tokens = None
             while time.monotonic() < deadline:
                 try:
-                    st = await self.sessions.engine_slot(slot.id)
+                    st = await self.sessions.engine_slot(ticket.slot_id)
                 except EngineError:
                     break
                 if st is None or not st.is_processing:
-                    n_tokens = st.n_tokens if st else None
                     break
                 await asyncio.sleep(0.05)
-            log.debug("gate: %s cancelled by the client: slot holds %s tokens", key, n_tokens)
-            self.sessions.finish(slot.id, key, n_tokens, None, "cancelled")
+            await self.sessions.ended(ticket.slot_id, key, "cancelled")
             if self.request_log:
-                self.request_log.write(event="end", id=rid, slot=slot.id, n_tokens=n_tokens, status="cancelled")
+                self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=None, status="cancelled")
+        except Exception as e:
+            log.exception("gate: settling a cancelled request of %s: %s", key, e)
         finally:
-            slot.busy = False
-            slot.lock.release()
+            ticket.release()
 
     # -- metrics ---------------------------------------------------------------
     def metrics(self) -> str:

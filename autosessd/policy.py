@@ -3,11 +3,17 @@
 No I/O and no clock here; sessions.py performs what these functions decide. The
 turn has two decisions because the second depends on how the first went:
 
-    plan_save(held, key, ...)                    -> Save | Skip | None
+    plan_save(held, occasion, ..., key)          -> Save | Skip | None
     plan_restore(held, key, save_outcome, ...)   -> Restore | Skip | None
 
-    key is None          nothing at all (not a conversation request)
-    key == held.key      nothing; the caller updates the token count afterwards
+plan_save is the one "save or not" decision: the turn (a switch, or a keyless
+request that will replace the slot's contents), the stop and the tail's save-behind
+all ask it.
+
+    key is None          no restore; the held conversation is saved as at a switch
+                         (a keyless request replaces what the slot holds), and the
+                         request itself is forwarded untouched
+    key == held.key      nothing; the token count is updated after the request
     otherwise            save the held conversation if it reached min_tokens
                          (and its file is not already up to date), then restore
                          auto-<key>.bin if it exists, fits this model and reached
@@ -24,10 +30,11 @@ from enum import Enum
 
 @dataclass(frozen=True)
 class Held:
-    """What an engine slot holds, as far as autosessd knows."""
+    """A conversation an engine slot holds, as far as autosessd knows (sessions.py's view of
+    a HELD or RESTORED slot, reduced to what the decisions need)."""
 
     key: str
-    n_tokens: int
+    n_tokens: int | None  # the engine's count; None when it cannot be read (an engine run with --no-slots)
     durable: bool  # False after a cancelled request: a provisional state
 
 
@@ -42,7 +49,7 @@ class FileInfo:
 @dataclass(frozen=True)
 class Save:
     key: str
-    n_tokens: int
+    n_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -70,22 +77,42 @@ NO_FILE = "no file"
 MODEL_MISMATCH = "model mismatch"
 UP_TO_DATE = "file up to date"
 SAVE_FAILED_DURABLE = "the save of the held conversation failed and the engine still holds it"
+PROVISIONAL = "a cancelled request left a partial state"
 
 
-def plan_save(held: Held | None, key: str | None, min_tokens: int, saved: FileInfo | None = None,
-              model: str | None = None) -> Save | Skip | None:
-    """Step 2: should the held conversation be saved before `key` runs?
+class Occasion(Enum):
+    """Why a save is considered. The turn, the stop and the tail's save-behind all decide
+    with plan_save; only the occasion differs."""
 
-    `saved` is what the store has for the held key already; a file with the same
-    token count for the same model is up to date and is not written again.
+    SWITCH = "switch"    # a request of another conversation is next on the slot
+    KEYLESS = "keyless"  # a request without a conversation (raw completion, embedding) is next:
+                         # it replaces the slot's contents as surely as a switch does
+    STOP = "stop"        # the daemon stops
+    BEHIND = "behind"    # tail: the held conversation's request ended and the engine is idle
+
+
+def plan_save(held: Held | None, occasion: Occasion, min_tokens: int, saved: FileInfo | None = None,
+              model: str | None = None, key: str | None = None) -> Save | Skip | None:
+    """Step 2: should the held conversation be saved now (before `key` runs, at a switch)?
+
+    `saved` is what the store has for the held key already; a file with the same token
+    count for the same model is up to date and is not written again. A count that cannot
+    be read (None) is saved, and sessions.py drops the file if the engine's own count
+    turns out below min_tokens.
     """
-    if key is None or held is None or held.key == key:
+    if held is None:
         return None
-    if held.n_tokens < min_tokens or held.n_tokens == 0:
+    if occasion is Occasion.SWITCH and held.key == key:
+        return None
+    n = held.n_tokens
+    if n is not None and (n < min_tokens or n == 0):
         return Skip("save", held.key, BELOW_MIN)
-    if saved is not None and saved.n_tokens == held.n_tokens and saved.model == model and held.durable:
+    if saved is not None and n is not None and saved.n_tokens == n and saved.model == model and held.durable:
         return Skip("save", held.key, UP_TO_DATE)
-    return Save(held.key, held.n_tokens)
+    if occasion is Occasion.BEHIND and not held.durable:
+        # A cancelled request's partial state is worth a save only when it is about to be lost.
+        return Skip("save", held.key, PROVISIONAL)
+    return Save(held.key, n)
 
 
 def plan_restore(held: Held | None, key: str | None, outcome: SaveOutcome, file: FileInfo | None,

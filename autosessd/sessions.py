@@ -1,18 +1,57 @@
-"""Applies the turn (policy.py) through an engine and the store; owns what each slot holds.
+"""Owns what each engine slot holds, and applies the turn (policy.py) through the engine and the store.
+
+What a slot holds is one state machine per slot (STYLE §13). Only this module moves it;
+the gate, the tail and the control socket report what they saw through the methods below.
+
+    EMPTY     holds nothing: a slot that never ran, or one a failed restore cleared
+    SWITCHED  a request of `key` (None: a request without a conversation) was let
+              through and its end is not seen yet; `prior` is what the slot held before
+    HELD      holds conversation `key`, n_tokens of it (the engine's count); durable,
+              or provisional after a cancelled request (a partial state)
+    RESTORED  holds auto-<key>.bin as the engine restored it; the next response's
+              timings.cache_n verifies that the engine reused it
+    UNKNOWN   may hold anything (the engine restarted, a request or slot action that
+              bypassed the FIFO, a person's file restored by hand, a request without a
+              conversation): never saved under a key
+
+Transitions (method → new state):
+
+    turn(K)           save the held conversation if worth it, restore K if it has a file
+                      (RESTORED, or EMPTY when the restore failed), then switched_to(K)
+    switched_to(K)    → SWITCHED(K, prior = the state the request starts from)
+    ended(ok)         → HELD(K, the engine's count, durable), and a RESTORED prior is verified
+    ended(cancelled)  → HELD(K, provisional), or prior when the engine's slot did not change
+    ended(error)      → prior when the engine's slot did not change (a rejected request holds
+                        nothing new), otherwise UNKNOWN
+    ended(not_run)    → prior (the request never reached the engine)
+    a request without a conversation that ran → UNKNOWN
+    _observe at the next turn: a SWITCHED whose end was not seen (turn hook: the serving
+                      layer runs one request at a time) is settled as ended; a task the
+                      engine ran that we did not let through, or another token count → lost
+    lost(why)         → UNKNOWN
+
+How the engine's truth is read: the token count from its save/restore answers and from
+GET /slots (`n_prompt_tokens`), a request that bypassed the FIFO from the slot's task id
+(`id_task`), a restore's reuse from `timings.cache_n` (gate), a request-log line's
+`cache_n`, or GET /slots while the request runs (turn hook, tail: llama-server resets the
+slot's counters when a request ends). An engine that hides its slots (--no-slots) leaves
+counts to the responses and cannot show requests that bypass the gate.
 
 Ordering, per engine slot:
 
-    async with sessions.lock(slot):        # the slot's FIFO: one turn + request at a time
-        result = await sessions.turn(key, slot)   # save held → restore key; never raises
-        ... the request runs on the engine ...
-        sessions.finish(slot, key, n_tokens, cache_n, status)
+    ticket = await sessions.admit(slot)     # the slot's FIFO: one turn + request at a time
+    result = await sessions.turn(ticket, key)   # save held → restore key; never raises
+    ... the request runs on the engine ...
+    await sessions.ended(ticket.slot_id, key, status, ...)
+    ticket.release()                        # safe twice
 
-The save must finish before the restore: both target the same slot, and the restore
-replaces the state the save reads. asyncio.Lock wakes waiters in FIFO order, so
-requests run in the order they arrived. A save returns to the turn as soon as the
-engine has written the temporary and its size checked out; the fsync/rename/metadata
-(store.finalize) runs in a worker thread off the request's path, and a later restore or
-save of the same key waits for it.
+Every request that can touch a slot's KV passes its FIFO; one without a conversation
+skips the restore, not the queue. The save must finish before the restore: both target
+the same slot, and the restore replaces the state the save reads. asyncio.Lock wakes
+waiters in FIFO order, so requests run in the order they arrived. A save returns to the
+turn as soon as the engine has written the temporary and its size and header checked
+out; the fsync/rename/metadata (store.finalize) runs in a worker thread off the
+request's path, and a later restore or save of the same key waits for it.
 
 Every failure is caught here, logged as `auto sessions: <what>: <why>`, counted, and
 turned into "do nothing": the request then runs exactly as it would without autosessd.
@@ -23,21 +62,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
-from . import __version__, policy
+from . import __version__, policy, slotfile
 from .config import Config
-from .engines.base import Engine, EngineError, SlotState
-from .policy import FileInfo, Held, Restore, Save, SaveOutcome, Skip
+from .engines.base import Engine, EngineError, SlotsHidden, SlotState
+from .policy import FileInfo, Held, Occasion, Restore, Save, SaveOutcome, Skip
 from .store import Meta, Store, StoreError, auto_name, manual_name, temp_name
 
 log = logging.getLogger("autosessd")
@@ -45,10 +86,11 @@ log = logging.getLogger("autosessd")
 # Causes reported when a restore was not reused, most likely first.
 NOT_REUSED_CAUSE = ("the engine did not reuse the restored state: a sliding-window model (Gemma 2/3, ...) "
                     "run without --swa-full, or a prompt that no longer starts with the saved conversation")
+WATCH_EVERY_S = 0.025  # GET /slots while a request whose restore awaits verification runs (hook, tail)
 
 
-def fmt_tokens(n: int) -> str:
-    return f"{n:,}"
+def fmt_tokens(n: int | None) -> str:
+    return "?" if n is None else f"{n:,}"
 
 
 def fmt_bytes(n: int) -> str:
@@ -74,6 +116,7 @@ class Counters:
     saves_discarded: int = 0
     restores_reused: int = 0
     restores_not_reused: int = 0
+    restores_unverified: int = 0
     engine_resets: int = 0
     bytes_saved: int = 0
     bytes_restored: int = 0
@@ -85,13 +128,73 @@ class Counters:
     pruned_bytes: int = 0
 
 
+class Phase(Enum):
+    EMPTY = "empty"
+    SWITCHED = "switched"
+    HELD = "held"
+    RESTORED = "restored"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class View:
+    """What one slot holds, as far as autosessd knows (the module docstring has the states)."""
+
+    phase: Phase
+    key: str | None = None
+    n_tokens: int | None = 0  # the engine's count; None when it cannot be read
+    durable: bool = True
+    restored: int | None = None  # RESTORED (and SWITCHED after it): tokens restored, not yet verified
+    prior: View | None = None  # SWITCHED: what the slot held when the request started
+    why: str = ""  # UNKNOWN: how it came to be unknown
+
+    def held(self) -> Held | None:
+        """The conversation a save would write, when the slot holds one we can name."""
+        if self.phase in (Phase.HELD, Phase.RESTORED) and self.key is not None:
+            return Held(self.key, self.n_tokens, self.durable)
+        return None
+
+    @property
+    def slot_tokens(self) -> int | None:
+        """What GET /slots should show for this state, when we know it."""
+        return 0 if self.phase is Phase.EMPTY else self.n_tokens if self.phase in (Phase.HELD, Phase.RESTORED) else None
+
+
+UNKNOWN_AT_START = View(Phase.UNKNOWN, n_tokens=None, why="not seen since autosessd started")
+
+
 @dataclass
 class Slot:
     id: int
-    held: Held | None = None
+    view: View = UNKNOWN_AT_START
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    restored: int | None = None  # tokens restored by the last turn, until a response verifies them
-    busy: bool = False  # a request of ours is running on it
+    task_id: int | None = None  # the engine's id_task when we last looked: a new one means a request ran
+    seen_cache_n: tuple[int, int] | None = None  # (task id, cache_n) read from GET /slots while it ran
+    watcher: asyncio.Task | None = None
+
+
+class Ticket:
+    """A place in one slot's FIFO, from Sessions.admit(). Release is safe twice, so every
+    path out of a request (delivered, failed, cancelled, settled later) may call it."""
+
+    def __init__(self, slot: Slot):
+        self._slot = slot
+        self._released = False
+
+    @property
+    def slot_id(self) -> int:
+        return self._slot.id
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._slot.lock.release()
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.release()
 
 
 @dataclass
@@ -105,6 +208,7 @@ class TurnResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
 
 
 class Events:
@@ -140,13 +244,17 @@ class Events:
             self._followers.discard(q)
 
 
+
+
 class Sessions:
-    def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = ""):
+    def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
+                 slots_visible: bool = True):
         self.cfg = cfg
         self.engine = engine
         self.store = store
         self.model = model
         self.model_name = model_name
+        self.slots_visible = slots_visible  # False: the engine runs with --no-slots
         self.counters = Counters()
         self.events = Events()
         self.slots: dict[int, Slot] = {}
@@ -160,120 +268,270 @@ class Sessions:
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
 
-    # -- slots -----------------------------------------------------------------
+    # -- slots and their FIFOs ---------------------------------------------------
     def slot(self, slot_id: int | None = None) -> Slot:
         sid = self.cfg.engine.slot if slot_id is None else slot_id
         if sid not in self.slots:
             self.slots[sid] = Slot(sid)
         return self.slots[sid]
 
+    async def admit(self, slot_id: int | None = None) -> Ticket:
+        """Wait for the slot's FIFO. Whatever runs a turn, a request, a save or a restore on
+        the slot holds a ticket until the engine is done with it."""
+        s = self.slot(slot_id)
+        await s.lock.acquire()
+        return Ticket(s)
+
+    async def fifos_free(self) -> None:
+        """Until no ticket is held on any slot (a stop waits for this, bounded by its caller)."""
+        for s in list(self.slots.values()):
+            async with s.lock:
+                pass
+
+    def view(self, slot_id: int | None = None) -> View:
+        return self.slot(slot_id).view
+
     async def engine_slot(self, slot_id: int) -> SlotState | None:
         """What the engine itself says of one slot (EngineError when it cannot say)."""
         return next((x for x in await self.engine.slots() if x.id == slot_id), None)
 
-    @contextlib.asynccontextmanager
-    async def lock(self, slot_id: int | None = None) -> AsyncIterator[Slot]:
-        s = self.slot(slot_id)
-        async with s.lock:
-            yield s
+    async def _look(self, s: Slot) -> SlotState | None:
+        """GET /slots for one slot; None when the engine hides its slots or cannot answer."""
+        if not self.slots_visible:
+            return None
+        try:
+            return await self.engine_slot(s.id)
+        except SlotsHidden:
+            self.slots_visible = False
+            log.warning("engine: GET /slots is off now (--no-slots): token counts come from responses")
+        except EngineError as e:
+            log.debug("auto sessions: slot %d: cannot read the engine's slot: %s", s.id, e)
+        return None
 
-    def reset_held(self, slot_id: int | None, why: str) -> None:
-        """The engine lost what it held (a restart): forget it, so the next request of the
-        held conversation restores it instead of trusting a state that is gone."""
+    # -- transitions (the only writers of Slot.view) ---------------------------
+    def _set(self, s: Slot, view: View) -> None:
+        if view.phase is not Phase.SWITCHED and view.prior is not None:
+            view = dataclasses.replace(view, prior=None)
+        if (view.phase, view.key) != (s.view.phase, s.view.key):
+            log.debug("auto sessions: slot %d: %s %s → %s %s", s.id, s.view.phase.value, s.view.key or "",
+                      view.phase.value, view.key or "")
+        s.view = view
+
+    def switched_to(self, slot_id: int | None, key: str | None) -> None:
+        """A request of `key` (None: no conversation) starts on the slot now, whatever we do
+        (after a turn, or seen in a request log)."""
         s = self.slot(slot_id)
-        if s.held is not None:
-            log.info("auto sessions: engine no longer holds %s (%s); the next request restores it",
-                     s.held.key, why)
-            self.events.emit("engine_reset", slot=s.id, key=s.held.key, why=why)
+        v = s.view
+        if v.phase is Phase.SWITCHED:
+            # Another request whose end was not seen is still ahead of this one on the slot.
+            prior = v.prior if v.key == key else View(Phase.UNKNOWN, n_tokens=None,
+                                                       why="two requests overlapped on the slot")
+            restored = v.restored if v.key == key else None
+        else:
+            prior, restored = v, (v.restored if v.key == key else None)
+        s.seen_cache_n = None
+        self._set(s, View(Phase.SWITCHED, key, n_tokens=None, restored=restored, prior=prior))
+
+    async def ended(self, slot_id: int | None, key: str | None, status: str, n_tokens: int | None = None,
+                    cache_n: int | None = None, n_prompt: int | None = None, look: bool = True) -> None:
+        """The request of `key` that switched_to announced has ended.
+
+        status: ok | cancelled | error (the engine failed it part-way) | rejected (it answered
+        4xx: it refused the request before running it) | not_run (it never reached the engine).
+        n_tokens, cache_n, n_prompt: what the response or log line said; the engine's own
+        GET /slots is read when `look` and preferred for the count."""
+        s = self.slot(slot_id)
+        v = s.view
+        if v.phase is not Phase.SWITCHED or v.key != key:
+            log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,
+                      v.phase.value, v.key or "")
+            return
+        st = await self._look(s) if look and status != "not_run" else None
+        if st is not None and st.is_processing:
+            st = None  # the next request runs already (a log read late): this one's end is not visible
+        self._settle(s, v, status, st, n_tokens, cache_n, n_prompt)
+
+    def lost(self, slot_id: int | None, why: str) -> None:
+        """The slot's contents changed behind our back: hold nothing named, so the next
+        request of the conversation restores it instead of trusting a state that is gone."""
+        s = self.slot(slot_id)
+        v = s.view
+        named = v.key if v.phase in (Phase.HELD, Phase.RESTORED, Phase.SWITCHED) else None
+        if named is not None:
+            log.info("auto sessions: slot %d no longer holds %s (%s); the next request restores it", s.id,
+                     named, why)
+            self.events.emit("engine_reset", slot=s.id, key=named, why=why)
             self.counters.engine_resets += 1
-        s.held = None
-        s.restored = None
+        self._set(s, View(Phase.UNKNOWN, n_tokens=None, why=why))
+
+    def _settle(self, s: Slot, v: View, status: str, st: SlotState | None, n_tokens: int | None,
+                cache_n: int | None, n_prompt: int | None) -> None:
+        """SWITCHED → what the slot holds after its request (the table in the docstring)."""
+        prior = v.prior or View(Phase.UNKNOWN, n_tokens=None)
+        if st is not None:
+            s.task_id = st.task_id
+        n = st.n_tokens if st is not None else n_tokens
+        # The engine's slot shows what it showed before the request: the request changed nothing.
+        unchanged = st is not None and prior.slot_tokens is not None and st.n_tokens == prior.slot_tokens
+        if status == "not_run" or (status in ("error", "rejected", "cancelled") and unchanged):
+            new = prior
+        elif status == "rejected" and st is None and not self.slots_visible:
+            new = prior  # cannot look; a 4xx from llama-server comes before anything runs
+        elif status in ("error", "rejected"):
+            new = View(Phase.UNKNOWN, n_tokens=None, why=f"a request of {v.key or 'no conversation'} failed part-way")
+        elif v.key is None:
+            new = View(Phase.UNKNOWN, n_tokens=None, why="a request without a conversation ran")
+        else:
+            new = View(Phase.HELD, v.key, n_tokens=n, durable=(status == "ok"))
+        if v.restored is not None and v.key is not None and new.phase is Phase.HELD:
+            if cache_n is None and s.seen_cache_n is not None:
+                cache_n = s.seen_cache_n[1]
+            self._verify(s, v.key, v.restored, cache_n, n_prompt, status)
+        s.seen_cache_n = None
+        self._set(s, new)
+
+    def _verify(self, s: Slot, key: str, n_restored: int, cache_n: int | None, n_prompt: int | None,
+                status: str) -> None:
+        """A restore is verified by the engine's timings.cache_n, not assumed."""
+        if cache_n is None:
+            if status == "ok":
+                self.counters.restores_unverified += 1
+                log.info("auto sessions: could not see whether the engine reused %s (no cache_n)", auto_name(key))
+            return
+        if policy.restore_reused(n_restored, cache_n, n_prompt):
+            self.counters.restores_reused += 1
+            self.counters.prefill_tokens_avoided += cache_n
+            self.events.emit("restore_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
+            return
+        self.counters.restores_not_reused += 1
+        cause = NOT_REUSED_CAUSE
+        # A regenerated answer's prompt is a little shorter than the restored state (which
+        # holds the answer too); one under half of it was cut back by the client.
+        if n_prompt is not None and n_prompt * 2 < n_restored:
+            cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) is shorter than the restored conversation: "
+                     f"the client cut it, and the engine read the prompt again instead of cutting its "
+                     f"state back")
+        self.last_not_reused = {"key": key, "n_restored": n_restored, "cache_n": cache_n, "at": time.time(),
+                                "likely_cause": cause}
+        log.warning("auto sessions: restored %s tokens of %s but the engine reused %s (timings.cache_n): %s",
+                    fmt_tokens(n_restored), auto_name(key), fmt_tokens(cache_n), cause)
+        self.events.emit("restore_not_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
+
+    async def _observe(self, s: Slot, result: TurnResult | None = None) -> bool:
+        """Bring the slot's view up to date with the engine before acting on it (the caller
+        holds the slot's ticket). False when a request we did not let through is running:
+        a save now would wait for it and capture its state."""
+        st = await self._look(s)
+        v = s.view
+        if st is not None and st.is_processing:
+            msg = "slot busy with a request that did not come through autosessd"
+            log.warning("auto sessions: skipped turn: %s", msg)
+            if result is not None:
+                result.skipped.append(msg)
+            self.counters.skipped_engine_busy += 1
+            self.lost(s.id, msg)
+            return False
+        if v.phase is Phase.SWITCHED:
+            # Its end was not seen (turn hook): the serving layer runs one request at a time,
+            # so it has ended; whether it ran at all, the engine's task id says.
+            ran = st is None or st.task_id != s.task_id
+            self._settle(s, v, "ok" if ran else "not_run", st, None, None, None)
+        elif st is not None and v.phase in (Phase.HELD, Phase.RESTORED):
+            if st.task_id != s.task_id:
+                self.lost(s.id, "a request that did not come through autosessd ran on the slot")
+            elif v.phase is Phase.HELD and v.n_tokens is not None and st.n_tokens != v.n_tokens:
+                self.lost(s.id, f"its slot shows {st.n_tokens:,} tokens, {v.n_tokens:,} were held")
+        if st is not None:
+            s.task_id = st.task_id
+        return True
+
+    def watch_request(self, slot_id: int | None) -> None:
+        """A request whose end we will not see with its timings (turn hook, tail) starts on a
+        restored slot: read GET /slots while it runs, for the cache_n that verifies the restore
+        (llama-server clears it when the request ends)."""
+        s = self.slot(slot_id)
+        if s.view.restored is None or not self.slots_visible or (s.watcher and not s.watcher.done()):
+            return
+        s.watcher = asyncio.get_running_loop().create_task(self._watch(s, s.view.key, s.task_id))
+
+    async def _watch(self, s: Slot, key: str | None, task_before: int | None) -> None:
+        deadline = time.monotonic() + self.cfg.engine.timeout_s
+        while time.monotonic() < deadline and s.view.phase is Phase.SWITCHED and s.view.key == key:
+            try:
+                st = await self.engine_slot(s.id)
+            except EngineError:
+                return
+            if st is not None and st.task_id is not None and st.task_id != task_before:
+                if not st.is_processing:
+                    return  # ended between two looks: the restore stays unverified
+                if st.n_cached is not None and (st.n_cached or st.n_tokens):
+                    s.seen_cache_n = (st.task_id, st.n_cached)
+                    return
+            await asyncio.sleep(WATCH_EVERY_S)
 
     # -- the turn --------------------------------------------------------------
-    async def turn(self, key: str | None, slot_id: int | None = None, check_engine: bool = True) -> TurnResult:
-        """Runs DESIGN §1 for a request of conversation `key`. The caller holds the slot's
-        lock. Never raises (cancellation aside): on any failure the request goes on."""
-        s = self.slot(slot_id)
+    async def turn(self, ticket: Ticket, key: str | None, sees_end: bool = True) -> TurnResult:
+        """DESIGN §1 before a request of conversation `key` (None: a request without one,
+        which skips the restore) on the ticket's slot. Never raises (cancellation aside): on
+        any failure the request goes on. Ends with switched_to(key): the request runs next.
+        sees_end=False (turn hook): its end will not be reported, so a restore is verified
+        by watching the engine's slot instead."""
+        s = self._slot_of(ticket)
         result = TurnResult(key=key)
-        if key is None or not self.cfg.auto_sessions:
-            return result
         t0 = time.monotonic()
-        self.counters.turns += 1
+        if key is not None and self.cfg.auto_sessions:
+            self.counters.turns += 1
         try:
-            if check_engine and s.held is not None:
-                if not await self._engine_still_holds(s, result):
-                    return result
-            await self._turn(s, key, result)
+            if self.cfg.auto_sessions and await self._observe(s, result):
+                await self._turn(s, key, result)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug must not fail the request either
             log.exception("auto sessions: turn for %s: %s", key, e)
             result.errors.append(f"internal error: {e}")
         finally:
+            self.switched_to(s.id, key)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
-            if key is not None and self.cfg.auto_sessions:
+            if self.cfg.auto_sessions and (key is not None or result.saved or result.errors):
                 self.events.emit("turn", slot=s.id, **result.to_dict())
-        self.schedule_prune()
+        if not sees_end:
+            self.watch_request(s.id)
+        if self.cfg.auto_sessions:
+            self.schedule_prune()
         return result
 
-    async def _engine_still_holds(self, s: Slot, result: TurnResult) -> bool:
-        """Compares what the engine's slot shows with what we think it holds. False when
-        the turn must not touch the slot at all (someone else's request is running)."""
-        try:
-            st = await self.engine_slot(s.id)
-        except EngineError as e:
-            log.debug("auto sessions: slot check skipped: %s", e)
-            return True
-        if st is None:
-            return True
-        if st.is_processing:
-            # Not ours (we hold the FIFO): a save now would wait for it and capture its state.
-            msg = "slot busy with a request that did not come through autosessd"
-            log.warning("auto sessions: skipped turn: %s", msg)
-            result.skipped.append(msg)
-            self.counters.skipped_engine_busy += 1
-            s.held, s.restored = None, None
-            return False
-        assert s.held is not None
-        if not self._adopt_unseen_end(s, st) and (st.n_tokens == 0 or st.n_tokens < s.held.n_tokens * 0.9):
-            self.reset_held(s.id, f"its slot shows {st.n_tokens:,} tokens, {s.held.n_tokens:,} were held")
-        return True
+    def _slot_of(self, ticket: Ticket) -> Slot:
+        s = self.slot(ticket.slot_id)
+        assert s.lock.locked(), "a turn needs the slot's ticket"
+        return s
 
-    def _adopt_unseen_end(self, s: Slot, st: SlotState) -> bool:
-        """The held conversation's request ran without us seeing its end (turn hook, tail):
-        what the idle slot holds now is its state, and its cache_n verifies a restore."""
-        if s.held is None or s.held.n_tokens != 0 or st.n_tokens == 0:
-            return False
-        self.finish(s.id, s.held.key, st.n_tokens, st.n_cached, "ok")
-        return True
-
-    async def _turn(self, s: Slot, key: str, result: TurnResult) -> None:
-        held = s.held
-        if held is not None and held.key == key:
-            return
+    async def _turn(self, s: Slot, key: str | None, result: TurnResult) -> None:
+        held = s.view.held()
+        if key is not None and held is not None and held.key == key:
+            return  # the same conversation: its count is updated when the request ends
+        occasion = Occasion.SWITCH if key is not None else Occasion.KEYLESS
         outcome = SaveOutcome.NOT_TRIED
-        if held is not None:
-            step = policy.plan_save(held, key, self.cfg.auto_sessions_min_tokens,
-                                    self._file_info(held.key), self.model)
-            if isinstance(step, Save):
-                outcome = await self._save(s, held, result)
-            elif isinstance(step, Skip):
-                self._skipped(step, result)
+        step = policy.plan_save(held, occasion, self.cfg.auto_sessions_min_tokens,
+                                self._file_info(held.key) if held else None, self.model, key)
+        if isinstance(step, Save):
+            assert held is not None
+            outcome = await self._save(s, held, result)
+        elif isinstance(step, Skip):
+            self._skipped(step, result)
+        if key is None:
+            return
         file = await self._wait_file(key)
         step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens)
         if isinstance(step, Restore):
             await self._restore(s, key, result)
-        else:
-            if isinstance(step, Skip):
-                self._skipped(step, result)
-            # Whether or not anything was restored, the engine holds `key` once this
-            # request has run (by prefill, when nothing was restored).
-            s.held, s.restored = Held(key, 0, durable=False), None
+        elif isinstance(step, Skip):
+            self._skipped(step, result)
 
-    def _skipped(self, step: Skip, result: TurnResult) -> None:
+    def _skipped(self, step: Skip, result: TurnResult | None) -> None:
         name = auto_name(step.key)
         msg = f"skipped {step.what} of {name}: {step.reason}"
-        result.skipped.append(msg)
+        if result is not None:
+            result.skipped.append(msg)
         counter = {policy.BELOW_MIN: "skipped_min_tokens", policy.NO_FILE: "skipped_no_file",
                    policy.MODEL_MISMATCH: "skipped_model_mismatch"}.get(step.reason)
         if counter:
@@ -303,10 +561,10 @@ class Sessions:
         final = target or auto_name(key)
         what = f"save to {final}"
         await self._wait_file(key)
-        short = self.store.check_space(held.n_tokens)
+        short = self.store.check_space(held.n_tokens or 0)
         if short:
             # The prune after this turn evicts the oldest auto files until the next save fits.
-            self._free_target = max(self._free_target, self.store.space_needed(held.n_tokens))
+            self._free_target = max(self._free_target, self.store.space_needed(held.n_tokens or 0))
             self.counters.skipped_disk_full += 1
             self.counters.save_failures += 1
             return self._save_failed(what, short, key, result)
@@ -324,6 +582,7 @@ class Sessions:
                 return self._save_failed(what, str(e), key, result)
             try:
                 self.store.verify_temp(key, res.n_bytes, self.engine.magic)
+                self._check_header(key, res.n_tokens)
             except StoreError as e:
                 self.store.discard_temp(key)
                 self.counters.save_failures += 1
@@ -332,6 +591,11 @@ class Sessions:
                 self.store.discard_temp(key)
                 self.counters.save_failures += 1
                 return self._save_failed(what, "the engine's slot was empty (0 tokens saved)", key, result)
+            if held.n_tokens is None and target is None and res.n_tokens < self.cfg.auto_sessions_min_tokens:
+                # The count could not be read before (no GET /slots): the engine's answer decides.
+                self.store.discard_temp(key)
+                self._skipped(Skip("save", key, policy.BELOW_MIN), result)
+                return SaveOutcome.NOT_TRIED
             why = await check() if check is not None else None
             if why:
                 self.store.discard_temp(key)
@@ -349,9 +613,10 @@ class Sessions:
         finally:
             if not handed_off:
                 self.store.release(final)
-        if s.held is not None and s.held.key == key and target is None:
+        v = s.view
+        if target is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED):
             # The engine's count is the truth (a client's usage may differ by one).
-            s.held = Held(key, res.n_tokens, s.held.durable)
+            self._set(s, dataclasses.replace(v, n_tokens=res.n_tokens))
         self.counters.saves += 1
         self.counters.bytes_saved += res.n_bytes
         self.counters.ms_saved += res.ms
@@ -363,6 +628,19 @@ class Sessions:
         if result is not None:
             result.saved = info
         return SaveOutcome.SAVED
+
+    def _check_header(self, key: str, n_saved: int) -> None:
+        """The file's own header must agree with the engine's answer (llama-server files)."""
+        if self.engine.magic != slotfile.MAGIC_BYTES:
+            return
+        path = self.store.temp_path(key)
+        try:
+            header = slotfile.read_header(path)
+        except (slotfile.BadSlotFile, OSError) as e:
+            raise StoreError(f"{path.name}: {e}") from None
+        if header.n_tokens != n_saved:
+            raise StoreError(f"{path.name} holds {header.n_tokens:,} tokens by its header, the engine reported "
+                             f"{n_saved:,}")
 
     def _finalize(self, key: str, meta: Meta, target: str | None) -> None:
         if target is None:
@@ -392,8 +670,9 @@ class Sessions:
         return SaveOutcome.FAILED
 
     # -- restore -----------------------------------------------------------------
-    async def _restore(self, s: Slot, key: str, result: TurnResult | None, name: str | None = None) -> bool:
-        name = name or auto_name(key)
+    async def _restore(self, s: Slot, key: str | None, result: TurnResult | None, name: str | None = None) -> bool:
+        """Restore auto-<key>.bin (or a person's file `name`, key None) into slot s."""
+        name = name or auto_name(key or "")
         t0 = time.monotonic()
         try:
             with self.store.using(name):
@@ -404,14 +683,20 @@ class Sessions:
             self.events.emit("restore_failed", slot=s.id, key=key, file=name, error=str(e))
             if result is not None:
                 result.errors.append(f"restore of {name}: {e}")
-            # llama-server clears the slot after a failed restore: it holds nothing now.
-            s.held, s.restored = Held(key, 0, durable=False), None
+            if self.engine.kind == "llama-server":  # it clears the slot when a restore fails
+                self._set(s, View(Phase.EMPTY))
+            else:
+                self.lost(s.id, f"the restore of {name} failed")
             return False
         ms = (time.monotonic() - t0) * 1000
         self.counters.restores += 1
         self.counters.bytes_restored += res.n_bytes
         self.counters.ms_restored += res.ms
-        s.held, s.restored = Held(key, res.n_tokens, durable=True), res.n_tokens
+        if key is not None:
+            self._set(s, View(Phase.RESTORED, key, n_tokens=res.n_tokens, restored=res.n_tokens))
+        else:
+            # A person's file: what conversation it holds has no key, so it is never saved under one.
+            self._set(s, View(Phase.UNKNOWN, n_tokens=res.n_tokens, why=f"{name} restored by hand"))
         log.info("auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens), name, ms)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
@@ -420,52 +705,25 @@ class Sessions:
             result.restored = info
         return True
 
-    # -- after the request -------------------------------------------------------
-    def finish(self, slot_id: int | None, key: str | None, n_tokens: int | None = None,
-               cache_n: int | None = None, status: str = "ok", n_prompt: int | None = None) -> None:
-        """The request of `key` ended: update the held token count and durability, and
-        verify a restore from the engine's timings.cache_n."""
-        if key is None or not self.cfg.auto_sessions:
-            return
-        s = self.slot(slot_id)
-        if s.held is None or s.held.key != key:
-            s.held = Held(key, 0, durable=False)
-        tokens = n_tokens if n_tokens is not None else s.held.n_tokens
-        s.held = Held(key, tokens, durable=(status == "ok"))
-        if s.restored is not None and cache_n is not None:
-            n_restored, s.restored = s.restored, None
-            if policy.restore_reused(n_restored, cache_n, n_prompt):
-                self.counters.restores_reused += 1
-                self.counters.prefill_tokens_avoided += cache_n
-                self.events.emit("restore_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
-            else:
-                self.counters.restores_not_reused += 1
-                cause = NOT_REUSED_CAUSE
-                if n_prompt is not None and n_prompt < n_restored:
-                    cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) is shorter than the restored conversation: "
-                             f"the client cut it, and the engine read the prompt again instead of cutting its "
-                             f"state back")
-                self.last_not_reused = {"key": key, "n_restored": n_restored, "cache_n": cache_n,
-                                        "at": time.time(), "likely_cause": cause}
-                log.warning("auto sessions: restored %s tokens of %s but the engine reused %s "
-                            "(timings.cache_n): %s", fmt_tokens(n_restored), auto_name(key),
-                            fmt_tokens(cache_n), cause)
-                self.events.emit("restore_not_reused", slot=s.id, key=key, cache_n=cache_n,
-                                 n_restored=n_restored)
-        elif status != "ok":
-            s.restored = None
-
-    # -- commands ----------------------------------------------------------------
+    # -- commands and the other inputs' occasions ------------------------------------
     async def park(self, slot_id: int | None = None, name: str | None = None) -> dict[str, Any]:
         """Save the held conversation now, whatever its size; with a name, to NAME.bin."""
-        s = self.slot(slot_id)
         target = manual_name(name) if name is not None else None
-        async with s.lock:
-            if s.held is None:
-                raise StoreError("nothing is held: no conversation has run through autosessd on this slot")
-            res = TurnResult(key=s.held.key)
-            outcome = await self._save(s, s.held, res, target)
-            await self._wait_file(s.held.key)
+        async with await self.admit(slot_id) as t:
+            s = self._slot_of(t)
+            if not await self._observe(s):
+                raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
+            v = s.view
+            held = v.held()
+            if held is None and target is not None and v.phase is Phase.UNKNOWN:
+                # What the slot holds has no key, but the person asked for it by name.
+                held = Held(f"park-{s.id}", v.n_tokens, True)
+            if held is None:
+                raise StoreError(f"slot {s.id} holds no conversation autosessd can name ({v.phase.value}"
+                                 f"{': ' + v.why if v.why else ''})")
+            res = TurnResult(key=held.key)
+            outcome = await self._save(s, held, res, target)
+            await self._wait_file(held.key)
         if outcome is not SaveOutcome.SAVED:
             raise StoreError("; ".join(res.errors) or "save failed")
         return res.saved or {}
@@ -474,80 +732,105 @@ class Sessions:
         """Restore auto-<KEY>.bin or a manual NAME.bin into the slot."""
         from .keys import is_key
 
-        s = self.slot(slot_id)
         if is_key(what):
-            key, name = what, auto_name(what)
-            meta = self.store.read_meta(key)
+            key: str | None = what
+            name = auto_name(what)
+            meta = self.store.read_meta(what)
             if meta is None:
                 raise StoreError(f"no session {name} in {self.store.path}")
             if meta.model != self.model:
                 raise StoreError(f"{name} was saved for another model ({meta.model}, engine has {self.model})")
         else:
-            name = manual_name(what)
+            key, name = None, manual_name(what)
             if not (self.store.path / name).is_file():
                 raise StoreError(f"no session {name} in {self.store.path}")
-            key = name
-        async with s.lock:
+        async with await self.admit(slot_id) as t:
+            s = self._slot_of(t)
+            if not await self._observe(s):
+                raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
             res = TurnResult(key=key)
+            # Like a switch: the held conversation is saved before the restore replaces it.
+            held = s.view.held()
+            step = policy.plan_save(held, Occasion.SWITCH if key else Occasion.KEYLESS,
+                                    self.cfg.auto_sessions_min_tokens, self._file_info(held.key) if held else None,
+                                    self.model, key)
+            if isinstance(step, Save) and held is not None:
+                await self._save(s, held, res)
             if not await self._restore(s, key, res, name):
                 raise StoreError("; ".join(res.errors))
         return res.restored or {}
 
     def forget(self, key: str) -> int:
+        """Remove auto-<key>.bin. A slot still holding the conversation keeps it; it is
+        saved again only if the conversation goes on (its file is gone, so not up to date)."""
         freed = self.store.remove(key)
-        for s in self.slots.values():
-            if s.held is not None and s.held.key == key:
-                s.held = Held(key, s.held.n_tokens, durable=False)
         self.events.emit("forgot", key=key, bytes=freed)
         return freed
 
     async def save_held(self, slot_id: int | None = None, why: str = "stop") -> bool:
         """Save the held conversation if it reached min tokens and the engine is idle
-        (a running request's state is partial). Used on a normal stop."""
-        s = self.slot(slot_id)
-        if s.held is None:
-            log.info("auto sessions: %s: nothing held on slot %d, nothing to save", why, s.id)
-            return False
-        try:
-            st = await self.engine_slot(s.id)
-        except EngineError as e:
-            log.warning("auto sessions: %s save skipped: %s", why, e)
-            return False
-        if st is None or st.is_processing:
-            log.warning("auto sessions: %s save skipped: a request is running on slot %d and its state "
-                        "is partial", why, s.id)
-            return False
-        self._adopt_unseen_end(s, st)
-        if s.held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
-            log.info("auto sessions: %s: %s holds %s tokens, below min tokens: not saved", why,
-                     auto_name(s.held.key), fmt_tokens(s.held.n_tokens))
-            return False
-        info = self._file_info(s.held.key)
-        if info and info.n_tokens == s.held.n_tokens and info.model == self.model:
-            log.info("auto sessions: %s: %s is up to date", why, auto_name(s.held.key))
-            return True
-        outcome = await self._save(s, s.held, None)
+        (a running request's state is partial). Used on a normal stop; the caller bounds it."""
+        async with await self.admit(slot_id) as t:
+            s = self._slot_of(t)
+            st = await self._look(s)
+            if st is not None and st.is_processing:
+                log.warning("auto sessions: %s save skipped: a request is running on slot %d and its state "
+                            "is partial", why, s.id)
+                return False
+            await self._observe(s)
+            held = s.view.held()
+            step = policy.plan_save(held, Occasion.STOP, self.cfg.auto_sessions_min_tokens,
+                                    self._file_info(held.key) if held else None, self.model)
+            if held is None:
+                log.info("auto sessions: %s: slot %d holds no conversation to save (%s)", why, s.id,
+                         s.view.phase.value)
+                return False
+            if isinstance(step, Skip):
+                log.info("auto sessions: %s: %s holds %s tokens: not saved (%s)", why, auto_name(held.key),
+                         fmt_tokens(held.n_tokens), step.reason)
+                return step.reason == policy.UP_TO_DATE
+            outcome = await self._save(s, held, None)
         await self.drain()
         return outcome is SaveOutcome.SAVED
 
-    async def save_checked(self, slot_id: int, key: str, n_tokens: int,
-                           check: Callable[[int], Awaitable[str | None]]) -> bool:
-        """Save behind (tail): save `key`, which the idle slot holds with n_tokens, keeping
-        the file only if check(n_tokens) finds nothing else reached the slot meanwhile."""
-        s = self.slot(slot_id)
-        outcome = await self._save(s, Held(key, n_tokens, True), None, check=lambda: check(n_tokens))
+    async def save_behind(self, slot_id: int, check: Callable[[int | None], Awaitable[str | None]]) -> bool:
+        """Tail: the held conversation's request ended and nothing else is in flight. Save it
+        if its file is stale, keeping the file only if check(the slot's count before the save)
+        finds that nothing else reached the slot meanwhile."""
+        async with await self.admit(slot_id) as t:
+            s = self._slot_of(t)
+            st = await self._look(s)
+            if st is not None and st.is_processing:
+                return False
+            held = s.view.held()
+            step = policy.plan_save(held, Occasion.BEHIND, self.cfg.auto_sessions_min_tokens,
+                                    self._file_info(held.key) if held else None, self.model)
+            if not isinstance(step, Save) or held is None:
+                return False
+            n_before = st.n_tokens if st is not None else None
+            outcome = await self._save(s, held, None, check=lambda: check(n_before))
         return outcome is SaveOutcome.SAVED
 
-    async def restore_quietly(self, slot_id: int, key: str) -> bool:
-        """Restore auto-<key>.bin if the turn's rules allow it (after an engine restart)."""
-        s = self.slot(slot_id)
-        file = await self._wait_file(key)
-        step = policy.plan_restore(None, key, SaveOutcome.NOT_TRIED, file, self.model,
-                                   self.cfg.auto_sessions_min_tokens)
-        if isinstance(step, Skip):
-            self._skipped(step, TurnResult(key=key))
-            return False
-        return await self._restore(s, key, None)
+    async def restore_behind(self, slot_id: int, key: str, check: Callable[[], Awaitable[str | None]]) -> bool:
+        """Tail, after an engine restart: restore auto-<key>.bin if the turn's rules allow it,
+        and trust it only if check() finds that no request reached the slot meanwhile (the
+        engine defers a restore on a busy slot, so it may land after someone's request)."""
+        async with await self.admit(slot_id) as t:
+            s = self._slot_of(t)
+            file = await self._wait_file(key)
+            step = policy.plan_restore(None, key, SaveOutcome.NOT_TRIED, file, self.model,
+                                       self.cfg.auto_sessions_min_tokens)
+            if isinstance(step, Skip):
+                self._skipped(step, None)
+                return False
+            if not await self._restore(s, key, None):
+                return False
+            why = await check()
+            if why:
+                log.warning("auto sessions: the restore of %s is not trusted: %s", auto_name(key), why)
+                self.lost(s.id, why)
+                return False
+        return True
 
     # -- prune -------------------------------------------------------------------
     def schedule_prune(self) -> None:
@@ -629,7 +912,7 @@ class Sessions:
                 identity = ident or identity
             if restarted:
                 for sid in list(self.slots):
-                    self.reset_held(sid, restarted)
+                    self.lost(sid, restarted)
                 for callback in list(self.on_engine_restart):
                     try:
                         await callback()
@@ -648,11 +931,9 @@ class Sessions:
             "uptime_s": round(time.time() - self.started_at, 1),
             "auto_sessions": self.cfg.auto_sessions,
             "engine": {"kind": self.engine.kind, "url": self.engine.address, "healthy": self.engine_healthy,
-                       "model": self.model_name, "model_fingerprint": self.model, "slots": len(self.slots) or 1},
-            "slots": [{"id": s.id, "held": s.held.key if s.held else None,
-                       "n_tokens": s.held.n_tokens if s.held else 0,
-                       "durable": s.held.durable if s.held else None, "busy": s.busy}
-                      for s in sorted(self.slots.values(), key=lambda x: x.id)],
+                       "model": self.model_name, "model_fingerprint": self.model, "slots": len(self.slots) or 1,
+                       "slots_visible": self.slots_visible},
+            "slots": [self._slot_status(s) for s in sorted(self.slots.values(), key=lambda x: x.id)],
             "counters": asdict(self.counters),
             "last_not_reused": self.last_not_reused,
             "store": {"path": str(self.store.path), "auto_files": len(entries),
@@ -662,9 +943,18 @@ class Sessions:
             "inputs": {name: describe() for name, describe in self.inputs.items()},
         }
 
+    @staticmethod
+    def _slot_status(s: Slot) -> dict[str, Any]:
+        v = s.view
+        named = v.phase in (Phase.HELD, Phase.RESTORED, Phase.SWITCHED)
+        return {"id": s.id, "state": v.phase.value, "held": v.key if named else None,
+                "n_tokens": v.n_tokens if v.phase is not Phase.SWITCHED else None,
+                "durable": v.durable if v.phase in (Phase.HELD, Phase.RESTORED) else None,
+                "awaiting_verification": v.restored is not None, "busy": s.lock.locked(), "why": v.why or None}
+
     def ls(self) -> list[dict[str, Any]]:
         """Every session file: ours (auto) and people's (manual), newest first."""
-        held = {s.held.key for s in self.slots.values() if s.held}
+        held = {s.view.key for s in self.slots.values() if s.view.held()}
         rows = [{"name": e.name, "kind": "auto", "key": e.key, "bytes": e.bytes, "saved_at": e.saved_at,
                  "n_tokens": e.meta.n_tokens if e.meta else None, "model_ok": bool(e.meta and
                                                                                     e.meta.model == self.model),
@@ -679,8 +969,9 @@ class Sessions:
 
     def record_held(self) -> None:
         """Remember the held conversations (for a restore after a restart)."""
-        data = {"model": self.model, "slots": {str(s.id): {"key": s.held.key, "n_tokens": s.held.n_tokens}
-                                               for s in self.slots.values() if s.held}}
+        data = {"model": self.model, "slots": {str(s.id): {"key": s.view.key, "n_tokens": s.view.n_tokens}
+                                               for s in self.slots.values()
+                                               if s.view.key and s.view.phase is not Phase.UNKNOWN}}
         path = self.state_file()
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -13,7 +13,14 @@ Only complete lines are acted on; a partial last line waits for its newline. A l
 MAX_LINE is skipped up to its newline. Bad lines (not UTF-8, not JSON, wrong fields) are
 counted in bad_log_lines and logged once per burst. (dev, inode, offset) is written
 atomically to the state directory after each batch, so a restart neither replays nor
-misses a line.
+misses a line; the very first start begins at the end of an existing log (its history
+is not happening now).
+
+What a line means for the slot is decided in sessions.py: a `start` is switched_to (the
+engine switches now, whatever we do), an `end` is ended (its n_tokens and cache_n, or
+the engine's GET /slots when the line is the newest one read). A start whose end never
+comes expires after IN_FLIGHT_TTL_S once the engine's slot is idle (at most
+MAX_IN_FLIGHT are kept), counted in status as in_flight_expired.
 
 What the tail does with the lines — save behind, never across: a logged request has
 already reached the engine, so the held conversation cannot be saved before the switch.
@@ -23,7 +30,8 @@ slot, so a save issued just as a new request arrives would capture that request'
 under K's name: the save goes to a temporary, and it is kept only if no other request
 started meanwhile (per the log) and the slot still holds what it held before the save.
 After an engine restart, the conversation held before it is restored once the engine is
-idle and no request is in flight.
+idle and no request is in flight, and trusted by the same check: a request that started
+meanwhile may have run before the (deferred) restore, which then replaced its state.
 """
 
 from __future__ import annotations
@@ -41,13 +49,14 @@ from typing import Any
 
 from .engines.base import EngineError
 from .keys import is_key, messages_key
-from .policy import Held
 from .sessions import Sessions
 
 log = logging.getLogger("autosessd")
 
 MAX_LINE = 1 << 20
 POLL_S = 1.0
+MAX_IN_FLIGHT = 1024  # starts without an end kept at most (the oldest expires first)
+IN_FLIGHT_TTL_S = 600.0  # a start older than this, with the engine's slot idle, has lost its end
 BAD_LINE_LOG_EVERY_S = 10.0
 
 
@@ -63,6 +72,7 @@ class LogEvent:
     key: str | None = None
     n_tokens: int | None = None
     status: str | None = None
+    cache_n: int | None = None  # end: the response's timings.cache_n, which verifies a restore
 
 
 def parse_line(line: bytes) -> LogEvent:
@@ -100,7 +110,10 @@ def parse_line(line: bytes) -> LogEvent:
     status = d.get("status", "ok")
     if status not in ("ok", "error", "cancelled"):
         raise BadLine(f"status must be ok, error or cancelled, got {str(status)[:32]!r}")
-    return LogEvent("end", str(rid), slot, n_tokens=n, status=status)
+    cache_n = d.get("cache_n")
+    if cache_n is not None and (not isinstance(cache_n, int) or isinstance(cache_n, bool) or cache_n < 0):
+        raise BadLine("cache_n must be a whole number ≥ 0")
+    return LogEvent("end", str(rid), slot, n_tokens=n, status=status, cache_n=cache_n)
 
 
 class Follower:
@@ -124,6 +137,18 @@ class Follower:
                 self.ident, self.offset = (int(d["dev"]), int(d["ino"])), int(d["offset"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
+
+    def skip_existing(self) -> bool:
+        """At a first start (no offset saved): begin at the end of the log as it is, so the
+        history of a long-running serving layer is not replayed as if it happened now."""
+        if self.ident is not None:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False  # a log that appears later is read from its start
+        self.ident, self.offset = (st.st_dev, st.st_ino), st.st_size
+        return True
 
     def save_state(self) -> None:
         if self.ident is None:
@@ -210,12 +235,15 @@ class Tail:
     name = "tail"
 
     def __init__(self, cfg: Any, sessions: Sessions, path: str):
+        # Policy keys are read from sessions.cfg, which a reload replaces; cfg holds only
+        # what needs a restart (the slot, the state directory).
         self.cfg = cfg
         self.sessions = sessions
         self.path = Path(path)
         digest = hashlib.sha1(str(self.path).encode()).hexdigest()[:12]
         self.follower = Follower(self.path, cfg.effective_state_dir() / f"tail-{digest}.json")
-        self.in_flight: dict[str, LogEvent] = {}  # id → start
+        self.in_flight: dict[str, tuple[LogEvent, float]] = {}  # id → (start, when it was read)
+        self.in_flight_expired = 0
         self.starts_seen = 0  # any start, for "did a request begin meanwhile"
         self.lines = 0
         self._wake = asyncio.Event()
@@ -228,14 +256,21 @@ class Tail:
         self._read_lock = asyncio.Lock()
         self._last_held: str | None = None
 
+    @property
+    def slot(self) -> int:
+        return self.cfg.engine.slot
+
     # -- life ------------------------------------------------------------------
     async def start(self) -> None:
+        if self.follower.skip_existing():
+            log.info("tail: first start on %s: reading from its end (%s bytes are history)", self.path,
+                     f"{self.follower.offset:,}")
+            self.follower.save_state()
         self._start_watch()
-        self._last_held = self.sessions.recorded_held().get(self.cfg.engine.slot)
+        self._last_held = self.sessions.recorded_held().get(self.slot)
         self.sessions.on_engine_restart.append(self._engine_restarted)
         self._task = asyncio.get_running_loop().create_task(self._run())
         log.info("tail: following %s", self.path)
-
     def _start_watch(self) -> None:
         try:
             from watchdog.events import FileSystemEventHandler
@@ -276,7 +311,8 @@ class Tail:
             await asyncio.get_running_loop().run_in_executor(None, self._observer.join, 2.0)
 
     def describe(self) -> dict[str, Any]:
-        return {"request_log": str(self.path), "lines": self.lines, "in_flight": len(self.in_flight)}
+        return {"request_log": str(self.path), "lines": self.lines, "in_flight": len(self.in_flight),
+                "in_flight_expired": self.in_flight_expired}
 
     # -- reading -----------------------------------------------------------------
     async def _run(self) -> None:
@@ -286,6 +322,7 @@ class Tail:
             self._wake.clear()
             try:
                 await self.read_new_lines()
+                await self.expire_in_flight()
             except OSError as e:
                 log.warning("tail: reading %s: %s", self.path, e)
 
@@ -298,8 +335,10 @@ class Tail:
             if self.follower.too_long:
                 self._bad(self.follower.too_long, f"a line over {MAX_LINE:,} bytes")
                 self.follower.too_long = 0
-            for line in lines:
-                self.handle(line)
+            for i, line in enumerate(lines):
+                # Only the last line of a batch may look at the engine's slot: for an earlier
+                # end, the slot already shows what the lines after it did.
+                await self.handle(line, last=(i == len(lines) - 1))
             if lines:
                 await loop.run_in_executor(None, self.follower.save_state)
 
@@ -311,7 +350,7 @@ class Tail:
             log.warning("tail: skipped %d bad line(s) in %s (latest: %s)", self._bad_burst, self.path, why)
             self._bad_logged_at, self._bad_burst = now, 0
 
-    def handle(self, line: bytes) -> None:
+    async def handle(self, line: bytes, last: bool = True) -> None:
         self.lines += 1
         if not line.strip():
             return
@@ -320,24 +359,46 @@ class Tail:
         except BadLine as e:
             self._bad(1, str(e))
             return
-        if ev.slot != self.cfg.engine.slot:
+        if ev.slot != self.slot:
             return
-        s = self.sessions.slot(ev.slot)
         if ev.event == "start":
             self.starts_seen += 1
-            self.in_flight[ev.id] = ev
+            if len(self.in_flight) >= MAX_IN_FLIGHT:  # a serving layer that never logs ends
+                oldest = next(iter(self.in_flight))
+                await self._expire(oldest, "more than {:,} requests in flight".format(MAX_IN_FLIGHT))
+            self.in_flight[ev.id] = (ev, time.monotonic())
+            # The engine switches to this request now, whatever we do.
+            self.sessions.switched_to(ev.slot, ev.key)
+            self.sessions.watch_request(ev.slot)
             if ev.key is not None:
-                # The engine switches to this conversation now, whatever we do.
-                if s.held is None or s.held.key != ev.key:
-                    s.held, s.restored = Held(ev.key, 0, durable=False), None
                 self._last_held = ev.key
             return
-        start = self.in_flight.pop(ev.id, None)
-        if start is None or start.key is None:
+        start, _ = self.in_flight.pop(ev.id, (None, 0.0))
+        if start is None:
             return
-        self.sessions.finish(ev.slot, start.key, ev.n_tokens, None, ev.status or "ok")
-        if ev.status == "ok" and not self.in_flight:
+        await self.sessions.ended(ev.slot, start.key, ev.status or "ok", ev.n_tokens, ev.cache_n, look=last)
+        if ev.status == "ok" and start.key is not None and not self.in_flight:
             self._schedule_save_behind()
+
+    async def expire_in_flight(self, now: float | None = None) -> None:
+        """A start whose end never comes (the serving layer crashed) would block every save
+        behind and the restore after an engine restart: after IN_FLIGHT_TTL_S, with the
+        engine's slot idle, it counts as a request that failed."""
+        now = time.monotonic() if now is None else now
+        old = [rid for rid, (_, at) in self.in_flight.items() if now - at >= IN_FLIGHT_TTL_S]
+        if not old:
+            return
+        st = await self._slot_state()
+        if st is not None and st.is_processing:
+            return  # something still runs: it may be one of them
+        for rid in old:
+            await self._expire(rid, f"no end logged within {IN_FLIGHT_TTL_S:g} s")
+
+    async def _expire(self, rid: str, why: str) -> None:
+        start, _ = self.in_flight.pop(rid)
+        self.in_flight_expired += 1
+        log.warning("tail: request %s in %s: %s; counted as failed", rid, self.path, why)
+        await self.sessions.ended(start.slot, start.key, "error")
 
     # -- save behind ---------------------------------------------------------------
     def _schedule_save_behind(self) -> None:
@@ -352,46 +413,39 @@ class Tail:
             await self._save_behind()
 
     async def _save_behind(self) -> None:
-        s = self.sessions.slot(self.cfg.engine.slot)
         try:
-            while True:
-                if self.in_flight or s.held is None:
+            while True:  # wait for the engine to finish, unless another request is logged
+                if self.in_flight:
                     return
                 st = await self._slot_state()
-                if st is None:
-                    return
-                if not st.is_processing:
+                if st is None or not st.is_processing:
                     break
                 await asyncio.sleep(0.05)
-            held = s.held
-            if held is None or held.n_tokens < max(1, self.cfg.auto_sessions_min_tokens):
-                return
-            info = self.sessions._file_info(held.key)
-            if info and info.n_tokens == st.n_tokens and info.model == self.sessions.model:
-                return  # the file is up to date
             starts_before = self.starts_seen
-            async with self.sessions.lock(s.id):
-                await self.sessions.save_checked(s.id, held.key, st.n_tokens, self._still_ours(starts_before))
+            await self.sessions.save_behind(self.slot, self._still_ours(starts_before))
         except Exception as e:
             log.warning("tail: save behind: %s", e)
 
     def _still_ours(self, starts_before: int) -> Any:
-        async def check(n_tokens_before: int) -> str | None:
-            """Why the state just saved may not be the held conversation's, or None."""
+        async def check(n_tokens_before: int | None = None) -> str | None:
+            """Why the slot's state just saved or restored may not be what we think, or None."""
             with contextlib.suppress(OSError):
                 await self.read_new_lines()
             if self.starts_seen != starts_before or self.in_flight:
-                return "a request started while it was being saved"
+                return "a request started meanwhile"
             st = await self._slot_state()
-            if st is None or st.is_processing or st.n_tokens != n_tokens_before:
-                return "the engine's slot changed while it was being saved"
+            if st is not None and (st.is_processing or (n_tokens_before is not None
+                                                        and st.n_tokens != n_tokens_before)):
+                return "the engine's slot changed meanwhile"
             return None
 
         return check
 
     async def _slot_state(self) -> Any:
+        if not self.sessions.slots_visible:
+            return None
         try:
-            return await self.sessions.engine_slot(self.cfg.engine.slot)
+            return await self.sessions.engine_slot(self.slot)
         except EngineError as e:
             log.debug("tail: slot state: %s", e)
             return None
@@ -402,10 +456,6 @@ class Tail:
         if key is None or self.in_flight:
             return
         st = await self._slot_state()
-        if st is None or st.is_processing or st.n_tokens > 0:
+        if st is not None and (st.is_processing or st.n_tokens > 0):
             return
-        s = self.sessions.slot(self.cfg.engine.slot)
-        async with self.sessions.lock(s.id):
-            if self.in_flight:
-                return
-            await self.sessions.restore_quietly(s.id, key)
+        await self.sessions.restore_behind(self.slot, key, self._still_ours(self.starts_seen))

@@ -12,9 +12,11 @@ autosessd, and misbehaves when asked to:
     --fault hang-restore / 500-restore / die-restore   the same for restore
     --fault slow-save=SECONDS   write the file slowly (for crash tests)
 
-Faults apply to session files, not to autosessd's start probe. State files start with
-llama-server's magic "qsgg", then the token count and the prompt text (its "KV state"),
-padded to --bytes-per-token per token.
+Faults apply to session files, not to autosessd's start probe. State files have
+llama-server's header (autosessd/slotfile.py: magic "qsgg", the token list), then the
+prompt text (its "KV state"), padded to --bytes-per-token per token. Unlike llama-server,
+the fake serves a chat while a slot action on the same slot is still running (the real
+engine runs a slot's actions and requests in order).
 
     python tests/fake_engine.py --port P --dir D [--control unix:/path] [--fault F]
 """
@@ -30,7 +32,8 @@ import time
 
 from aiohttp import web
 
-MAGIC = b"qsgg"
+from autosessd import slotfile
+
 
 
 class Fake:
@@ -44,6 +47,7 @@ class Fake:
         self.processing = False
         self.requests = 0
         self.last_prompt = ""
+        self.task_id: int | None = None  # GET /slots id_task: the last request that ran
 
     def fault(self, name: str, filename: str) -> bool:
         return name in self.faults and "probe" not in filename
@@ -57,8 +61,11 @@ class Fake:
             raise web.HTTPInternalServerError(text=json.dumps({"error": {"message": "boom", "code": 500}}),
                                               content_type="application/json")
         prompt = self.last_prompt.encode()
-        head = MAGIC + self.tokens.to_bytes(8, "little") + len(prompt).to_bytes(4, "little") + prompt
-        n_bytes = max(len(head), 16 + self.tokens * self.bytes_per_token)
+        # The header in llama-server's layout (slotfile.py), its token ids standing for the
+        # prompt's bytes; the "KV state" after it carries the prompt text for a restore.
+        ids = list(prompt[: self.tokens]) + [0] * max(0, self.tokens - len(prompt))
+        head = slotfile.build(ids, len(prompt).to_bytes(4, "little") + prompt)
+        n_bytes = max(len(head), len(head) + self.tokens * self.bytes_per_token)
         t0 = time.monotonic()
         slow = float(self.params.get("slow-save", 0)) if "probe" not in name else 0
         with open(path, "wb") as f:
@@ -87,18 +94,19 @@ class Fake:
         if self.fault("die-restore", name):
             os._exit(9)
         try:
+            header = slotfile.read_header(path)
             with open(path, "rb") as f:
-                head = f.read(16)
-                prompt = f.read(int.from_bytes(head[12:16], "little")).decode(errors="replace")
+                f.seek(12 + 4 * (header.n_tokens + 4))
+                prompt = f.read(int.from_bytes(f.read(4), "little")).decode(errors="replace")
         except FileNotFoundError:
             self.tokens = 0
             raise web.HTTPBadRequest(text='{"error": {"message": "failed to open file"}}',
                                      content_type="application/json") from None
-        if head[:4] != MAGIC:
+        except slotfile.BadSlotFile:
             self.tokens = 0
             raise web.HTTPBadRequest(text='{"error": {"message": "invalid slot save file"}}',
-                                     content_type="application/json")
-        self.tokens = int.from_bytes(head[4:12], "little")
+                                     content_type="application/json") from None
+        self.tokens = header.n_tokens
         self.last_prompt = prompt
         return {"n_restored": self.tokens, "n_read": os.path.getsize(path),
                 "timings": {"restore_ms": 1.0}}
@@ -120,6 +128,7 @@ class Fake:
         n_prompt = max(1, len(text) // 4)
         cached = n_prompt - 1 if self.last_prompt and text.startswith(self.last_prompt[: len(text)]) \
             and self.tokens >= n_prompt - 1 else 0
+        self.task_id = (self.task_id or 0) + 1
         self.processing = True
         try:
             await asyncio.sleep(float(self.params.get("gen-s", 0.01)))
@@ -154,7 +163,7 @@ class Fake:
         app.router.add_get("/v1/models", lambda r: web.json_response(
             {"data": [{"id": self.model, "meta": {"size": 1, "n_params": 2, "n_vocab": 3}}]}))
         app.router.add_get("/slots", lambda r: web.json_response(
-            [{"id": 0, "is_processing": self.processing, "n_prompt_tokens": self.tokens}]))
+            [{"id": 0, "is_processing": self.processing, "n_prompt_tokens": self.tokens, "id_task": self.task_id}]))
         app.router.add_post("/slots/{id}", self.slots_post)
         app.router.add_post("/v1/chat/completions", self.chat)
         return app

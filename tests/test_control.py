@@ -10,7 +10,6 @@ import pytest
 from autosessd import protocol
 from autosessd.config import parse
 from autosessd.control import ControlServer, SocketInUse
-from autosessd.policy import Held
 from autosessd.sessions import Sessions
 from autosessd.store import Store
 from stub_engine import StubEngine
@@ -27,6 +26,15 @@ async def server(tmp_path, session_dir, monkeypatch):
     await srv.start()
     yield srv
     await srv.stop(1)
+
+
+async def hold(s, key, n):
+    """A request of conversation `key` ran through the FIFO and left n tokens in the slot."""
+    async with await s.admit() as t:
+        await s.turn(t, key)
+        s.engine.ran(n)
+        await s.ended(t.slot_id, key, "ok")
+    await s.drain()
 
 
 async def ask(srv, raw: bytes):
@@ -115,8 +123,7 @@ async def test_hundreds_of_connections_at_once(server):
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", ".hidden", "", "x" * 10_000, "a\0b", "a\nb",
                                   "auto-0123456789abcdef"])
 async def test_hostile_park_and_restore_names(server, session_dir, name):
-    server.sessions.slot().held = Held("0123456789abcdef", 100, True)
-    server.sessions.engine.tokens = 100
+    await hold(server.sessions, "0123456789abcdef", 100)
     before = sorted(os.listdir(session_dir))
     for cmd, args in (("park", {"name": name}), ("restore", {"what": name})):
         reply = await ask(server, protocol.request(cmd, **args))
@@ -127,8 +134,7 @@ async def test_hostile_park_and_restore_names(server, session_dir, name):
 
 async def test_park_restore_forget_prune(server, session_dir):
     s = server.sessions
-    s.engine.tokens = 50
-    s.slot().held = Held("0123456789abcdef", 50, True)
+    await hold(s, "0123456789abcdef", 50)
     (session_dir / "notes.txt").write_text("mine")
     r = await ask(server, protocol.request("park"))
     assert r["ok"] and r["result"]["file"] == "auto-0123456789abcdef.bin" and r["result"]["n_tokens"] == 50
@@ -136,9 +142,9 @@ async def test_park_restore_forget_prune(server, session_dir):
     assert r["ok"] and (session_dir / "keepme.bin").exists()
     ls = (await ask(server, protocol.request("ls")))["result"]
     assert {x["name"]: x["kind"] for x in ls} == {"auto-0123456789abcdef.bin": "auto", "keepme.bin": "manual"}
-    s.engine.tokens = 0
+    s.engine.ran(0)
     r = await ask(server, protocol.request("restore", what="keepme"))
-    assert r["ok"] and s.engine.tokens == 50
+    assert r["ok"] and len(s.engine.tokens) == 50
     r = await ask(server, protocol.request("prune", dry_run=True, keep=0))
     assert r["result"]["removed"][0]["file"] == "auto-0123456789abcdef.bin"
     assert (session_dir / "auto-0123456789abcdef.bin").exists()
@@ -153,12 +159,12 @@ async def test_turn_hook_runs_the_turn(server, session_dir):
     s = server.sessions
     r = await ask(server, protocol.request("turn", messages=[{"role": "user", "content": "Hello"}]))
     assert r["ok"] and r["result"]["key"] == "f7ff9e8b7bb2e09b"
-    s.engine.tokens = 40  # the serving layer ran A's request on the engine
+    s.engine.ran(40)  # the serving layer ran A's request on the engine
     r = await ask(server, protocol.request("turn", key="aaaaaaaaaaaaaaaa"))
     assert r["result"]["saved"]["key"] == "f7ff9e8b7bb2e09b" and r["result"]["saved"]["n_tokens"] == 40
-    s.engine.tokens = 30
+    s.engine.ran(30)
     r = await ask(server, protocol.request("turn", key="f7ff9e8b7bb2e09b"))
-    assert r["result"]["restored"]["n_tokens"] == 40 and s.engine.tokens == 40
+    assert r["result"]["restored"]["n_tokens"] == 40 and len(s.engine.tokens) == 40
 
 
 async def test_events_follow_sees_a_save_and_ends_on_hangup(server):
@@ -167,13 +173,12 @@ async def test_events_follow_sees_a_save_and_ends_on_hangup(server):
     w.write(protocol.request("events", follow=True))
     await w.drain()
     assert json.loads(await r.readline())["result"]["following"] is True
-    s.engine.tokens = 20
-    s.slot().held = Held("0123456789abcdef", 20, True)
+    await hold(s, "0123456789abcdef", 20)
     assert (await ask(server, protocol.request("park")))["ok"]
     types = []
     while "saved" not in types:
         types.append(json.loads(await asyncio.wait_for(r.readline(), 5))["event"]["type"])
-    assert types[:2] == ["saving", "saved"]
+    assert types == ["turn", "saving", "saved"]
     w.close()
     await asyncio.sleep(0.1)
     assert not s.events._followers

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.engines.base import RestoreResult, SaveResult, SlotState
 from autosessd.policy import Held
@@ -30,8 +31,8 @@ BYTES_PER_TOKEN = 997
 
 
 def content(n_tokens: int) -> bytes:
-    """What the slow engine writes for a state of n_tokens: header, then a pattern."""
-    return b"qsgg" + n_tokens.to_bytes(8, "little") + bytes((i * 7) % 251 for i in range(n_tokens * BYTES_PER_TOKEN))
+    """What the slow engine writes for a state of n_tokens: llama-server's header, then a pattern."""
+    return slotfile.build(list(range(n_tokens)), bytes((i * 7) % 251 for i in range(n_tokens * BYTES_PER_TOKEN)))
 
 
 class SlowEngine:
@@ -98,7 +99,7 @@ def check_invariants(session_dir: Path, manual: dict[str, bytes]) -> None:
             data = (session_dir / name).read_bytes()
             meta = json.loads((session_dir / f"auto-{key}.json").read_text())
             assert meta["bytes"] == len(data) and meta["key"] == key
-            n_tokens = int.from_bytes(data[4:12], "little")
+            n_tokens = slotfile.parse_header(data).n_tokens
             assert data == content(n_tokens), f"{name} differs from what the engine wrote"
             assert meta["n_tokens"] == n_tokens
         elif name.startswith("auto-") and name.endswith(".json") and len(name) == len("auto-") + 16 + 5:

@@ -27,19 +27,20 @@ async def make_sessions(eng, session_dir, min_tokens=100) -> Sessions:
                 f'[engine]\nurl = "{eng.url}"\ntimeout_s = 30\n'.encode(), "test.toml")
     engine = LlamaServer(eng.url, timeout_s=30)
     store = Store(session_dir)
-    model, name = await check_engine(cfg, engine, store)
-    return Sessions(cfg, engine, store, model, name)
+    checked = await check_engine(cfg, engine, store)
+    return Sessions(cfg, engine, store, checked.model, checked.model_name, checked.slots_visible)
 
 
 async def request(s: Sessions, url: str, body: dict):
-    """What an in-path input does: FIFO, turn, request, finish."""
+    """What an in-path input does: FIFO, turn, request, ended."""
     key = conversation_key(body)
-    async with s.lock():
-        turn = await s.turn(key)
+    async with await s.admit() as ticket:
+        turn = await s.turn(ticket, key)
         async with aiohttp.ClientSession() as c:
             async with c.post(url + "/v1/chat/completions", json=body) as r:
                 d = await r.json()
-        s.finish(None, key, d["usage"]["total_tokens"], d["timings"]["cache_n"])
+        t = d["timings"]
+        await s.ended(None, key, "ok", d["usage"]["total_tokens"], t["cache_n"], t["cache_n"] + t["prompt_n"])
     await s.drain()
     return turn, d
 

@@ -2,32 +2,49 @@
 
 import pytest
 
-from autosessd.policy import (BELOW_MIN, MODEL_MISMATCH, NO_FILE, SAVE_FAILED_DURABLE, UP_TO_DATE, FileInfo, Held,
-                              Restore, Save, SaveOutcome, Skip, plan_restore, plan_save, restore_reused)
+from autosessd.policy import (BELOW_MIN, MODEL_MISMATCH, NO_FILE, PROVISIONAL, SAVE_FAILED_DURABLE, UP_TO_DATE,
+                              FileInfo, Held, Occasion, Restore, Save, SaveOutcome, Skip, plan_restore, plan_save,
+                              restore_reused)
 
 MIN = 1000
 M = "model-a"
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 
 
+SW, KL, ST, BH = Occasion.SWITCH, Occasion.KEYLESS, Occasion.STOP, Occasion.BEHIND
+
+
 @pytest.mark.parametrize(
-    "name, held, key, saved, expect",
+    "name, held, occasion, key, saved, expect",
     [
-        ("no user text: nothing", Held(A, 5000, True), None, None, None),
-        ("nothing held: nothing to save", None, B, None, None),
-        ("same key: nothing", Held(A, 5000, True), A, None, None),
-        ("held reached min: save", Held(A, 5000, True), B, None, Save(A, 5000)),
-        ("held exactly at min: save", Held(A, MIN, True), B, None, Save(A, MIN)),
-        ("held below min: no save", Held(A, 999, True), B, None, Skip("save", A, BELOW_MIN)),
-        ("provisional held is saved too", Held(A, 5000, False), B, None, Save(A, 5000)),
-        ("file already has these tokens: not written again", Held(A, 5000, True), B, FileInfo(5000, M),
+        ("nothing held: nothing to save", None, SW, B, None, None),
+        ("same key: nothing", Held(A, 5000, True), SW, A, None, None),
+        ("held reached min: save", Held(A, 5000, True), SW, B, None, Save(A, 5000)),
+        ("held exactly at min: save", Held(A, MIN, True), SW, B, None, Save(A, MIN)),
+        ("held below min: no save", Held(A, 999, True), SW, B, None, Skip("save", A, BELOW_MIN)),
+        ("provisional held is saved at a switch", Held(A, 5000, False), SW, B, None, Save(A, 5000)),
+        ("file already has these tokens: not written again", Held(A, 5000, True), SW, B, FileInfo(5000, M),
          Skip("save", A, UP_TO_DATE)),
-        ("file older than the held state: save", Held(A, 5100, True), B, FileInfo(5000, M), Save(A, 5100)),
-        ("file from another model: save", Held(A, 5000, True), B, FileInfo(5000, "other"), Save(A, 5000)),
+        ("file older than the held state: save", Held(A, 5100, True), SW, B, FileInfo(5000, M), Save(A, 5100)),
+        ("file from another model: save", Held(A, 5000, True), SW, B, FileInfo(5000, "other"), Save(A, 5000)),
+        ("count unknown (no GET /slots): save, checked after", Held(A, None, True), SW, B, FileInfo(5000, M),
+         Save(A, None)),
+        ("keyless request next: it replaces the slot, save", Held(A, 5000, True), KL, None, None, Save(A, 5000)),
+        ("keyless request next, file up to date", Held(A, 5000, True), KL, None, FileInfo(5000, M),
+         Skip("save", A, UP_TO_DATE)),
+        ("keyless request next, below min", Held(A, 10, True), KL, None, None, Skip("save", A, BELOW_MIN)),
+        ("stop: save", Held(A, 5000, True), ST, None, None, Save(A, 5000)),
+        ("stop: provisional is all there is, save", Held(A, 5000, False), ST, None, None, Save(A, 5000)),
+        ("stop: up to date", Held(A, 5000, True), ST, None, FileInfo(5000, M), Skip("save", A, UP_TO_DATE)),
+        ("stop: below min", Held(A, 10, True), ST, None, None, Skip("save", A, BELOW_MIN)),
+        ("behind: stale file, save", Held(A, 5100, True), BH, None, FileInfo(5000, M), Save(A, 5100)),
+        ("behind: up to date", Held(A, 5000, True), BH, None, FileInfo(5000, M), Skip("save", A, UP_TO_DATE)),
+        ("behind: a cancelled request's partial state waits", Held(A, 5000, False), BH, None, None,
+         Skip("save", A, PROVISIONAL)),
     ],
 )
-def test_plan_save(name, held, key, saved, expect):
-    assert plan_save(held, key, MIN, saved, M) == expect, name
+def test_plan_save(name, held, occasion, key, saved, expect):
+    assert plan_save(held, occasion, MIN, saved, M, key) == expect, name
 
 
 @pytest.mark.parametrize(
@@ -60,7 +77,7 @@ def test_empty_file_is_never_restored_even_with_min_zero():
 
 
 def test_empty_held_is_never_saved_even_with_min_zero():
-    assert plan_save(Held(A, 0, True), B, 0) == Skip("save", A, BELOW_MIN)
+    assert plan_save(Held(A, 0, True), Occasion.SWITCH, 0, key=B) == Skip("save", A, BELOW_MIN)
 
 
 @pytest.mark.parametrize("n_restored, cache_n, n_prompt, reused", [

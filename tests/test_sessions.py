@@ -1,43 +1,248 @@
-"""Sessions bookkeeping that needs no engine: verifying a restore and naming the likely cause."""
+"""The slot's state machine (sessions.py) on the stub engine: what a slot holds after each
+kind of request end, and that no auto file ever gets another conversation's state.
 
+The stub writes real slot files whose header tokens stand for the conversation (A's are
+1..n, B's 1001.., ...), so every check reads the file's header, not autosessd's records."""
+
+import asyncio
+import json
+
+import pytest
+
+from autosessd import slotfile
 from autosessd.config import parse
-from autosessd.policy import Held
-from autosessd.sessions import Sessions
+from autosessd.sessions import Phase, Sessions
 from autosessd.store import Store
 from stub_engine import StubEngine
 
-K = "0123456789abcdef"
+A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
+TOKENS = {A: 1, B: 1001, C: 5001}
 
 
-def sessions(tmp_path):
-    cfg = parse(f'slot_save_path = "{tmp_path}"\n'.encode())
-    return Sessions(cfg, StubEngine(tmp_path), Store(tmp_path), "m")
+def conv(key, n):
+    """The tokens conversation `key` has after n tokens."""
+    return list(range(TOKENS[key], TOKENS[key] + n))
 
 
-def restored(s, n):
-    slot = s.slot(0)
-    slot.held, slot.restored = Held(K, n, True), n
+def make(tmp_path, min_tokens=10, **kw):
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'.encode())
+    return Sessions(cfg, StubEngine(tmp_path, **kw), Store(tmp_path), "stub-model")
 
 
-def test_reused_restore_counts_prefill_avoided(tmp_path):
-    s = sessions(tmp_path)
-    restored(s, 3000)
-    s.finish(0, K, 3050, cache_n=2999, n_prompt=3040)
-    assert (s.counters.restores_reused, s.counters.restores_not_reused) == (1, 0)
-    assert s.counters.prefill_tokens_avoided == 2999 and s.slot(0).restored is None
+async def request(s, key, n, status="ok", cache_n=None):
+    """What the gate does: FIFO, turn, the request runs (or not), ended."""
+    async with await s.admit() as t:
+        turn = await s.turn(t, key)
+        if status in ("ok", "cancelled"):
+            s.engine.ran(conv(key, n) if key else list(range(90000, 90000 + n)))
+        elif status == "rejected":
+            s.engine.task_id = (s.engine.task_id or 0) + 1  # the engine took the task, then refused it
+        await s.ended(t.slot_id, key, status, cache_n=cache_n)
+    await s.drain()
+    return turn
 
 
-def test_not_reused_names_swa_full_when_the_prompt_contains_the_state(tmp_path):
-    s = sessions(tmp_path)
-    restored(s, 3000)
-    s.finish(0, K, 3050, cache_n=0, n_prompt=3040)
-    assert s.counters.restores_not_reused == 1
-    assert "--swa-full" in s.last_not_reused["likely_cause"]
+def file_tokens(tmp_path, key):
+    return list(slotfile.read_header(tmp_path / f"auto-{key}.bin").tokens)
 
 
-def test_not_reused_names_a_cut_conversation_when_the_prompt_is_shorter(tmp_path):
-    s = sessions(tmp_path)
-    restored(s, 3000)
-    s.finish(0, K, 1100, cache_n=0, n_prompt=1000)
-    assert s.counters.restores_not_reused == 1
+async def test_a_rejected_request_after_a_switch_holds_nothing_new(tmp_path):
+    """Issue 10.1: the previous conversation's state must not be saved under the rejected one's key."""
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 0, status="rejected")  # e.g. a prompt over the context: 400 before it runs
+    assert s.view().phase is Phase.HELD and s.view().key == A and s.view().n_tokens == 50
+    await request(s, C, 30)
+    assert not (tmp_path / f"auto-{B}.bin").exists()
+    assert file_tokens(tmp_path, A) == conv(A, 50)
+
+
+async def test_a_rejected_request_keeps_a_restored_state_awaiting_verification(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)
+    await request(s, A, 0, status="rejected")
+    v = s.view()
+    assert (v.phase, v.key, v.restored) == (Phase.RESTORED, A, 50)
+    await request(s, A, 60, cache_n=50)
+    assert s.counters.restores_reused == 1 and s.view().phase is Phase.HELD
+
+
+async def test_a_request_that_failed_part_way_leaves_the_slot_unknown(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    async with await s.admit() as t:
+        await s.turn(t, B)
+        s.engine.ran(conv(B, 7))  # the engine got some way into B, then failed
+        await s.ended(t.slot_id, B, "error")
+    assert s.view().phase is Phase.UNKNOWN
+    await request(s, C, 30)
+    assert not (tmp_path / f"auto-{B}.bin").exists()
+
+
+async def test_a_request_that_never_reached_the_engine_changes_nothing(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 0, status="not_run")
+    assert (s.view().phase, s.view().key) == (Phase.HELD, A)
+
+
+async def test_a_cancelled_request_is_provisional_unless_the_engine_never_started_it(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 20, status="cancelled")
+    assert (s.view().phase, s.view().key, s.view().durable) == (Phase.HELD, B, False)
+    async with await s.admit() as t:
+        await s.turn(t, C)
+        await s.ended(t.slot_id, C, "cancelled")  # the engine's slot did not change
+    assert (s.view().key, s.view().durable) == (B, False)
+
+
+async def test_a_request_without_a_conversation_saves_the_held_one_first(tmp_path):
+    """A raw completion replaces what the slot holds: the held conversation is saved before
+    it, and the slot then holds nothing autosessd can name."""
+    s = make(tmp_path)
+    await request(s, A, 50)
+    turn = await request(s, None, 30)
+    assert turn.saved["key"] == A and file_tokens(tmp_path, A) == conv(A, 50)
+    assert s.view().phase is Phase.UNKNOWN
+    turn = await request(s, A, 60)
+    assert turn.restored["key"] == A and turn.saved is None
+
+
+async def test_a_request_that_bypassed_the_fifo_makes_the_slot_unknown(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    s.engine.ran(conv(B, 50))  # someone sent B straight to the engine: same length as A
+    turn = await request(s, C, 30)
+    assert turn.saved is None and not (tmp_path / f"auto-{A}.bin").exists()
+    assert s.counters.engine_resets == 1
+
+
+async def test_hook_growth_is_saved_and_the_restore_verified_at_the_next_turn(tmp_path):
+    """Issue 10.2: through the turn hook (the end is never reported), a restored conversation
+    that grows is saved with its new length."""
+    s = make(tmp_path)
+
+    async def hook(key, n=None):
+        async with await s.admit() as t:
+            r = await s.turn(t, key, sees_end=False)
+        if n is not None:
+            s.engine.ran(conv(key, n))  # the serving layer runs the request
+        await s.drain()
+        return r
+
+    await hook(A, 50)
+    await hook(B, 40)
+    r = await hook(A, 80)
+    assert r.restored["n_tokens"] == 50
+    r = await hook(B)
+    assert r.saved["key"] == A and r.saved["n_tokens"] == 80
+    assert file_tokens(tmp_path, A) == conv(A, 80)
+    assert json.loads((tmp_path / f"auto-{A}.json").read_text())["n_tokens"] == 80
+
+
+async def test_hook_turn_for_a_request_that_never_ran_keeps_what_was_held(tmp_path):
+    s = make(tmp_path)
+    async with await s.admit() as t:
+        await s.turn(t, A, sees_end=False)
+    s.engine.ran(conv(A, 50))
+    async with await s.admit() as t:
+        await s.turn(t, B, sees_end=False)  # the serving layer then dropped B without running it
+    async with await s.admit() as t:
+        r = await s.turn(t, C, sees_end=False)
+    await s.drain()
+    assert r.saved is None or r.saved["key"] == A
+    assert not (tmp_path / f"auto-{B}.bin").exists()
+
+
+async def test_a_manual_restore_never_leads_to_a_file_outside_the_owned_names(tmp_path):
+    """Issue 10.4: `autosessctl restore mine` then a switch."""
+    s = make(tmp_path)
+    (tmp_path / "mine.bin").write_bytes(slotfile.build(conv(B, 70)))
+    await request(s, A, 50)
+    await s.restore_now("mine")
+    assert s.view().phase is Phase.UNKNOWN
+    await request(s, C, 30)
+    await request(s, A, 55)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(["mine.bin", f"auto-{A}.bin", f"auto-{A}.json", f"auto-{C}.bin", f"auto-{C}.json"])
+    assert file_tokens(tmp_path, A) == conv(A, 50) and file_tokens(tmp_path, C) == conv(C, 30)
+
+
+async def test_every_save_is_checked_against_the_files_header(tmp_path):
+    s = make(tmp_path)
+    real_save = s.engine.save
+
+    async def lying_save(slot, name):
+        res = await real_save(slot, name)
+        return type(res)(res.n_tokens + 5, res.n_bytes, res.ms)  # says more tokens than it wrote
+
+    await request(s, A, 50)
+    s.engine.save = lying_save
+    turn = await request(s, B, 40)
+    assert turn.saved is None and "holds 50 tokens by its header, the engine reported 55" in turn.errors[0]
+    assert not list(tmp_path.glob("auto-*")) and not list(tmp_path.glob(".autosessd-*"))
+
+
+async def test_without_get_slots_counts_come_from_responses(tmp_path):
+    """An engine run with --no-slots: switch-back still works, counts from the engine's answers."""
+    s = make(tmp_path, slots_visible=False)
+    s.slots_visible = False
+    await request(s, A, 50)
+    async with await s.admit() as t:
+        await s.turn(t, B)
+        s.engine.ran(conv(B, 40))
+        await s.ended(t.slot_id, B, "ok", n_tokens=40)
+    await s.drain()
+    assert file_tokens(tmp_path, A) == conv(A, 50)
+    turn = await request(s, A, 60)
+    assert turn.saved["key"] == B and turn.restored["key"] == A
+
+
+async def test_ticket_release_is_safe_twice(tmp_path):
+    s = make(tmp_path)
+    t = await s.admit()
+    t.release()
+    t.release()
+    t2 = await asyncio.wait_for(s.admit(), 1)
+    t2.release()
+
+
+@pytest.mark.parametrize("cache_n, n_prompt, counter", [
+    (2999, 3040, "restores_reused"), (0, 3040, "restores_not_reused"), (None, None, "restores_unverified")])
+async def test_a_restore_is_verified_by_cache_n(tmp_path, cache_n, n_prompt, counter):
+    s = make(tmp_path)
+    await request(s, A, 3000)
+    await request(s, B, 40)
+    async with await s.admit() as t:
+        await s.turn(t, A)
+        s.engine.ran(conv(A, 3050))
+        await s.ended(t.slot_id, A, "ok", cache_n=cache_n, n_prompt=n_prompt)
+    assert getattr(s.counters, counter) == 1
+    assert s.counters.prefill_tokens_avoided == (cache_n if counter == "restores_reused" else 0)
+
+
+async def test_not_reused_names_a_cut_conversation_when_the_prompt_is_shorter(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 3000)
+    await request(s, B, 40)
+    async with await s.admit() as t:
+        await s.turn(t, A)
+        s.engine.ran(conv(A, 1100))
+        await s.ended(t.slot_id, A, "ok", cache_n=0, n_prompt=1000)
     assert "shorter than the restored conversation" in s.last_not_reused["likely_cause"]
+    assert "--swa-full" not in s.last_not_reused["likely_cause"]
+
+
+async def test_not_reused_after_a_regenerate_names_swa_full(tmp_path):
+    """The same prompt again (a regenerated answer) is a little shorter than the restored
+    state, which holds the first answer too: the likely cause is still --swa-full."""
+    s = make(tmp_path)
+    await request(s, A, 3000)
+    await request(s, B, 40)
+    async with await s.admit() as t:
+        await s.turn(t, A)
+        s.engine.ran(conv(A, 3000))
+        await s.ended(t.slot_id, A, "ok", cache_n=0, n_prompt=2990)
+    assert "--swa-full" in s.last_not_reused["likely_cause"]

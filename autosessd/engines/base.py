@@ -31,7 +31,8 @@ class SlotState:
     id: int
     is_processing: bool
     n_tokens: int  # tokens the slot holds now (0 when it never ran a task)
-    n_cached: int | None = None  # of its last prompt, tokens reused from the cache (cache_n)
+    n_cached: int | None = None  # of the running request's prompt, tokens reused (llama-server resets it at the end)
+    task_id: int | None = None  # the engine's id of the slot's running or last task: a new one means a request ran
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class EngineTimeout(EngineError):
 
 class SlotSavingOff(EngineError):
     pass
+
+
+class SlotsHidden(EngineError):
+    """The engine does not show its slots (llama-server --no-slots): what they hold cannot be read."""
 
 
 class EngineRefused(EngineError):

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, RestoreResult,
-                   SaveResult, SlotSavingOff, SlotState)
+                   SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
 
 class LlamaServer:
@@ -78,6 +78,8 @@ class LlamaServer:
             data = json.loads(text) if text else None
         except ValueError:
             data = None
+        if status == 501 and path == "/slots":
+            raise SlotsHidden(f"the engine at {self.url} does not show its slots (GET /slots is off: --no-slots)")
         if status == 501 and path.startswith("/slots/"):
             raise SlotSavingOff(f"slot saving is off in the engine at {self.url}: start llama-server with "
                                 f"--slot-save-path <dir> (the directory autosessd manages)")
@@ -113,7 +115,8 @@ class LlamaServer:
         try:
             return [SlotState(id=int(s["id"]), is_processing=bool(s.get("is_processing")),
                               n_tokens=int(s.get("n_prompt_tokens") or 0),
-                              n_cached=int(s["n_prompt_tokens_cache"]) if "n_prompt_tokens_cache" in s else None)
+                              n_cached=int(s["n_prompt_tokens_cache"]) if "n_prompt_tokens_cache" in s else None,
+                              task_id=int(s["id_task"]) if s.get("id_task") is not None else None)
                     for s in d]
         except (KeyError, TypeError, ValueError):
             raise EngineBadAnswer(f"/slots answered entries without id: {d!r:.200}") from None

@@ -1,0 +1,124 @@
+"""What the tail does with log lines, on the stub engine: a start whose end never comes,
+ends without counts, the restore after an engine restart, the first start on a long log.
+(The follower's file handling is in test_tail.py; the real engine in test_tail_real.py.)"""
+
+import json
+
+from autosessd import slotfile
+from autosessd.config import parse
+from autosessd.sessions import Phase, Sessions
+from autosessd.store import Store
+from autosessd.tail import IN_FLIGHT_TTL_S, MAX_IN_FLIGHT, Tail
+from stub_engine import StubEngine
+
+A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
+
+
+def make(tmp_path, min_tokens=10):
+    d = tmp_path / "s"
+    d.mkdir(exist_ok=True)
+    cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
+                f'state_dir = "{tmp_path / "state"}"\n'.encode())
+    s = Sessions(cfg, StubEngine(d), Store(d), "stub-model")
+    return s, Tail(cfg, s, str(tmp_path / "requests.jsonl")), d
+
+
+def line(**d) -> bytes:
+    return json.dumps(d).encode()
+
+
+async def served(s, tail, rid, key, n, **end):
+    await tail.handle(line(event="start", id=rid, slot=0, key=key))
+    s.engine.ran(list(range(n)) if key == A else list(range(1000, 1000 + n)))
+    await tail.handle(line(event="end", id=rid, slot=0, status="ok", **end))
+
+
+async def settle(tail, s):
+    if tail._save_task is not None:
+        await tail._save_task
+    await s.drain()
+
+
+async def test_a_start_without_its_end_expires_and_saves_resume(tmp_path):
+    s, tail, d = make(tmp_path)
+    await tail.handle(line(event="start", id="lost", slot=0, key=B))  # the serving layer crashed
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    assert not (d / f"auto-{A}.bin").exists() and len(tail.in_flight) == 1  # "lost" blocks save-behind
+    await tail.expire_in_flight(now=10**9)
+    assert tail.in_flight == {} and tail.describe()["in_flight_expired"] == 1
+    await served(s, tail, "r2", A, 60, n_tokens=60)
+    await settle(tail, s)
+    assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 60
+
+
+async def test_a_start_is_not_expired_while_the_engine_runs_something(tmp_path):
+    s, tail, _ = make(tmp_path)
+    await tail.handle(line(event="start", id="long", slot=0, key=A))
+    s.engine.processing = True
+    await tail.expire_in_flight(now=10**9)
+    assert "long" in tail.in_flight
+    s.engine.processing = False
+    await tail.expire_in_flight(now=10**9 + IN_FLIGHT_TTL_S)
+    assert tail.in_flight == {}
+
+
+async def test_in_flight_is_bounded(tmp_path):
+    s, tail, _ = make(tmp_path)
+    for i in range(MAX_IN_FLIGHT + 5):
+        await tail.handle(line(event="start", id=f"r{i}", slot=0, key=A))
+    assert len(tail.in_flight) == MAX_IN_FLIGHT and tail.in_flight_expired == 5
+
+
+async def test_an_end_without_n_tokens_takes_the_engines_count(tmp_path):
+    s, tail, d = make(tmp_path)
+    await served(s, tail, "r1", A, 70)  # no n_tokens on the end line
+    await settle(tail, s)
+    assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 70
+    assert json.loads((d / f"auto-{A}.json").read_text())["n_tokens"] == 70
+
+
+async def test_the_restore_after_an_engine_restart_is_checked(tmp_path):
+    """A request that starts while the restore is issued may run before it (llama-server
+    defers a slot action on a busy slot): the restored state is then not trusted."""
+    s, tail, d = make(tmp_path)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    s.engine.ran([])  # the engine restarted empty
+    s.lost(0, "the engine restarted")
+    real_restore = s.engine.restore
+
+    async def restore_while_a_request_starts(slot, name):
+        res = await real_restore(slot, name)
+        with open(tail.path, "a") as f:  # the serving layer logs B meanwhile
+            f.write(json.dumps({"event": "start", "id": "r2", "slot": 0, "key": B}) + "\n")
+        return res
+
+    s.engine.restore = restore_while_a_request_starts
+    tail.follower.skip_existing()
+    await tail._engine_restarted()
+    v = s.view(0)
+    assert v.phase is not Phase.RESTORED and s.counters.restores == 1
+    assert v.phase is Phase.UNKNOWN or v.key == B
+
+
+async def test_the_restore_after_an_engine_restart_is_trusted_when_nothing_came_between(tmp_path):
+    s, tail, d = make(tmp_path)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    s.engine.ran([])
+    s.lost(0, "the engine restarted")
+    await tail._engine_restarted()
+    assert (s.view(0).phase, s.view(0).key) == (Phase.RESTORED, A)
+
+
+async def test_a_reload_changes_what_the_tail_decides(tmp_path):
+    """SIGHUP replaces sessions.cfg; the tail must not keep the min tokens it started with."""
+    s, tail, d = make(tmp_path, min_tokens=10**6)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    assert not (d / f"auto-{A}.bin").exists()
+    s.cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = 10\n'.encode())
+    await served(s, tail, "r2", A, 60, n_tokens=60)
+    await settle(tail, s)
+    assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 60
