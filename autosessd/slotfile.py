@@ -85,3 +85,75 @@ def build(tokens: list[int] | tuple[int, ...], state: bytes = b"") -> bytes:
     """A file in the engine's layout (tests and fakes write these)."""
     payload = [TOKEN_NULL, PAYLOAD_VERSION, len(tokens), *tokens, 0]
     return struct.pack(f"<III{len(payload)}i", MAGIC, VERSION, len(payload), *payload) + state
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What makes a slot file loadable by an engine (llama_kv_cache::state_read checks these):
+    the number of KV streams (1 for -np 1 or a unified cache, N for -np N without one), whether
+    V is stored transposed (flash attention off), the layer count and the K/V cache types.
+    Nothing in the file names the model: the model's fingerprint is kept beside it."""
+
+    n_stream: int
+    v_trans: int | None = None  # None: the file holds no cells (an empty slot), only n_stream is known
+    n_layer: int | None = None
+    k_type: int | None = None  # ggml_type of the first layer's K (1 = F16, 8 = Q8_0, ...)
+
+    def fingerprint(self) -> str:
+        return f"s{self.n_stream}" + ("" if self.v_trans is None else
+                                      f"-v{self.v_trans}-l{self.n_layer}-k{self.k_type}")
+
+    def compatible(self, other: "KVLayout") -> bool:
+        """Could a file of this layout load into an engine that writes `other`? Unknown parts
+        (an empty slot's file) do not count against it."""
+        if self.n_stream != other.n_stream:
+            return False
+        if self.v_trans is None or other.v_trans is None:
+            return True
+        return (self.v_trans, self.n_layer, self.k_type) == (other.v_trans, other.n_layer, other.k_type)
+
+
+def read_layout(path: str | Path) -> KVLayout:
+    """The first KV cache block after the token header (llama-kv-cache.cpp state_write):
+    u32 n_stream; per stream u32 cell_count; for the stream with cells, 12 bytes per cell
+    (24 for models with per-cell extensions), then u32 v_trans, u32 n_layer, u32 n_rot_k,
+    u32 n_rot_v, then per layer i32 k_type, u64 row size, the data. Reads a few small pieces."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(12)
+        if len(head) < 12:
+            raise BadSlotFile(f"{path}: too short for a slot file")
+        magic, version, n_words = struct.unpack("<III", head)
+        if magic != MAGIC or version != VERSION:
+            raise BadSlotFile(f"{path}: not a llama-server slot file of version {VERSION}")
+        pos = 12 + 4 * n_words
+        f.seek(pos)
+        raw = f.read(4)
+        if len(raw) < 4:
+            raise BadSlotFile(f"{path}: ends before its KV state")
+        (n_stream,) = struct.unpack("<I", raw)
+        if not 0 < n_stream <= 4096:
+            raise BadSlotFile(f"{path}: {n_stream} KV streams is not a plausible count")
+        # Per stream: u32 cell_count, and only for the stream holding the slot's cells, what
+        # follows it. The streams before it are bare zero counts.
+        cells = 0
+        for _ in range(n_stream):
+            raw = f.read(4)
+            if len(raw) < 4:
+                raise BadSlotFile(f"{path}: ends inside its KV stream counts")
+            (cells,) = struct.unpack("<I", raw)
+            if cells:
+                break
+        if cells == 0:
+            return KVLayout(n_stream)
+        cells_at = f.tell()
+        for cell_bytes in (12, 24):
+            start = cells_at + cells * cell_bytes
+            if start + 20 > size:
+                continue
+            f.seek(start)
+            v_trans, n_layer, _, _, k_type = struct.unpack("<IIIIi", f.read(20))
+            if v_trans in (0, 1) and 0 < n_layer <= 4096 and 0 <= k_type < 256:
+                return KVLayout(n_stream, v_trans, n_layer, k_type)
+        raise BadSlotFile(f"{path}: cannot find the KV layout after {cells:,} cells")

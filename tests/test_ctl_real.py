@@ -74,6 +74,7 @@ def test_autosessctl_against_the_real_engine(daemon, session_dir):
     eng.post("/v1/chat/completions", B)  # the engine now holds B
     r = ctl(d, "restore", KA)
     assert "restored" in r.stdout
+    _turn(d, A)  # a serving layer asks before every request (the restored A is held: nothing to do)
     a2 = eng.post("/v1/chat/completions", A)
     assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
     assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]

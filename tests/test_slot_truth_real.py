@@ -6,6 +6,7 @@ file's header — and detokenizes it with the engine: auto-<key>.bin must hold c
 `key`, never another one."""
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -110,6 +111,9 @@ def test_hook_grown_conversation_is_saved_grown_and_its_restore_verified(engines
         grown = eng.get("/slots")[0]["n_prompt_tokens"]
         t = hook_turn(d, B)
         assert t["saved"]["key"] == KA and t["saved"]["n_tokens"] == grown
+        # The turn answers once the temporary checked out; the rename follows off its path.
+        wait_until(lambda: json.loads((session_dir / f"auto-{KA}.json").read_text())["n_tokens"] == grown, 15,
+                   what="the grown save to be finalized")
         n, text = file_text(eng, session_dir, KA)
         assert n == grown and "And how many are in box 7?" in text
         assert_every_file_holds_its_own_conversation(eng, session_dir)
@@ -150,8 +154,7 @@ def test_a_manual_restore_then_a_switch_writes_only_owned_names(engines, session
         post(d.gate_url, C)
         names = sorted(p.name for p in session_dir.iterdir())
         owned = [n for n in names if n != "mine.bin"]
-        assert all(len(n) == len("auto-") + 16 + 4 and n[5:21].isalnum() and n.endswith((".bin", "json"))
-                   for n in owned), names
+        assert all(re.fullmatch(r"auto-[0-9a-f]{16}\.(bin|json)", n) for n in owned), names
         assert f"auto-{KA}.bin" in names  # A was saved before the restore replaced it
         assert_every_file_holds_its_own_conversation(eng, session_dir)
     finally:

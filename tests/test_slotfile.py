@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from autosessd.slotfile import BadSlotFile, build, parse_header, read_header
+from autosessd.slotfile import BadSlotFile, KVLayout, build, parse_header, read_header, read_layout
 
 
 def test_reads_the_servers_payload(tmp_path):
@@ -38,3 +38,33 @@ def test_refuses_what_it_cannot_read(tmp_path, data, why):
     p.write_bytes(data)
     with pytest.raises(BadSlotFile, match=why):
         read_header(p)
+
+
+def kv_block(n_stream, with_cells_in, cells, cell_bytes=12, v_trans=0, n_layer=3, k_type=1):
+    """The first KV cache block as llama_kv_cache::state_write lays it out."""
+    out = struct.pack("<I", n_stream)
+    for i in range(n_stream):
+        if i != with_cells_in:
+            out += struct.pack("<I", 0)
+            continue
+        out += struct.pack("<I", cells)
+        for c in range(cells):  # pos, n_seq_id = 1, [ext], seq_id
+            out += struct.pack("<ii", c, 1) + b"\x07" * (cell_bytes - 12) + struct.pack("<i", i)
+        out += struct.pack("<IIIIiQ", v_trans, n_layer, 0, 0, k_type, 512) + b"\0" * (cells * 512)
+    return out
+
+
+@pytest.mark.parametrize("n_stream, slot, cell_bytes", [(1, 0, 12), (4, 1, 12), (4, 3, 12), (1, 0, 24)])
+def test_reads_the_kv_layout_that_decides_loadability(tmp_path, n_stream, slot, cell_bytes):
+    p = tmp_path / "a.bin"
+    p.write_bytes(build([5, 6, 7]) + kv_block(n_stream, slot, 3, cell_bytes, v_trans=1, n_layer=18, k_type=8))
+    layout = read_layout(p)
+    assert layout == KVLayout(n_stream, 1, 18, 8) and layout.fingerprint() == f"s{n_stream}-v1-l18-k8"
+
+
+def test_an_empty_slots_file_tells_only_its_stream_count(tmp_path):
+    p = tmp_path / "probe.bin"
+    p.write_bytes(build([]) + kv_block(4, -1, 0))
+    assert read_layout(p) == KVLayout(4)
+    assert KVLayout(4).compatible(KVLayout(4, 0, 3, 1)) and not KVLayout(1).compatible(KVLayout(4))
+    assert not KVLayout(1, 0, 3, 1).compatible(KVLayout(1, 0, 3, 8))  # another K cache type
