@@ -14,12 +14,13 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 import fake_llama_server
-from harness import ROOT
+from harness import ROOT, wait_until
 
 _spec = importlib.util.spec_from_file_location("engine_build", ROOT / "scripts" / "engine_build.py")
 eb = importlib.util.module_from_spec(_spec)
@@ -264,6 +265,32 @@ def test_caches_of_older_recipes_and_other_cpus_are_not_trusted_or_touched(tmp_p
     assert ensure(cache, model, builds) == dirs(cache)[0] / "llama-server"
     assert builds.calls == ["native"]
     assert old_bin.read_bytes() == before
+
+
+def test_concurrent_runs_build_once(tmp_path, model, capsys):
+    # Several test sessions on one machine call fetch-engine at once: one builds, the others wait.
+    cache = tmp_path / "cache"
+    release = threading.Event()
+    builds = FakeBuilds(native="answer", portable="answer")
+
+    def slow_build(*a):
+        release.wait(60)
+        return builds(*a)
+
+    results = []
+    first = threading.Thread(target=lambda: results.append(ensure(cache, model, slow_build)))
+    first.start()
+    wait_until(lambda: dirs(cache)[0].exists(), what="the first run to take the lock and start building")
+    second = threading.Thread(target=lambda: results.append(ensure(cache, model, slow_build)))
+    second.start()
+    seen = []
+    wait_until(lambda: seen.append(capsys.readouterr().err) or "waiting for it" in "".join(seen),
+               what="the second run to wait for the lock")
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert results == [dirs(cache)[0] / "llama-server"] * 2
+    assert builds.calls == ["native"]
 
 
 # -- the script itself ------------------------------------------------------------------------------
