@@ -408,6 +408,7 @@ def _build_and_check(variant: str, version: str, model: Path, d: Path, build_fn,
         check = check_fn(built, model, d / "smoke.log")
         if not check.ok:
             return check
+        (d / "smoke.log").unlink()  # kept only to explain a failure
         # Copy then rename: a run killed half-way never leaves a binary that looks cached.
         shutil.copy2(built, d / "llama-server.tmp")
         (d / "build.json").write_text(json.dumps({
