@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -273,7 +274,7 @@ def build(variant: str, version: str, work: Path, log_path: Path) -> Path:
     out = work / "llama-server"
     with open(log_path, "wb") as log:
         def run(what: str, cmd: list[str], **kw) -> None:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.write(f"$ {shlex.join(cmd)}\n".encode())
             log.flush()
             try:
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **kw).returncode
