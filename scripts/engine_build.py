@@ -7,7 +7,7 @@ A llama-server built with -march=native can pass `--version` and still die with 
 first matrix multiply (ggml's AMX kernels on hosts whose kernel or hypervisor does not grant AMX
 tile state). So a binary is trusted only after a smoke check: start it on a free loopback port
 with the model, wait for /health, ask one short /completion, stop it. Every binary is checked
-before it moves into the cache, and a cached one again before each use (a second or two).
+before it moves into the cache, and a cached one again before each use (3-5 s on a busy 2-core box).
 
 Variants (the cache path names the variant and RECIPE, the version of this build recipe):
 
