@@ -566,8 +566,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenario numbers")
     args = ap.parse_args()
-    out = subprocess.run([str(ROOT / "scripts" / "fetch-engine")], check=True, capture_output=True, text=True).stdout
-    paths = dict(line.split("=", 1) for line in out.split())
+    paths = demo.fetch_engine("bench")
     started = dt.datetime.now().isoformat(timespec="seconds")
     results: dict[str, Any] = {"date": started, "machine": machine(),
                                "sizes": SIZES, "reps": REPS, "scenarios": {}}

@@ -30,6 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent
 A_FACTS = int(os.environ.get("DEMO_FACTS", "150"))  # ~2,600 tokens
 
 
+def fetch_engine(who: str = "demo") -> dict[str, str]:
+    """{"LLAMA_SERVER": path, "MODEL": path} from scripts/fetch-engine, which has just checked that
+    the binary answers. Its progress and its reason for failing go straight to stderr; a failure
+    ends the program with one line, not a traceback."""
+    r = subprocess.run([str(ROOT / "scripts" / "fetch-engine")], stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{who}: scripts/fetch-engine found no working llama-server (exit status {r.returncode}; why: above)")
+    return dict(line.split("=", 1) for line in r.stdout.split())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,8 +176,7 @@ def play(stack: Stack, with_autosessd: bool) -> list[dict]:
 
 
 def main() -> None:
-    out = subprocess.run([str(ROOT / "scripts" / "fetch-engine")], check=True, capture_output=True, text=True).stdout
-    paths = dict(line.split("=", 1) for line in out.split())
+    paths = fetch_engine()
     results = {}
     with tempfile.TemporaryDirectory(prefix="autosessd-demo-") as tmp:
         for with_autosessd in (True, False):

@@ -60,9 +60,7 @@ def check_files(directory: Path) -> list[str]:
 
 
 def main() -> int:
-    out = __import__("subprocess").run([str(demo.ROOT / "scripts" / "fetch-engine")], check=True,
-                                       capture_output=True, text=True).stdout
-    paths = dict(line.split("=", 1) for line in out.split())
+    paths = demo.fetch_engine("soak")
     rng = random.Random(int(os.environ.get("SOAK_SEED", "1")))
     import tempfile
 
