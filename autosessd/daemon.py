@@ -178,7 +178,10 @@ def check_store(cfg: Config) -> Store:
                            f"--slot-save-path {path}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"slot_save_path {path} is not writable by uid {os.getuid()}")
-    return Store(path)
+    import grp
+
+    # Session files share the socket's audience: the owner, or with control.group its members too.
+    return Store(path, grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None)
 
 
 # -- the daemon ---------------------------------------------------------------------

@@ -8,8 +8,13 @@ How a save becomes visible (no torn `auto-*.bin`, ever):
 
     engine writes  .autosessd-<key>.partial           (a name no reader looks at)
     verify_temp    size == engine's n_written, header magic if the engine has one
-    finalize       fsync(temp) → rename to auto-<key>.bin → fsync(dir)
+    finalize       chmod(temp) → fsync(temp) → rename to auto-<key>.bin → fsync(dir)
                    → metadata to .autosessd-<key>.json.partial → fsync → rename → fsync(dir)
+
+Both files hold a conversation (the state file its tokens, the metadata its key), so
+every file autosessd makes visible is 0600, or 0640 with its group set to
+control.group: the engine writes the state file under its own umask (often 0644), and
+the mode is fixed before the rename, so no reader ever sees it open to others.
 
 verify_temp runs before the turn goes on (it is a stat); finalize runs off the
 request's path. A crash between the two renames leaves a .bin whose metadata is
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
+
+log = logging.getLogger("autosessd")
 
 AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
 AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
@@ -155,17 +163,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+FILE_MODE = 0o600
+GROUP_FILE_MODE = 0o640
 
 
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, group: int | None = None):
+        """group: the gid of control.group; files are then 0640 and belong to it."""
         self.path = Path(path)
+        self.group = group
+        self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
+        self._mode_warned = False
         # Names being written or read right now; prune never removes them.
         self.in_use: Counter[str] = Counter()
         # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
@@ -243,7 +251,7 @@ class Store:
     def finalize(self, key: str, meta: Meta) -> None:
         """Make a verified temporary visible as auto-<key>.bin, then its metadata. Blocking."""
         temp, final = self.temp_path(key), self.bin_path(key)
-        _fsync_file(temp)
+        self._seal(temp)
         os.replace(temp, final)
         _fsync_dir(self.path)
         self._write_meta(meta)
@@ -251,15 +259,38 @@ class Store:
     def finalize_manual(self, key: str, name: str) -> None:
         """A parked session under a person's name: the same atomic rename, no metadata."""
         temp = self.temp_path(key)
-        _fsync_file(temp)
+        self._seal(temp)
         os.replace(temp, self.path / manual_name(name))
         _fsync_dir(self.path)
+
+    def _seal(self, path: Path) -> None:
+        """The engine's file: our mode (and group), then fsync. An engine running as another
+        user keeps its file; a save is not failed for that, but it is said once."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._own(fd, path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _own(self, fd: int, path: Path) -> None:
+        try:
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            os.fchmod(fd, self.mode)
+        except PermissionError as e:
+            if not self._mode_warned:
+                self._mode_warned = True
+                log.warning("auto sessions: cannot set mode %o on %s (%s): it keeps the engine's mode %o; run "
+                            "the engine as autosessd's user, or with UMask=0077", self.mode, path.name,
+                            e.strerror, os.fstat(fd).st_mode & 0o777)
 
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
         data = json.dumps(asdict(meta), sort_keys=True).encode() + b"\n"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
+            self._own(fd, tmp)  # the umask may have taken more than we asked, or less
             os.write(fd, data)
             os.fsync(fd)
         finally:

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,73 @@ def test_plan_prune_makes_room_oldest_first_never_in_use():
     plan = plan_prune(files, 10, 10**9, {auto_name(K[0])}, must_free=150)
     assert {K.index(e.key) for e in plan.remove} == {1, 2}
     assert plan_prune(files, 10, 10**9, set(), must_free=0).remove == []
+
+
+def readable_as_nobody(path) -> str:
+    """Open path for reading in a forked child running as uid/gid 65534: "read" or the error."""
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rd)
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            with open(path, "rb") as f:
+                f.read(1)
+            out = "read"
+        except BaseException as e:  # noqa: BLE001 - report anything to the parent
+            out = type(e).__name__
+        os.write(wr, out.encode())
+        os._exit(0)
+    os.close(wr)
+    with os.fdopen(rd) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.fixture
+def open_dir():
+    """A directory anyone may traverse (pytest's tmp_path is 0700 and would hide the files
+    by itself), so only the files' own modes protect them."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="autosessd-modes-")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d)
+
+
+def test_finalized_files_are_private_whatever_the_engine_umask(open_dir):
+    s = Store(open_dir)
+    old = os.umask(0o022)  # what an engine without UMask=0077 writes with
+    try:
+        save(s, K[0])
+        write_temp(s, K[1], 100)
+        s.finalize_manual(K[1], "mine")
+    finally:
+        os.umask(old)
+    files = [s.bin_path(K[0]), s.meta_path(K[0]), open_dir / "mine.bin"]
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o600, f.name
+    if os.geteuid() == 0:
+        (open_dir / "open.txt").write_text("x")
+        os.chmod(open_dir / "open.txt", 0o644)
+        assert readable_as_nobody(open_dir / "open.txt") == "read"  # the check can see a readable file
+        for f in files:
+            assert readable_as_nobody(f) == "PermissionError", f.name
+
+
+def test_with_control_group_files_are_group_readable(open_dir):
+    gid = os.getgid()
+    s = Store(open_dir, group=gid)
+    old = os.umask(0o077)  # the group bit is set by us, not left to the umask
+    try:
+        save(s, K[0])
+    finally:
+        os.umask(old)
+    for f in (s.bin_path(K[0]), s.meta_path(K[0])):
+        st = f.stat()
+        assert st.st_mode & 0o777 == 0o640 and st.st_gid == gid, f.name
