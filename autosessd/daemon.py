@@ -34,6 +34,7 @@ from .engines.base import Engine, EngineError, SlotSavingOff
 from .sessions import Sessions, fmt_bytes
 from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
+from .upstream import Upstream
 
 log = logging.getLogger("autosessd")
 
@@ -190,7 +191,9 @@ class Daemon:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides or {}
-        self.engine: Engine = make_engine(cfg)
+        # One HTTP pool to the engine, for the engine adapter and the gate alike (DESIGN §8).
+        self.pool = Upstream(cfg.engine.url, cfg.engine.timeout_s)
+        self.engine: Engine = make_engine(cfg, self.pool)
         self.store: Store | None = None
         self.sessions: Sessions | None = None
         self.inputs: list[Input] = []
@@ -208,7 +211,7 @@ class Daemon:
         if self.cfg.gate.listen:
             from .gate import Gate
 
-            inputs.append(Gate(self.cfg, self.sessions))
+            inputs.append(Gate(self.cfg, self.sessions, self.pool))
         if self.cfg.tail.request_log:
             from .tail import Tail
 
@@ -284,6 +287,7 @@ class Daemon:
         except StartupError as e:
             log.error("cannot start: %s", e)
             await self.engine.close()
+            await self.pool.close()
             return 1
         sd_notify("READY=1\nSTATUS=serving")
         watchdog = self._start_watchdog()
@@ -314,6 +318,7 @@ class Daemon:
                 log.error("auto sessions: stop save: %s", e)
             self.sessions.record_held()
         await self.engine.close()
+        await self.pool.close()
 
     def _start_watchdog(self) -> asyncio.Task | None:
         usec = os.environ.get("WATCHDOG_USEC")

@@ -36,63 +36,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from .config import Config, parse_hostport
 from .engines.base import EngineError
 from .keys import conversation_key
 from .sessions import Sessions
+from .upstream import SSEWatcher, Upstream, gate_error  # noqa: F401  (SSEWatcher: used by the turn)
 
 log = logging.getLogger("autosessd")
 
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
-ENGINE_KEEPALIVE_S = 3.0
 MAX_BODY = 1 << 30  # requests are read whole (the key is in the body); the engine sets the real limit
-
-
-def gate_error(status: int, message: str, type_: str = "unavailable_error") -> web.Response:
-    """An error the gate makes itself: OpenAI-shaped, and saying it came from autosessd."""
-    body = {"error": {"message": f"autosessd: {message}", "type": type_, "code": status, "src": "autosessd"}}
-    return web.json_response(body, status=status)
-
-
-def _forward_headers(headers: Any) -> dict[str, str]:
-    drop = set(HOP_BY_HOP)
-    for value in headers.getall("Connection", []):  # headers named by Connection are hop-by-hop too
-        drop.update(v.strip().lower() for v in value.split(","))
-    return {k: v for k, v in headers.items() if k.lower() not in drop}
-
-
-class SSEWatcher:
-    """Reads the last `timings`/`usage` out of a streamed response without holding it up."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.timings: dict[str, Any] | None = None
-        self.usage: dict[str, Any] | None = None
-        self.broken = False  # the engine broke off the response
-
-    def feed(self, chunk: bytes) -> None:
-        self._buf += chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        if len(self._buf) > 1 << 20:  # a line this long carries nothing we read
-            self._buf = b""
-        for line in lines:
-            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
-                with contextlib.suppress(ValueError):
-                    self.take(json.loads(line[5:]))
-
-    def take(self, d: Any) -> None:
-        if not isinstance(d, dict):
-            return
-        if isinstance(d.get("timings"), dict):
-            self.timings = d["timings"]
-        for holder in (d, d.get("response"), d.get("message")):
-            if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
-                self.usage = holder["usage"]
 
 
 class RequestLog:
@@ -127,42 +82,26 @@ class RequestLog:
 class Gate:
     name = "gate"
 
-    def __init__(self, cfg: Config, sessions: Sessions):
+    def __init__(self, cfg: Config, sessions: Sessions, pool: Upstream | None = None):
+        """pool: the engine's HTTP pool, shared with the engine adapter (one is made when None)."""
         self.cfg = cfg
         self.sessions = sessions
         self.host, self.port = parse_hostport(cfg.gate.listen or "127.0.0.1:0")
         self.upstream = cfg.engine.url.rstrip("/")
         self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None
-        self.client: aiohttp.ClientSession | None = None
-        self._retired: list[aiohttp.ClientSession] = []
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else Upstream(self.upstream, cfg.engine.timeout_s)
         self.runner: web.AppRunner | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task] = set()
         self.requests = 0
-        self.errors_502 = 0
 
     # -- life ------------------------------------------------------------------
-    async def _fresh_client(self) -> None:
-        """New connections to the engine from now on. The old pool is retired, not closed:
-        closing it would cut requests still streaming through it (closed at stop)."""
-        if self.client is not None:
-            self._retired.append(self.client)
-        self.client = self._new_client()
-
-    def _new_client(self) -> aiohttp.ClientSession:
-        # No total timeout: a generation may run for minutes; connecting must be quick.
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.engine.timeout_s,
-                                        sock_connect=self.cfg.engine.timeout_s)
-        # llama-server (cpp-httplib) drops an idle kept-alive connection after 5 s; reusing one
-        # just as it does fails the request, so ours are dropped sooner.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
-        return aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector)
-
     async def start(self) -> None:
-        self.client = self._new_client()
-        self.sessions.on_engine_restart.append(self._fresh_client)
+        # The engine restarted: its kept-alive connections are dead.
+        self.sessions.on_engine_restart.append(self.pool.renewed)
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -189,9 +128,8 @@ class Gate:
             await self.runner.cleanup()
         for t in list(self._tasks):
             t.cancel()
-        for client in [*self._retired, self.client]:
-            if client is not None:
-                await client.close()
+        if self._own_pool:  # a shared pool outlives the gate: the stop save still needs it
+            await self.pool.close()
         if self.request_log:
             self.request_log.close()
 
@@ -240,63 +178,7 @@ class Gate:
     async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None
                     ) -> web.StreamResponse:
         """Forward one request to the engine and its response back, as it arrives."""
-        assert self.client is not None
-        url = self.upstream + request.rel_url.path_qs
-        headers = _forward_headers(request.headers)
-        data = body if body else None
-        try:
-            try:
-                up = await self.client.request(request.method, url, headers=headers, data=data,
-                                               allow_redirects=False)
-            except aiohttp.ServerDisconnectedError:
-                # A kept-alive connection the engine closed as we reused it (its idle timeout,
-                # or a restart): it never saw the request. Once more on fresh connections.
-                await self._fresh_client()
-                up = await self.client.request(request.method, url, headers=headers, data=data,
-                                               allow_redirects=False)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
-            self.errors_502 += 1
-            why = "timed out connecting" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
-            return gate_error(502, f"cannot reach the engine at {self.upstream}: {why}")
-        done = False
-        resp: web.StreamResponse | None = None
-        try:
-            headers = _forward_headers(up.headers)
-            streaming = "text/event-stream" in up.headers.get("Content-Type", "") or up.content_length is None
-            if not streaming:
-                data = await up.read()
-                done = True
-                if watcher is not None:
-                    with contextlib.suppress(ValueError, UnicodeDecodeError):
-                        watcher.take(json.loads(data))
-                return web.Response(status=up.status, reason=up.reason, headers=headers, body=data)
-            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                if watcher is not None:
-                    watcher.feed(chunk)
-                await resp.write(chunk)
-            done = True
-            await resp.write_eof()
-            return resp
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-            # The status line is already sent: the only honest signal left is to close the
-            # client's connection without finishing the body.
-            log.warning("gate: the engine at %s broke off a response to %s: %s", self.upstream, request.path,
-                        e or type(e).__name__)
-            if watcher is not None:
-                watcher.broken = True
-            if resp is None:  # nothing sent yet: a proper error answer is still possible
-                self.errors_502 += 1
-                return gate_error(502, f"the engine at {self.upstream} broke off its answer: {e}")
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-        finally:
-            if done:
-                up.release()  # back to the pool: keep-alive to the engine
-            else:
-                up.close()  # unfinished: closing tells the engine to stop generating
+        return await self.pool.forward(request, body, watcher)
 
     async def slot_action(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -432,7 +314,8 @@ class Gate:
             ("prefill_tokens_avoided_total", "counter", "Prompt tokens reused thanks to a restore",
              c.prefill_tokens_avoided),
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
-            ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable", self.errors_502),
+            ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
+             self.pool.errors_502),
             ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
         ]
         out = []
