@@ -50,6 +50,10 @@ class EngineConfig:
 class GateConfig:
     listen: str | None = None  # HOST:PORT; None = no gate
     request_log: str | None = None
+    # A request is read whole before the FIFO (its conversation key is in the body). 64 MB
+    # covers a chat with images: OpenAI caps a request's images at 50 MB in all, and a
+    # base64 image is 4/3 of its file.
+    max_body_mb: float = 64.0
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,8 @@ def _validate(c: Config, source: str) -> None:
         except ValueError as err:
             bad("engine.control", str(err))
 
+    if not c.gate.max_body_mb > 0:
+        bad("gate.max_body_mb", f"must be more than 0, got {c.gate.max_body_mb}")
     if c.gate.listen is not None:
         try:
             parse_hostport(c.gate.listen)

@@ -47,9 +47,6 @@ from .upstream import SSEWatcher, Upstream, gate_error  # noqa: F401  (SSEWatche
 log = logging.getLogger("autosessd")
 
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
-MAX_BODY = 1 << 30  # requests are read whole (the key is in the body); the engine sets the real limit
-
-
 class RequestLog:
     """The gate's JSONL request log (DESIGN §2), for a tail elsewhere. Rotation by rename
     (logrotate without copytruncate) is noticed at the next line: the file is reopened."""
@@ -89,6 +86,7 @@ class Gate:
         self.host, self.port = parse_hostport(cfg.gate.listen or "127.0.0.1:0")
         self.upstream = cfg.engine.url.rstrip("/")
         self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None
+        self.max_body = int(cfg.gate.max_body_mb * 1e6)
         self._own_pool = pool is None
         self.pool = pool if pool is not None else Upstream(self.upstream, cfg.engine.timeout_s)
         self.runner: web.AppRunner | None = None
@@ -102,7 +100,7 @@ class Gate:
     async def start(self) -> None:
         # The engine restarted: its kept-alive connections are dead.
         self.sessions.on_engine_restart.append(self.pool.renewed)
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=self.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -148,9 +146,8 @@ class Gate:
         path = request.path
         if path.startswith("/autosessd/"):
             return await self.own_endpoint(request)
-        if request.content_length is not None and request.content_length > MAX_BODY:
-            return gate_error(413, f"request body of {request.content_length:,} bytes is over the gate's limit of "
-                                   f"{MAX_BODY:,}", "invalid_request_error")
+        if request.content_length is not None and request.content_length > self.max_body:
+            return self._too_large(f"{request.content_length:,} bytes")
         self.requests += 1
         self.in_flight += 1
         self._idle.clear()
@@ -160,10 +157,18 @@ class Gate:
             if request.method == "POST" and path.startswith("/slots"):
                 return await self.slot_action(request)
             return await self.proxy(request, await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            # A chunked body (no Content-Length) ran over the limit while being read,
+            # before the FIFO: nothing was forwarded.
+            return self._too_large("more bytes")
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    def _too_large(self, size: str) -> web.Response:
+        return gate_error(413, f"request body of {size} is over the gate's limit of {self.max_body:,} bytes "
+                               f"(gate.max_body_mb = {self.cfg.gate.max_body_mb:g})", "invalid_request_error")
 
     async def own_endpoint(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/autosessd/status" and request.method == "GET":

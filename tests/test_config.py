@@ -18,6 +18,7 @@ def test_defaults_are_the_seeds():
     assert (c.auto_sessions, c.auto_sessions_min_tokens, c.auto_sessions_keep, c.auto_sessions_max_gb) == \
         (True, 16000, 12, 100.0)
     assert c.engine.kind == "llama-server" and c.engine.slot == 0 and c.gate.listen is None
+    assert c.gate.max_body_mb == 64  # chat with images fits
 
 
 def test_full_file():
@@ -66,6 +67,8 @@ def test_flags_override_the_file():
         (b"[engine]\ncontrol = 'udp:x'\n", "engine.control", "unix:/path"),
         (b"[engine]\ntimeout_s = 0\n", "engine.timeout_s", "more than 0"),
         (b"[gate]\nlisten = '8080'\n", "gate.listen", "HOST:PORT"),
+        (b"[gate]\nmax_body_mb = 0\n", "gate.max_body_mb", "more than 0"),
+        (b"[gate]\nmax_body_mb = '64M'\n", "gate.max_body_mb", "must be a number"),
         (b"[control]\ngroup = 'no-such-group-xyz'\n", "control.group", "no such group"),
         (b"engine = 3\n", "engine", "table"),
     ],

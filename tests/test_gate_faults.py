@@ -3,6 +3,7 @@
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -150,5 +151,28 @@ def test_request_log_follows_rotation_by_rename(fake, session_dir, tmp_path):
         assert [x["event"] for x in lines] == ["start", "end"]
         assert lines[0]["key"] == conversation_key(B)
         assert len((tmp_path / "gate.jsonl.1").read_text().splitlines()) == 2
+    finally:
+        d.stop()
+
+
+def test_a_body_over_the_limit_gets_413_from_the_gate(fake, session_dir, tmp_path):
+    eng = fake()
+    d = Daemon(tmp_path, session_dir, eng.url, gate_toml="max_body_mb = 0.5").start()
+    try:
+        big = chat_body("x" * 600_000)
+        for chunked in (False, True):  # with Content-Length, and streamed without one
+            data = json.dumps(big).encode()
+            req = urllib.request.Request(d.gate_url + "/v1/chat/completions",
+                                         data=iter([data]) if chunked else data,
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Transfer-Encoding": "chunked"} if chunked else {})})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == 413
+            err = json.load(e.value)["error"]
+            assert err["src"] == "autosessd" and "gate.max_body_mb = 0.5" in err["message"], err
+        assert d.status()["counters"]["turns"] == 0  # refused before the turn
+        status, _ = post(d.gate_url, chat_body("y" * 400_000))  # under the limit: forwarded
+        assert status == 200
     finally:
         d.stop()
