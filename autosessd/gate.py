@@ -172,7 +172,8 @@ class Gate:
 
     async def own_endpoint(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/autosessd/status" and request.method == "GET":
-            return web.json_response(self.sessions.status())
+            # status() scans the session directory: off the loop, as the control socket does.
+            return web.json_response(await asyncio.get_running_loop().run_in_executor(None, self.sessions.status))
         if request.path == "/autosessd/metrics" and request.method == "GET":
             return web.Response(text=self.metrics(), content_type="text/plain", charset="utf-8",
                                 headers={"X-Content-Type-Options": "nosniff"})

@@ -174,6 +174,10 @@ class Store:
         self.group = group
         self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
         self._mode_warned = False
+        # Bytes per token of the densest file seen (None: not looked yet). Set by the first
+        # scan with metadata, raised by every finalize: a save's space check reads it
+        # instead of scanning the directory on the event loop.
+        self._per_token: float | None = None
         # Names being written or read right now; prune never removes them.
         self.in_use: Counter[str] = Counter()
         # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
@@ -215,9 +219,16 @@ class Store:
         return psutil.disk_usage(str(self.path)).free
 
     def estimate_bytes(self, n_tokens: int) -> int | None:
-        """Bytes a save of n_tokens will take, from the densest file saved so far."""
-        per_token = [e.meta.bytes / e.meta.n_tokens for e in self.scan() if e.meta and e.meta.n_tokens > 0]
-        return int(max(per_token) * n_tokens) if per_token else None
+        """Bytes a save of n_tokens will take, from the densest file saved so far. Scans the
+        directory only the first time (when no scan has yet)."""
+        if self._per_token is None:
+            self.scan()
+        return int(self._per_token * n_tokens) if self._per_token else None
+
+    def _saw(self, meta: Meta) -> None:
+        if meta.n_tokens > 0:
+            # One float written whole: safe to read from the loop while a thread writes it.
+            self._per_token = max(self._per_token or 0.0, meta.bytes / meta.n_tokens)
 
     def space_needed(self, n_tokens: int) -> int:
         """Free bytes a save of n_tokens needs: its estimated size plus headroom (64 MiB,
@@ -255,6 +266,7 @@ class Store:
         os.replace(temp, final)
         _fsync_dir(self.path)
         self._write_meta(meta)
+        self._saw(meta)
 
     def finalize_manual(self, key: str, name: str) -> None:
         """A parked session under a person's name: the same atomic rename, no metadata."""
@@ -346,6 +358,12 @@ class Store:
             if meta is not None and (meta.bytes != st.st_size or meta.key != key):
                 meta = None
             entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta))
+        if with_meta:
+            if self._per_token is None:
+                self._per_token = 0.0  # looked: nothing saved yet
+            for e in entries:
+                if e.meta is not None:
+                    self._saw(e.meta)
         return entries
 
     def _cached_meta(self, d: os.DirEntry) -> Meta:
@@ -376,6 +394,7 @@ class Store:
         """At start: remove leftover temporaries, metadata without a .bin, and .bin files
         whose metadata is missing or stale (an interrupted finalize). Returns what went."""
         removed = []
+        self._per_token = self._per_token or 0.0
         names = set(os.listdir(self.path))
         for name in sorted(names):
             why = None
@@ -385,9 +404,12 @@ class Store:
                 if auto_name(m.group(1)) not in names:
                     why = "metadata without a session file"
             elif m := AUTO_BIN.match(name):
-                if self.read_meta(m.group(1)) is None:
+                meta = self.read_meta(m.group(1))
+                if meta is None:
                     why = "no valid metadata (interrupted save)"
                     self._unlink(self.meta_path(m.group(1)))
+                else:
+                    self._saw(meta)  # the start's look at every file primes the space estimate
             if why and self._unlink(self.path / name):
                 removed.append(f"{name} ({why})")
         if removed:

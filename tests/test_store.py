@@ -231,3 +231,19 @@ def test_with_control_group_files_are_group_readable(open_dir):
     for f in (s.bin_path(K[0]), s.meta_path(K[0])):
         st = f.stat()
         assert st.st_mode & 0o777 == 0o640 and st.st_gid == gid, f.name
+
+
+def test_space_check_does_not_scan_the_directory_at_every_save(tmp_path, monkeypatch):
+    s = Store(tmp_path)
+    save(s, K[0], size=1000, n_tokens=10)  # 100 bytes per token
+    s2 = Store(tmp_path)  # a new start: its cleanup looks at every file once
+    s2.cleanup()
+    scans = []
+    real_scan = s2.scan
+    monkeypatch.setattr(s2, "scan", lambda *a, **kw: scans.append(1) or real_scan(*a, **kw))
+    monkeypatch.setattr(s2, "free_bytes", lambda: 10**12)
+    for _ in range(5):
+        assert s2.check_space(50) is None
+    assert s2.estimate_bytes(50) == 5000 and scans == []
+    save(s2, K[1], size=4000, n_tokens=10)  # a denser save raises the figure, still without a scan
+    assert s2.estimate_bytes(50) == 20000 and scans == []
