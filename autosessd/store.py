@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -168,6 +169,15 @@ GROUP_FILE_MODE = 0o640
 
 
 class Store:
+    """The session directory. Used from the event loop and from worker threads (finalize,
+    prune, status and ls run in the executor), so:
+
+    loop only     acquire, release, using      (they change in_use)
+    any thread    everything else; in_use and the metadata cache are read and changed
+                  only under _lock, and remove() checks in_use and unlinks under it, so
+                  once acquire(name) has returned no prune or remove deletes that file
+    """
+
     def __init__(self, path: str | Path, group: int | None = None):
         """group: the gid of control.group; files are then 0640 and belong to it."""
         self.path = Path(path)
@@ -178,8 +188,9 @@ class Store:
         # scan with metadata, raised by every finalize: a save's space check reads it
         # instead of scanning the directory on the event loop.
         self._per_token: float | None = None
-        # Names being written or read right now; prune never removes them.
+        # Names being written or read right now; prune never removes them. Under _lock.
         self.in_use: Counter[str] = Counter()
+        self._lock = threading.Lock()
         # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
         # of thousands of sessions stats them instead of reading every JSON again.
         self._meta_cache: dict[str, tuple[tuple[int, int, int], Meta]] = {}
@@ -198,13 +209,16 @@ class Store:
         return self.path / manual_name(name)
 
     def acquire(self, name: str) -> None:
-        """Mark a name as being written or read: prune and remove leave it alone."""
-        self.in_use[name] += 1
+        """Mark a name as being written or read: prune and remove leave it alone. Waits at
+        most for one unlink a prune thread is doing."""
+        with self._lock:
+            self.in_use[name] += 1
 
     def release(self, name: str) -> None:
-        self.in_use[name] -= 1
-        if self.in_use[name] <= 0:
-            del self.in_use[name]
+        with self._lock:
+            self.in_use[name] -= 1
+            if self.in_use[name] <= 0:
+                del self.in_use[name]
 
     @contextlib.contextmanager
     def using(self, name: str) -> Iterator[None]:
@@ -352,7 +366,8 @@ class Store:
                         pass
         if with_meta and len(self._meta_cache) > len(metas):
             live = {meta_name(k) for k in metas}
-            self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
+            with self._lock:  # another thread's scan may be adding to it
+                self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
         for key, st in bins.items():
             meta = metas.get(key)
             if meta is not None and (meta.bytes != st.st_size or meta.key != key):
@@ -369,11 +384,13 @@ class Store:
     def _cached_meta(self, d: os.DirEntry) -> Meta:
         st = d.stat(follow_symlinks=False)
         ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-        hit = self._meta_cache.get(d.name)
+        with self._lock:
+            hit = self._meta_cache.get(d.name)
         if hit is not None and hit[0] == ident:
             return hit[1]
         meta = Meta.from_json(Path(d.path).read_bytes())
-        self._meta_cache[d.name] = (ident, meta)
+        with self._lock:
+            self._meta_cache[d.name] = (ident, meta)
         return meta
 
     def manual_files(self) -> list[tuple[str, int, float]]:
@@ -419,26 +436,35 @@ class Store:
     def remove(self, key: str) -> int:
         """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
         is ever left for a reader). Returns the bytes freed. Refuses a file in use."""
-        if auto_name(key) in self.in_use:
-            raise StoreError(f"{auto_name(key)} is being written or read")
         path = self.bin_path(key)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        self._unlink(path)
+        with self._lock:  # no acquire() between the check and the unlink
+            if auto_name(key) in self.in_use:
+                raise StoreError(f"{auto_name(key)} is being written or read")
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                size = 0
+            self._unlink(path)
         self._unlink(self.meta_path(key))
         return size
 
     def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
-        """Apply plan_prune; free_target: bytes that should be free on the disk afterwards."""
+        """Apply plan_prune (in a worker thread: see the class docstring); free_target: bytes
+        that should be free on the disk afterwards. Returns what was really removed."""
         must_free = max(0, free_target - self.free_bytes()) if free_target else 0
-        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, set(self.in_use), must_free)
-        if not dry_run:
-            for e in plan.remove:
-                if e.name not in self.in_use:  # in use may have changed since the plan
-                    self.remove(e.key)
-        return plan
+        with self._lock:
+            in_use = set(self.in_use)  # a snapshot: the loop changes in_use meanwhile
+        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, in_use, must_free)
+        if dry_run:
+            return plan
+        removed, kept = [], list(plan.keep)
+        for e in plan.remove:
+            try:
+                self.remove(e.key)
+                removed.append(e)
+            except StoreError:  # taken into use since the plan: kept
+                kept.append(e)
+        return PrunePlan(remove=removed, keep=kept)
 
     @staticmethod
     def _unlink(path: Path) -> bool:

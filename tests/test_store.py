@@ -247,3 +247,24 @@ def test_space_check_does_not_scan_the_directory_at_every_save(tmp_path, monkeyp
     assert s2.estimate_bytes(50) == 5000 and scans == []
     save(s2, K[1], size=4000, n_tokens=10)  # a denser save raises the figure, still without a scan
     assert s2.estimate_bytes(50) == 20000 and scans == []
+
+
+def test_a_file_taken_into_use_while_prune_runs_is_kept(tmp_path, monkeypatch):
+    """Prune runs in a worker thread while the loop marks files in use: one taken into use
+    after the plan chose it is still not removed, nor reported as removed."""
+    import autosessd.store as store_mod
+
+    s = Store(tmp_path)
+    for i in range(3):
+        save(s, K[i], saved_at=float(i))
+    real_plan = store_mod.plan_prune
+
+    def plan_then_loop_acquires(*a, **kw):
+        plan = real_plan(*a, **kw)
+        s.acquire(auto_name(K[0]))  # the loop, between the plan and the unlink
+        return plan
+
+    monkeypatch.setattr(store_mod, "plan_prune", plan_then_loop_acquires)
+    plan = s.prune(keep=1, max_bytes=10**9)
+    assert s.bin_path(K[0]).exists() and s.read_meta(K[0]) is not None
+    assert {e.key for e in plan.remove} == {K[1]}
