@@ -31,6 +31,7 @@ from . import config as config_mod
 from .config import Config, ConfigError
 from .engines import make_engine
 from .engines.base import Engine, EngineError, SlotSavingOff
+from .requestlog import RequestLogError
 from .sessions import Sessions, fmt_bytes
 from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
@@ -225,7 +226,10 @@ class Daemon:
             log.info("auto sessions: removed %s", what)
         self.sessions = Sessions(self.cfg, self.engine, self.store, model, model_name)
         self.sessions.engine_healthy = True
-        self.inputs = self.build_inputs()
+        try:
+            self.inputs = self.build_inputs()
+        except RequestLogError as e:
+            raise StartupError(str(e)) from None
         started: list[Input] = []
         try:
             for inp in self.inputs:

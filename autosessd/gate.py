@@ -30,10 +30,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -41,41 +39,13 @@ from aiohttp import web
 from .config import Config, parse_hostport
 from .engines.base import EngineError
 from .keys import conversation_key
+from .requestlog import RequestLog
 from .sessions import Sessions
-from .upstream import SSEWatcher, Upstream, gate_error  # noqa: F401  (SSEWatcher: used by the turn)
+from .upstream import SSEWatcher, Upstream, gate_error
 
 log = logging.getLogger("autosessd")
 
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
-class RequestLog:
-    """The gate's JSONL request log (DESIGN §2), for a tail elsewhere. Rotation by rename
-    (logrotate without copytruncate) is noticed at the next line: the file is reopened."""
-
-    def __init__(self, path: str):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self._open()
-
-    def _open(self) -> Any:
-        return open(self.path, "a", buffering=1, encoding="utf-8")
-
-    def write(self, **fields: Any) -> None:
-        try:
-            try:
-                rotated = os.stat(self.path).st_ino != os.fstat(self._f.fileno()).st_ino
-            except FileNotFoundError:
-                rotated = True
-            if rotated:
-                self._f.close()
-                self._f = self._open()
-            self._f.write(json.dumps({"ts": round(time.time(), 3), **fields}) + "\n")
-        except OSError as e:
-            log.warning("gate: cannot write the request log %s: %s", self.path, e)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 class Gate:
     name = "gate"
 

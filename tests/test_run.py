@@ -80,3 +80,19 @@ def test_starts_cleans_up_and_stops_on_sigterm(engines, tmp_path, session_dir):
         assert sorted(os.listdir(session_dir)) == ["mine.bin"]
     finally:
         p.kill()
+
+
+def test_unwritable_gate_request_log_is_refused_clearly(tmp_path, session_dir):
+    from harness import FakeEngine
+
+    eng = FakeEngine(session_dir).start()
+    try:
+        log_dir = tmp_path / "a-directory"  # where the log file should be: cannot be opened for writing
+        log_dir.mkdir()
+        r = run_daemon("--config", config(tmp_path, session_dir, eng.url), "--gate", f"127.0.0.1:{free_port()}",
+                       "--gate-request-log", str(log_dir))
+        assert r.returncode == 1, r.stderr
+        assert f"cannot start: gate.request_log {log_dir}: cannot open it for writing" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        eng.stop()
