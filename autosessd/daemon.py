@@ -103,7 +103,12 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
 async def wait_engine(engine: Engine, deadline_s: float) -> None:
     """Until the engine answers /health with its model loaded, or the deadline."""
     deadline = time.monotonic() + deadline_s
+    # Said before the first try: an engine that is down (or a wrong URL) would otherwise
+    # leave the log silent for the whole wait.
+    log.info("engine check: waiting up to %g s (engine.timeout_s) for the engine at %s to answer /health "
+             "with its model loaded", deadline_s, engine.address)
     last: Exception | None = None
+    said = ""
     while True:
         try:
             if await engine.health():
@@ -113,6 +118,9 @@ async def wait_engine(engine: Engine, deadline_s: float) -> None:
             last = e
         if time.monotonic() >= deadline:
             raise StartupError(f"{last} (waited {deadline_s:g} s)")
+        if str(last) != said:  # each new reason once, not every quarter second
+            said = str(last)
+            log.info("engine check: not yet: %s; still waiting", said)
         await asyncio.sleep(0.25)
 
 
@@ -286,8 +294,21 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.initiate_shutdown, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
+        # A stop asked for during the start (the engine wait lasts up to engine.timeout_s)
+        # ends the start instead of waiting for it.
+        starting = loop.create_task(self.start())
+        stop_wait = loop.create_task(self._stop.wait())
+        await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.info("stopping (%s) before the start finished", self._stop_reason)
+            await self.engine.close()
+            await self.pool.close()
+            return 0
         try:
-            await self.start()
+            starting.result()
         except StartupError as e:
             log.error("cannot start: %s", e)
             await self.engine.close()

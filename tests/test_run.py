@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,26 @@ def test_unwritable_gate_request_log_is_refused_clearly(tmp_path, session_dir):
         assert "Traceback" not in r.stderr
     finally:
         eng.stop()
+
+
+def test_waiting_for_an_unreachable_engine_says_so_at_once_and_stops_on_sigterm(tmp_path, session_dir):
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg_path = Path(config(tmp_path, session_dir, url))
+    cfg_path.write_text(cfg_path.read_text().replace("timeout_s = 3", "timeout_s = 600"))
+    err = tmp_path / "stderr"
+    p = subprocess.Popen([sys.executable, "-m", "autosessd", "run", "--config", str(cfg_path)],
+                         stderr=open(err, "wb"))
+    try:
+        # Long before the 600 s wait is over, the log names what it waits for, and why not yet.
+        wait_until(lambda: f"waiting up to 600 s (engine.timeout_s) for the engine at {url}" in err.read_text(),
+                   60, what="the wait to be announced")
+        wait_until(lambda: f"not yet: cannot reach the engine at {url}" in err.read_text(), 60,
+                   what="the reason it is still waiting")
+        assert p.poll() is None  # and it keeps waiting
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0  # a stop does not wait for the engine wait to run out
+        assert "stopping (SIGTERM) before the start finished" in err.read_text()
+        assert "Traceback" not in err.read_text()
+    finally:
+        p.kill()
+        p.wait()
