@@ -75,6 +75,10 @@ class Config:
     auto_sessions_keep: int = 12
     auto_sessions_max_gb: float = 100.0
     state_dir: str | None = None  # where the daemon remembers the held key and tail offsets
+    # A stop (SIGTERM) ends within this, whatever hangs: requests in flight, the stop save,
+    # the last writes. Below systemd's TimeoutStopSec (15 min in the shipped unit), so the
+    # daemon says what it gave up on instead of being killed.
+    stop_timeout_s: float = 300.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     tail: TailConfig = field(default_factory=TailConfig)
@@ -234,6 +238,8 @@ def _validate(c: Config, source: str) -> None:
         bad("auto_sessions_keep", f"must be 1 or more, got {c.auto_sessions_keep}")
     if not c.auto_sessions_max_gb > 0:
         bad("auto_sessions_max_gb", f"must be more than 0, got {c.auto_sessions_max_gb}")
+    if not c.stop_timeout_s > 0:
+        bad("stop_timeout_s", f"must be more than 0, got {c.stop_timeout_s}")
     if c.state_dir is not None and not os.path.isabs(c.state_dir):
         bad("state_dir", f"must be an absolute path, got {c.state_dir!r}")
 

@@ -39,7 +39,7 @@ from .upstream import Upstream
 
 log = logging.getLogger("autosessd")
 
-STOP_GRACE_S = 30.0  # in-flight requests get this long to finish at a stop
+STOP_GRACE_S = 30.0  # in-flight requests get at most this long to finish at a stop (within stop_timeout_s)
 
 
 class StartupError(Exception):
@@ -210,6 +210,7 @@ class Daemon:
         self._stop_reason = ""
         self._sigints = 0
         self._watcher: asyncio.Task | None = None
+        self._stopping = ""  # what the stop is doing now: said if the deadline cuts it
 
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
@@ -325,25 +326,52 @@ class Daemon:
         return 0
 
     async def stop(self) -> None:
+        """One deadline (stop_timeout_s) for the whole stop: the inputs' requests in flight
+        (at most STOP_GRACE_S of it), then the stop save, then the background writes. What
+        is still running at the deadline is given up, and the log says what it was."""
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._watcher is not None:
             self._watcher.cancel()
-        for inp in self.inputs:
-            try:
-                await inp.stop(STOP_GRACE_S)
-            except Exception as e:
-                log.warning("stopping %s: %s", inp.name, e)
+        # The inputs stop together: each stops taking requests at once, then gives those in
+        # flight the same bounded time (not one grace after another).
+        grace = min(STOP_GRACE_S, left())
+        await asyncio.gather(*(self._stop_input(inp, grace, left) for inp in self.inputs))
         if self.sessions is not None:
-            # A multi-GB save can outlast systemd's stop timeout: ask for more.
-            sd_notify(f"EXTEND_TIMEOUT_USEC={int(max(60.0, self.cfg.engine.timeout_s) * 1e6)}")
+            # A multi-GB save can outlast systemd's stop timeout: ask for the rest of ours.
+            sd_notify(f"EXTEND_TIMEOUT_USEC={int((left() + 5) * 1e6)}")
+            self._stopping = "the stop save"
             try:
-                for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
-                    await self.sessions.save_held(sid, "stop")
-                await self.sessions.drain()
+                await asyncio.wait_for(self._stop_save(), left())
+            except asyncio.TimeoutError:
+                log.error("stop: gave up on %s after stop_timeout_s = %g s; a save the engine was still "
+                          "writing is left as a temporary, removed at the next start", self._stopping,
+                          self.cfg.stop_timeout_s)
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
             self.sessions.record_held()
         await self.engine.close()
         await self.pool.close()
+
+    async def _stop_input(self, inp: Input, grace: float, left: Any) -> None:
+        try:
+            await asyncio.wait_for(inp.stop(grace), left())
+        except asyncio.TimeoutError:
+            log.error("stop: gave up stopping %s after stop_timeout_s = %g s", inp.name, self.cfg.stop_timeout_s)
+        except Exception as e:
+            log.warning("stopping %s: %s", inp.name, e)
+
+    async def _stop_save(self) -> None:
+        assert self.sessions is not None
+        for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
+            held = self.sessions.slot(sid).held
+            self._stopping = f"the stop save of slot {sid}" + (f" (conversation {held.key})" if held else "")
+            await self.sessions.save_held(sid, "stop")
+        self._stopping = "the last session files being written (finalize, prune)"
+        await self.sessions.drain()
 
     def _start_watchdog(self) -> asyncio.Task | None:
         usec = os.environ.get("WATCHDOG_USEC")

@@ -86,13 +86,16 @@ class Gate:
             for site in list(self.runner.sites):
                 await site.stop()
             deadline = time.monotonic() + grace_s
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
                 # A conversation's FIFO outlives its handler (bookkeeping after the last
                 # byte, settling after a disconnect): wait until every slot is free.
                 for slot in list(self.sessions.slots.values()):
                     await asyncio.wait_for(slot.lock.acquire(), max(0.0, deadline - time.monotonic()))
                     slot.lock.release()
+            except asyncio.TimeoutError:
+                log.warning("gate: stop: %d request(s) still in flight after %g s: closing their connections",
+                            self.in_flight, grace_s)
             await self.runner.cleanup()
         for t in list(self._tasks):
             t.cancel()

@@ -68,6 +68,7 @@ def test_flags_override_the_file():
         (b"[engine]\ntimeout_s = 0\n", "engine.timeout_s", "more than 0"),
         (b"[gate]\nlisten = '8080'\n", "gate.listen", "HOST:PORT"),
         (b"[gate]\nmax_body_mb = 0\n", "gate.max_body_mb", "more than 0"),
+        (b"stop_timeout_s = -1\n", "stop_timeout_s", "more than 0"),
         (b"[gate]\nmax_body_mb = '64M'\n", "gate.max_body_mb", "must be a number"),
         (b"[control]\ngroup = 'no-such-group-xyz'\n", "control.group", "no such group"),
         (b"engine = 3\n", "engine", "table"),

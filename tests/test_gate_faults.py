@@ -176,3 +176,17 @@ def test_a_body_over_the_limit_gets_413_from_the_gate(fake, session_dir, tmp_pat
         assert status == 200
     finally:
         d.stop()
+
+
+def test_sigterm_while_the_stop_save_hangs_exits_within_stop_timeout(fake, session_dir, tmp_path):
+    """The engine never answers the stop save. Its own timeout (engine.timeout_s, 120 s here)
+    would hold the stop for two minutes; stop_timeout_s bounds the whole stop."""
+    eng = fake("hang-save")
+    d = Daemon(tmp_path, session_dir, eng.url, timeout_s=120, extra_toml="stop_timeout_s = 3").start()
+    post(d.gate_url, A)  # held, and over min tokens: the stop saves it
+    rc = d.stop(timeout=60)  # killed (rc -9) if it waits for the engine's timeout
+    assert rc == 0
+    log = d.logtext()
+    assert f"stop: gave up on the stop save of slot 0 (conversation {conversation_key(A)}) after " \
+           f"stop_timeout_s = 3 s" in log, log
+    assert not list(session_dir.glob("auto-*"))
