@@ -48,7 +48,9 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class GateConfig:
-    listen: str | None = None  # HOST:PORT; None = no gate
+    # HOST:PORT, or a list of them (a TOML string or array; llama-server likewise takes
+    # --host 127.0.0.1,::1), e.g. ["127.0.0.1:8081", "[::1]:8081"]; None = no gate.
+    listen: tuple[str, ...] | None = None
     request_log: str | None = None
     # A request is read whole before the FIFO (its conversation key is in the body). 64 MB
     # covers a chat with images: OpenAI caps a request's images at 50 MB in all, and a
@@ -215,6 +217,13 @@ def _coerce(f: dataclasses.Field, key: str, value: Any, source: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(source, key, f"must be a string, got {_typename(value)} {value!r}")
+    if base == "tuple[str, ...]":  # one string or a list of strings
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(source, key, f"must be a string or a non-empty list of strings, got "
+                                       f"{_typename(value)} {value!r}")
     raise AssertionError(f"unhandled field type {t}")  # a programming error, not a user one
 
 
@@ -268,10 +277,15 @@ def _validate(c: Config, source: str) -> None:
     if not c.gate.max_body_mb > 0:
         bad("gate.max_body_mb", f"must be more than 0, got {c.gate.max_body_mb}")
     if c.gate.listen is not None:
-        try:
-            parse_hostport(c.gate.listen)
-        except ValueError as err:
-            bad("gate.listen", str(err))
+        seen = set()
+        for address in c.gate.listen:
+            try:
+                hostport = parse_hostport(address)
+            except ValueError as err:
+                bad("gate.listen", str(err))
+            if hostport in seen:
+                bad("gate.listen", f"lists {address} twice")
+            seen.add(hostport)
     for key, path in (("gate.request_log", c.gate.request_log), ("tail.request_log", c.tail.request_log),
                       ("control.socket", c.control.socket)):
         if path is not None and not os.path.isabs(path):

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -46,6 +47,10 @@ from .upstream import SSEWatcher, Upstream, gate_error
 log = logging.getLogger("autosessd")
 
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
+def _url_host(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class Gate:
     name = "gate"
 
@@ -53,7 +58,9 @@ class Gate:
         """pool: the engine's HTTP pool, shared with the engine adapter (one is made when None)."""
         self.cfg = cfg
         self.sessions = sessions
-        self.host, self.port = parse_hostport(cfg.gate.listen or "127.0.0.1:0")
+        # Every address in gate.listen is bound; host and port are the first (for messages).
+        self.addresses = [parse_hostport(a) for a in cfg.gate.listen or ("127.0.0.1:0",)]
+        self.host, self.port = self.addresses[0]
         self.upstream = cfg.engine.url.rstrip("/")
         self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None
         self.max_body = int(cfg.gate.max_body_mb * 1e6)
@@ -74,11 +81,21 @@ class Gate:
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        if self.port == 0:  # tests ask for any free port
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("gate: listening on http://%s:%d, forwarding to %s", self.host, self.port, self.upstream)
+        bound = []
+        for i, (host, port) in enumerate(self.addresses):
+            site = web.TCPSite(self.runner, host, port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as e:  # stops the start (daemon: StartupError), the addresses bound so far closed
+                await self.runner.cleanup()
+                why = os.strerror(e.errno) if e.errno else str(e)
+                raise OSError(f"gate.listen {_url_host(host, port)}: cannot listen there: {why}") from None
+            if port == 0:  # tests ask for any free port
+                port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.addresses[i] = (host, port)
+            bound.append(_url_host(host, port))
+        self.host, self.port = self.addresses[0]
+        log.info("gate: listening on %s, forwarding to %s", ", ".join(f"http://{b}" for b in bound), self.upstream)
 
     async def stop(self, grace_s: float) -> None:
         if self.runner is not None:
@@ -105,7 +122,7 @@ class Gate:
             self.request_log.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"listen": f"{self.host}:{self.port}", "upstream": self.upstream,
+        return {"listen": [_url_host(h, p) for h, p in self.addresses], "upstream": self.upstream,
                 "request_log": self.cfg.gate.request_log}
 
     def _spawn(self, coro: Any) -> asyncio.Task:

@@ -190,3 +190,35 @@ def test_sigterm_while_the_stop_save_hangs_exits_within_stop_timeout(fake, sessi
     assert f"stop: gave up on the stop save of slot 0 (conversation {conversation_key(A)}) after " \
            f"stop_timeout_s = 3 s" in log, log
     assert not list(session_dir.glob("auto-*"))
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_gate_listens_on_every_address_in_the_list(fake, session_dir, tmp_path):
+    """llama-server takes --host 127.0.0.1,::1; a client that reaches the engine on either
+    loopback reaches the gate the same way."""
+    if not _ipv6_loopback():
+        pytest.skip(reason="this machine has no IPv6 loopback (::1)")
+    from harness import free_port
+
+    eng = fake()
+    port = free_port()
+    d = Daemon(tmp_path, session_dir, eng.url, gate=False,
+               extra_toml=f'[gate]\nlisten = ["127.0.0.1:{port}", "[::1]:{port}"]').start()
+    try:
+        for base in (f"http://127.0.0.1:{port}", f"http://[::1]:{port}"):
+            status, body = post(base, A)
+            assert status == 200 and body["choices"], base
+        with urllib.request.urlopen(f"http://[::1]:{port}/autosessd/status", timeout=10) as r:
+            st = json.load(r)
+        assert st["inputs"]["gate"]["listen"] == [f"127.0.0.1:{port}", f"[::1]:{port}"]
+        assert st["counters"]["turns"] == 2
+    finally:
+        d.stop()

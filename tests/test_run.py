@@ -20,8 +20,9 @@ def run_daemon(*args, timeout=60):
 
 def config(tmp_path, session_dir, url, **extra):
     f = tmp_path / "autosessd.toml"
+    # Its own control socket: the default path is shared by every daemon on the machine.
     lines = [f'slot_save_path = "{session_dir}"', f'state_dir = "{tmp_path / "state"}"', "[engine]",
-             f'url = "{url}"', "timeout_s = 3"]
+             f'url = "{url}"', "timeout_s = 3", "[control]", f'socket = "{tmp_path / "ctl" / "a.sock"}"']
     f.write_text("\n".join(lines) + "\n")
     return str(f)
 
@@ -120,3 +121,23 @@ def test_waiting_for_an_unreachable_engine_says_so_at_once_and_stops_on_sigterm(
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_gate_address_in_use_is_refused_clearly(tmp_path, session_dir):
+    import socket
+
+    from harness import FakeEngine
+
+    eng = FakeEngine(session_dir).start()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        r = run_daemon("--config", config(tmp_path, session_dir, eng.url), "--gate", f"127.0.0.1:{port}")
+        assert r.returncode == 1, r.stderr
+        assert f"cannot start: gate.listen 127.0.0.1:{port}: cannot listen there: " in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        taken.close()
+        eng.stop()
