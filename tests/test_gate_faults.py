@@ -1,6 +1,7 @@
 """The gate with a fake engine that misbehaves on cue: the request never fails because of autosessd."""
 
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -9,6 +10,7 @@ import urllib.request
 import pytest
 
 from autosessd.keys import conversation_key
+from fake_engine import answer_for
 from harness import Daemon, FakeEngine, chat_body, wait_until
 
 A = chat_body("conversation A " * 200)
@@ -37,15 +39,22 @@ def fake(session_dir):
 
 
 def test_save_that_hangs_gives_up_after_timeout_and_request_runs(fake, session_dir, tmp_path):
+    """The engine never answers the save. autosessd gives up after engine.timeout_s and
+    forwards the request unchanged; it never fails the request itself.
+
+    Where the fake differs: it answers the chat while the save still hangs. llama-server runs
+    a slot's tasks in order, so a save that really hung there would hold the chat behind it
+    too; the answer would come whenever the engine got to it. So this asserts only what holds
+    for both: the wait lasted at least the timeout, the save counts as failed, nothing was
+    restored or kept, and the answer is the engine's answer to this very request."""
     eng = fake("hang-save")
     d = Daemon(tmp_path, session_dir, eng.url, timeout_s=1.5).start()
     try:
         post(d.gate_url, A)
         t0 = time.monotonic()
         status, body = post(d.gate_url, B)
-        took = time.monotonic() - t0
-        assert status == 200 and body["choices"][0]["message"]["content"] == "fake answer"
-        assert 1.5 <= took < 10
+        assert time.monotonic() - t0 >= 1.5  # the turn waited for the save until it gave up
+        assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(B)
         st = d.status()
         assert st["counters"]["save_failures"] == 1 and st["counters"]["restores"] == 0
         assert "did not answer POST /slots/0?action=save within 1.5 s" in d.logtext()
@@ -64,7 +73,9 @@ def test_bad_save_answers_leave_the_request_alone(fake, session_dir, tmp_path, f
         status, through_gate = post(d.gate_url, B)
         _, direct = post(eng.url, B)
         assert status == 200
+        # The fake's answer depends on the conversation it was sent: B's, unchanged.
         assert through_gate["choices"] == direct["choices"]
+        assert through_gate["choices"][0]["message"]["content"] == answer_for(B) != answer_for(A)
         st = d.status()
         assert st["counters"]["save_failures"] == 1
         assert f"auto sessions: save to auto-{conversation_key(A)}.bin: " in d.logtext() and why in d.logtext()
@@ -80,10 +91,14 @@ def test_restore_that_fails_leaves_the_request_alone(fake, session_dir, tmp_path
         post(d.gate_url, A)
         post(d.gate_url, B)
         status, body = post(d.gate_url, A)
-        assert status == 200 and body["choices"][0]["message"]["content"] == "fake answer"
+        assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(A)
         st = d.status()
         assert st["counters"]["restore_failures"] == 1 and st["counters"]["saves"] == 2
         assert f"auto sessions: restore of auto-{conversation_key(A)}.bin: " in d.logtext()
+        # The fake writes its files under the test's umask (0644, as an engine without
+        # UMask=0077 would): what autosessd made visible is private all the same.
+        files = list(session_dir.glob("auto-*"))
+        assert len(files) == 4 and {os.stat(f).st_mode & 0o777 for f in files} == {0o600}
     finally:
         d.stop()
 
