@@ -327,7 +327,7 @@ class Daemon:
 
     async def stop(self) -> None:
         """One deadline (stop_timeout_s) for the whole stop: the inputs' requests in flight
-        (at most STOP_GRACE_S of it), then the stop save, then the background writes. What
+        (at most STOP_GRACE_S of it, or half), then the stop save, then the background writes. What
         is still running at the deadline is given up, and the log says what it was."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
 
@@ -337,8 +337,9 @@ class Daemon:
         if self._watcher is not None:
             self._watcher.cancel()
         # The inputs stop together: each stops taking requests at once, then gives those in
-        # flight the same bounded time (not one grace after another).
-        grace = min(STOP_GRACE_S, left())
+        # flight the same bounded time (not one grace after another), at most half the
+        # deadline: the stop save needs the rest.
+        grace = min(STOP_GRACE_S, self.cfg.stop_timeout_s / 2)
         await asyncio.gather(*(self._stop_input(inp, grace, left) for inp in self.inputs))
         if self.sessions is not None:
             # A multi-GB save can outlast systemd's stop timeout: ask for the rest of ours.

@@ -46,6 +46,7 @@ from .upstream import SSEWatcher, Upstream, gate_error
 
 log = logging.getLogger("autosessd")
 
+SETTLE_S = 10.0  # at a stop, for the bookkeeping of requests the stop cut
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses"})
 def _url_host(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -79,7 +80,9 @@ class Gate:
         self.sessions.on_engine_restart.append(self.pool.renewed)
         app = web.Application(client_max_size=self.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: at a stop, requests in flight have had the gate's own grace by
+        # the time the runner is cleaned up; aiohttp's default would add 60 s more.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
         bound = []
         for i, (host, port) in enumerate(self.addresses):
@@ -114,6 +117,11 @@ class Gate:
                 log.warning("gate: stop: %d request(s) still in flight after %g s: closing their connections",
                             self.in_flight, grace_s)
             await self.runner.cleanup()
+        # Closing the connections cancelled the requests still in flight; their bookkeeping
+        # (wait for the engine to stop, mark the state provisional, release the FIFO) must
+        # land before the stop save reads what the slot holds. Bounded: the daemon's deadline.
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=SETTLE_S)
         for t in list(self._tasks):
             t.cancel()
         if self._own_pool:  # a shared pool outlives the gate: the stop save still needs it
