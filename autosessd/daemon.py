@@ -327,8 +327,8 @@ class Daemon:
 
     async def stop(self) -> None:
         """One deadline (stop_timeout_s) for the whole stop: the inputs' requests in flight
-        (at most STOP_GRACE_S of it, or half), then the stop save, then the background writes. What
-        is still running at the deadline is given up, and the log says what it was."""
+        (at most STOP_GRACE_S of it, or half), then the stop save, then the background
+        writes. What is still running at the deadline is given up, and the log says what."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
 
         def left() -> float:

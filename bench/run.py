@@ -336,8 +336,8 @@ def t4(r: dict[str, Any]) -> str:
             t = d[name]
             plain = d["plain_write_mb_s"] if name == "away" else d["plain_read_mb_s"]
             lines.append(f"| {d['state_tokens']:,} tok, {d['state_bytes'] / 1e6:.1f} MB | {d['save_ms_median']:.1f} | "
-                         f"{d['restore_ms_median']:.1f} | {name} | {t['n']} | {t['turn_ms']:.1f} | {t['overhead_ms']:.1f} "
-                         f"({t['overhead_share']:.0%}) | {t['mb_s']:,.0f} | {d['plain_write_mb_s']:,.0f} / "
+                         f"{d['restore_ms_median']:.1f} | {name} | {t['n']} | {t['turn_ms']:.1f} | "
+                         f"{t['overhead_ms']:.1f} ({t['overhead_share']:.0%}) | {t['mb_s']:,.0f} | {d['plain_write_mb_s']:,.0f} / "
                          f"{d['plain_read_mb_s']:,.0f} | {t['mb_s'] / plain:.2f} |")
     return "\n".join(lines)
 
