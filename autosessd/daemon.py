@@ -8,8 +8,9 @@ Life of the daemon:
     run      inputs feed sessions; SIGHUP reloads the config
     stop     (SIGTERM or SIGINT) STOPPING=1, inputs stop taking
              requests and get a bounded time to finish, the held conversation is saved
-             if the engine is idle, what was held is recorded, exit 0.
-             A second SIGINT exits at once.
+             if the engine is idle, what was held is recorded, exit 0 -- all within one
+             deadline (stop_timeout_s); what it cuts is named in the log. A stop during
+             the start ends the start. A second SIGINT exits at once.
 
 Signal handlers only set state (initiate_shutdown); the work happens in run().
 """
