@@ -48,8 +48,14 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class GateConfig:
-    listen: str | None = None  # HOST:PORT; None = no gate
+    # HOST:PORT, or a list of them (a TOML string or array; llama-server likewise takes
+    # --host 127.0.0.1,::1), e.g. ["127.0.0.1:8081", "[::1]:8081"]; None = no gate.
+    listen: tuple[str, ...] | None = None
     request_log: str | None = None
+    # A request is read whole before the FIFO (its conversation key is in the body). 64 MB
+    # covers a chat with images: OpenAI caps a request's images at 50 MB in all, and a
+    # base64 image is 4/3 of its file.
+    max_body_mb: float = 64.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ class Config:
     auto_sessions_keep: int = 12
     auto_sessions_max_gb: float = 100.0
     state_dir: str | None = None  # where the daemon remembers the held key and tail offsets
+    # A stop (SIGTERM) ends within this, whatever hangs: requests in flight, the stop save,
+    # the last writes. Below systemd's TimeoutStopSec (15 min in the shipped unit), so the
+    # daemon says what it gave up on instead of being killed.
+    stop_timeout_s: float = 300.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     tail: TailConfig = field(default_factory=TailConfig)
@@ -207,6 +217,13 @@ def _coerce(f: dataclasses.Field, key: str, value: Any, source: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(source, key, f"must be a string, got {_typename(value)} {value!r}")
+    if base == "tuple[str, ...]":  # one string or a list of strings
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(source, key, f"must be a string or a non-empty list of strings, got "
+                                       f"{_typename(value)} {value!r}")
     raise AssertionError(f"unhandled field type {t}")  # a programming error, not a user one
 
 
@@ -230,6 +247,8 @@ def _validate(c: Config, source: str) -> None:
         bad("auto_sessions_keep", f"must be 1 or more, got {c.auto_sessions_keep}")
     if not c.auto_sessions_max_gb > 0:
         bad("auto_sessions_max_gb", f"must be more than 0, got {c.auto_sessions_max_gb}")
+    if not c.stop_timeout_s > 0:
+        bad("stop_timeout_s", f"must be more than 0, got {c.stop_timeout_s}")
     if c.state_dir is not None and not os.path.isabs(c.state_dir):
         bad("state_dir", f"must be an absolute path, got {c.state_dir!r}")
 
@@ -255,11 +274,18 @@ def _validate(c: Config, source: str) -> None:
         except ValueError as err:
             bad("engine.control", str(err))
 
+    if not c.gate.max_body_mb > 0:
+        bad("gate.max_body_mb", f"must be more than 0, got {c.gate.max_body_mb}")
     if c.gate.listen is not None:
-        try:
-            parse_hostport(c.gate.listen)
-        except ValueError as err:
-            bad("gate.listen", str(err))
+        seen = set()
+        for address in c.gate.listen:
+            try:
+                hostport = parse_hostport(address)
+            except ValueError as err:
+                bad("gate.listen", str(err))
+            if hostport in seen:
+                bad("gate.listen", f"lists {address} twice")
+            seen.add(hostport)
     for key, path in (("gate.request_log", c.gate.request_log), ("tail.request_log", c.tail.request_log),
                       ("control.socket", c.control.socket)):
         if path is not None and not os.path.isabs(path):

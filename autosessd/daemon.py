@@ -8,8 +8,9 @@ Life of the daemon:
     run      inputs feed sessions; SIGHUP reloads the config
     stop     (SIGTERM or SIGINT) STOPPING=1, inputs stop taking
              requests and get a bounded time to finish, the held conversation is saved
-             if the engine is idle, what was held is recorded, exit 0.
-             A second SIGINT exits at once.
+             if the engine is idle, what was held is recorded, exit 0 -- all within one
+             deadline (stop_timeout_s); what it cuts is named in the log. A stop during
+             the start ends the start. A second SIGINT exits at once.
 
 Signal handlers only set state (initiate_shutdown); the work happens in run().
 """
@@ -32,13 +33,15 @@ from . import config as config_mod
 from .config import Config, ConfigError
 from .engines import make_engine
 from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
+from .requestlog import RequestLogError
 from .sessions import Sessions, fmt_bytes
 from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
+from .upstream import Upstream
 
 log = logging.getLogger("autosessd")
 
-STOP_GRACE_S = 30.0  # in-flight requests get this long to finish at a stop
+STOP_GRACE_S = 30.0  # in-flight requests get at most this long to finish at a stop (within stop_timeout_s)
 
 
 class StartupError(Exception):
@@ -102,7 +105,12 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
 async def wait_engine(engine: Engine, deadline_s: float) -> None:
     """Until the engine answers /health with its model loaded, or the deadline."""
     deadline = time.monotonic() + deadline_s
+    # Said before the first try: an engine that is down (or a wrong URL) would otherwise
+    # leave the log silent for the whole wait.
+    log.info("engine check: waiting up to %g s (engine.timeout_s) for the engine at %s to answer /health "
+             "with its model loaded", deadline_s, engine.address)
     last: Exception | None = None
+    said = ""
     while True:
         try:
             if await engine.health():
@@ -112,6 +120,9 @@ async def wait_engine(engine: Engine, deadline_s: float) -> None:
             last = e
         if time.monotonic() >= deadline:
             raise StartupError(f"{last} (waited {deadline_s:g} s)")
+        if str(last) != said:  # each new reason once, not every quarter second
+            said = str(last)
+            log.info("engine check: not yet: %s; still waiting", said)
         await asyncio.sleep(0.25)
 
 
@@ -194,7 +205,10 @@ def check_store(cfg: Config) -> Store:
                            f"--slot-save-path {path}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"slot_save_path {path} is not writable by uid {os.getuid()}")
-    return Store(path)
+    import grp
+
+    # Session files share the socket's audience: the owner, or with control.group its members too.
+    return Store(path, grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None)
 
 
 # -- the daemon ---------------------------------------------------------------------
@@ -203,7 +217,9 @@ class Daemon:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides or {}
-        self.engine: Engine = make_engine(cfg)
+        # One HTTP pool to the engine, for the engine adapter and the gate alike (DESIGN §8).
+        self.pool = Upstream(cfg.engine.url, cfg.engine.timeout_s)
+        self.engine: Engine = make_engine(cfg, self.pool)
         self.store: Store | None = None
         self.sessions: Sessions | None = None
         self.inputs: list[Input] = []
@@ -211,6 +227,7 @@ class Daemon:
         self._stop_reason = ""
         self._sigints = 0
         self._watcher: asyncio.Task | None = None
+        self._stopping = ""  # what the stop is doing now: said if the deadline cuts it
 
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
@@ -221,7 +238,7 @@ class Daemon:
         if self.cfg.gate.listen:
             from .gate import Gate
 
-            inputs.append(Gate(self.cfg, self.sessions))
+            inputs.append(Gate(self.cfg, self.sessions, self.pool))
         if self.cfg.tail.request_log:
             from .tail import Tail
 
@@ -237,7 +254,10 @@ class Daemon:
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
                                  slots_visible=checked.slots_visible)
         self.sessions.engine_healthy = True
-        self.inputs = self.build_inputs()
+        try:
+            self.inputs = self.build_inputs()
+        except RequestLogError as e:
+            raise StartupError(str(e)) from None
         started: list[Input] = []
         try:
             for inp in self.inputs:
@@ -294,11 +314,25 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.initiate_shutdown, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
+        # A stop asked for during the start (the engine wait lasts up to engine.timeout_s)
+        # ends the start instead of waiting for it.
+        starting = loop.create_task(self.start())
+        stop_wait = loop.create_task(self._stop.wait())
+        await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.info("stopping (%s) before the start finished", self._stop_reason)
+            await self.engine.close()
+            await self.pool.close()
+            return 0
         try:
-            await self.start()
+            starting.result()
         except StartupError as e:
             log.error("cannot start: %s", e)
             await self.engine.close()
+            await self.pool.close()
             return 1
         sd_notify("READY=1\nSTATUS=serving")
         watchdog = self._start_watchdog()
@@ -311,24 +345,53 @@ class Daemon:
         return 0
 
     async def stop(self) -> None:
+        """One deadline (stop_timeout_s) for the whole stop: the inputs' requests in flight
+        (at most STOP_GRACE_S of it, or half), then the stop save, then the background
+        writes. What is still running at the deadline is given up, and the log says what."""
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._watcher is not None:
             self._watcher.cancel()
-        for inp in self.inputs:
-            try:
-                await inp.stop(STOP_GRACE_S)
-            except Exception as e:
-                log.warning("stopping %s: %s", inp.name, e)
+        # The inputs stop together: each stops taking requests at once, then gives those in
+        # flight the same bounded time (not one grace after another), at most half the
+        # deadline: the stop save needs the rest.
+        grace = min(STOP_GRACE_S, self.cfg.stop_timeout_s / 2)
+        await asyncio.gather(*(self._stop_input(inp, grace, left) for inp in self.inputs))
         if self.sessions is not None:
-            # A multi-GB save can outlast systemd's stop timeout: ask for more.
-            sd_notify(f"EXTEND_TIMEOUT_USEC={int(max(60.0, self.cfg.engine.timeout_s) * 1e6)}")
+            # A multi-GB save can outlast systemd's stop timeout: ask for the rest of ours.
+            sd_notify(f"EXTEND_TIMEOUT_USEC={int((left() + 5) * 1e6)}")
+            self._stopping = "the stop save"
             try:
-                for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
-                    await self.sessions.save_held(sid, "stop")
-                await self.sessions.drain()
+                await asyncio.wait_for(self._stop_save(), left())
+            except asyncio.TimeoutError:
+                log.error("stop: gave up on %s after stop_timeout_s = %g s; a save the engine was still "
+                          "writing is left as a temporary, removed at the next start", self._stopping,
+                          self.cfg.stop_timeout_s)
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
             self.sessions.record_held()
         await self.engine.close()
+        await self.pool.close()
+
+    async def _stop_input(self, inp: Input, grace: float, left: Any) -> None:
+        try:
+            await asyncio.wait_for(inp.stop(grace), left())
+        except asyncio.TimeoutError:
+            log.error("stop: gave up stopping %s after stop_timeout_s = %g s", inp.name, self.cfg.stop_timeout_s)
+        except Exception as e:
+            log.warning("stopping %s: %s", inp.name, e)
+
+    async def _stop_save(self) -> None:
+        assert self.sessions is not None
+        for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
+            held = self.sessions.slot(sid).held
+            self._stopping = f"the stop save of slot {sid}" + (f" (conversation {held.key})" if held else "")
+            await self.sessions.save_held(sid, "stop")
+        self._stopping = "the last session files being written (finalize, prune)"
+        await self.sessions.drain()
 
     def _start_watchdog(self) -> asyncio.Task | None:
         usec = os.environ.get("WATCHDOG_USEC")

@@ -36,19 +36,20 @@ import logging
 import os
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from .config import Config, parse_hostport
 from .engines.base import EngineError
 from .keys import conversation_key
+from .requestlog import RequestLog
 from .sessions import Sessions, Ticket
+from .upstream import SSEWatcher, Upstream, gate_error
 
 log = logging.getLogger("autosessd")
 
+SETTLE_S = 10.0  # at a stop, for the bookkeeping of requests the stop cut
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses",
                                 "/responses"})
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
@@ -58,71 +59,10 @@ SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/pro
                             "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
                             "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
                             "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens"})
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
-ENGINE_KEEPALIVE_S = 3.0
-MAX_BODY = 1 << 30  # requests are read whole (the key is in the body); the engine sets the real limit
 
 
-def gate_error(status: int, message: str, type_: str = "unavailable_error") -> web.Response:
-    """An error the gate makes itself: OpenAI-shaped, and saying it came from autosessd."""
-    body = {"error": {"message": f"autosessd: {message}", "type": type_, "code": status, "src": "autosessd"}}
-    return web.json_response(body, status=status)
-
-
-def _forward_headers(headers: Any) -> dict[str, str]:
-    drop = set(HOP_BY_HOP)
-    for value in headers.getall("Connection", []):  # headers named by Connection are hop-by-hop too
-        drop.update(v.strip().lower() for v in value.split(","))
-    return {k: v for k, v in headers.items() if k.lower() not in drop}
-
-
-class SSEWatcher:
-    """Reads the last `timings`/`usage` out of a streamed response without holding it up."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.timings: dict[str, Any] | None = None
-        self.usage: dict[str, Any] | None = None
-        self.broken = False  # the engine broke off the response
-        self.reached = False  # the engine answered (a status line came back)
-
-    def feed(self, chunk: bytes) -> None:
-        self._buf += chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        if len(self._buf) > 1 << 20:  # a line this long carries nothing we read
-            self._buf = b""
-        for line in lines:
-            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
-                with contextlib.suppress(ValueError):
-                    self.take(json.loads(line[5:]))
-
-    def take(self, d: Any) -> None:
-        if not isinstance(d, dict):
-            return
-        if isinstance(d.get("timings"), dict):
-            self.timings = d["timings"]
-        for holder in (d, d.get("response"), d.get("message")):
-            if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
-                self.usage = holder["usage"]
-
-    def numbers(self) -> tuple[int | None, int | None, int | None]:
-        """(cache_n, prompt tokens, prompt + generated tokens) as the response gave them; None
-        for what it did not say, or said as something other than a count."""
-        t, u = self.timings or {}, self.usage or {}
-        cache_n, prompt_n = _count(t.get("cache_n")), _count(t.get("prompt_n"))
-        n_prompt = cache_n + (prompt_n or 0) if cache_n is not None else None
-        total = _count(u.get("total_tokens"))
-        if total is None:
-            i, o = _count(u.get("input_tokens")), _count(u.get("output_tokens"))
-            total = i + o if i is not None and o is not None else None
-        return cache_n, n_prompt, total
-
-
-def _count(v: Any) -> int | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v != int(v):
-        return None
-    return int(v)
+def _url_host(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _slot_in_path(path: str) -> int | None:
@@ -131,83 +71,53 @@ def _slot_in_path(path: str) -> int | None:
     return int(tail) if tail.isdigit() and len(tail) < 6 else None
 
 
-class RequestLog:
-    """The gate's JSONL request log (DESIGN §2), for a tail elsewhere. Rotation by rename
-    (logrotate without copytruncate) is noticed at the next line: the file is reopened."""
-
-    def __init__(self, path: str):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self._open()
-
-    def _open(self) -> Any:
-        return open(self.path, "a", buffering=1, encoding="utf-8")
-
-    def write(self, **fields: Any) -> None:
-        try:
-            try:
-                rotated = os.stat(self.path).st_ino != os.fstat(self._f.fileno()).st_ino
-            except FileNotFoundError:
-                rotated = True
-            if rotated:
-                self._f.close()
-                self._f = self._open()
-            self._f.write(json.dumps({"ts": round(time.time(), 3), **fields}) + "\n")
-        except OSError as e:
-            log.warning("gate: cannot write the request log %s: %s", self.path, e)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 class Gate:
     name = "gate"
 
-    def __init__(self, cfg: Config, sessions: Sessions):
+    def __init__(self, cfg: Config, sessions: Sessions, pool: Upstream | None = None):
+        """pool: the engine's HTTP pool, shared with the engine adapter (one is made when None)."""
         self.cfg = cfg
         self.sessions = sessions
-        self.host, self.port = parse_hostport(cfg.gate.listen or "127.0.0.1:0")
+        # Every address in gate.listen is bound; host and port are the first (for messages).
+        self.addresses = [parse_hostport(a) for a in cfg.gate.listen or ("127.0.0.1:0",)]
+        self.host, self.port = self.addresses[0]
         self.upstream = cfg.engine.url.rstrip("/")
         self.request_log = RequestLog(cfg.gate.request_log) if cfg.gate.request_log else None
-        self.client: aiohttp.ClientSession | None = None
-        self._retired: list[aiohttp.ClientSession] = []
+        self.max_body = int(cfg.gate.max_body_mb * 1e6)
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else Upstream(self.upstream, cfg.engine.timeout_s)
         self.runner: web.AppRunner | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task] = set()
         self.requests = 0
-        self.errors_502 = 0
 
     # -- life ------------------------------------------------------------------
-    async def _fresh_client(self) -> None:
-        """New connections to the engine from now on. The old pool is retired, not closed:
-        closing it would cut requests still streaming through it (closed at stop)."""
-        if self.client is not None:
-            self._retired.append(self.client)
-        self.client = self._new_client()
-
-    def _new_client(self) -> aiohttp.ClientSession:
-        # No total timeout: a generation may run for minutes; connecting must be quick.
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.engine.timeout_s,
-                                        sock_connect=self.cfg.engine.timeout_s)
-        # llama-server (cpp-httplib) drops an idle kept-alive connection after 5 s; reusing one
-        # just as it does fails the request, so ours are dropped sooner.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
-        return aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector)
-
     async def start(self) -> None:
-        self.client = self._new_client()
-        self.sessions.on_engine_restart.append(self._fresh_client)
-        app = web.Application(client_max_size=MAX_BODY)
+        # The engine restarted: its kept-alive connections are dead.
+        self.sessions.on_engine_restart.append(self.pool.renewed)
+        app = web.Application(client_max_size=self.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: at a stop, requests in flight have had the gate's own grace by
+        # the time the runner is cleaned up; aiohttp's default would add 60 s more.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        if self.port == 0:  # tests ask for any free port
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("gate: listening on http://%s:%d, forwarding to %s", self.host, self.port, self.upstream)
+        bound = []
+        for i, (host, port) in enumerate(self.addresses):
+            site = web.TCPSite(self.runner, host, port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as e:  # stops the start (daemon: StartupError), the addresses bound so far closed
+                await self.runner.cleanup()
+                why = os.strerror(e.errno) if e.errno else str(e)
+                raise OSError(f"gate.listen {_url_host(host, port)}: cannot listen there: {why}") from None
+            if port == 0:  # tests ask for any free port
+                port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+                self.addresses[i] = (host, port)
+            bound.append(_url_host(host, port))
+        self.host, self.port = self.addresses[0]
+        log.info("gate: listening on %s, forwarding to %s", ", ".join(f"http://{b}" for b in bound), self.upstream)
 
     async def stop(self, grace_s: float) -> None:
         if self.runner is not None:
@@ -215,22 +125,29 @@ class Gate:
             for site in list(self.runner.sites):
                 await site.stop()
             deadline = time.monotonic() + grace_s
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
                 # A conversation's FIFO outlives its handler (bookkeeping after the last
                 # byte, settling after a disconnect): wait until every slot is free.
                 await asyncio.wait_for(self.sessions.fifos_free(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.warning("gate: stop: %d request(s) still in flight after %g s: closing their connections",
+                            self.in_flight, grace_s)
             await self.runner.cleanup()
+        # Closing the connections cancelled the requests still in flight; their bookkeeping
+        # (wait for the engine to stop, mark the state provisional, release the FIFO) must
+        # land before the stop save reads what the slot holds. Bounded: the daemon's deadline.
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=SETTLE_S)
         for t in list(self._tasks):
             t.cancel()
-        for client in [*self._retired, self.client]:
-            if client is not None:
-                await client.close()
+        if self._own_pool:  # a shared pool outlives the gate: the stop save still needs it
+            await self.pool.close()
         if self.request_log:
             self.request_log.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"listen": f"{self.host}:{self.port}", "upstream": self.upstream,
+        return {"listen": [_url_host(h, p) for h, p in self.addresses], "upstream": self.upstream,
                 "request_log": self.cfg.gate.request_log}
 
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -244,9 +161,8 @@ class Gate:
         path = request.path
         if path.startswith("/autosessd/"):
             return await self.own_endpoint(request)
-        if request.content_length is not None and request.content_length > MAX_BODY:
-            return gate_error(413, f"request body of {request.content_length:,} bytes is over the gate's limit of "
-                                   f"{MAX_BODY:,}", "invalid_request_error")
+        if request.content_length is not None and request.content_length > self.max_body:
+            return self._too_large(f"{request.content_length:,} bytes")
         self.requests += 1
         self.in_flight += 1
         self._idle.clear()
@@ -256,14 +172,23 @@ class Gate:
             if request.method == "POST" and path not in SLOTLESS_POSTS:
                 return await self.kv_request(request)
             return await self.proxy(request, await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            # A chunked body (no Content-Length) ran over the limit while being read,
+            # before the FIFO: nothing was forwarded.
+            return self._too_large("more bytes")
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
+    def _too_large(self, size: str) -> web.Response:
+        return gate_error(413, f"request body of {size} is over the gate's limit of {self.max_body:,} bytes "
+                               f"(gate.max_body_mb = {self.cfg.gate.max_body_mb:g})", "invalid_request_error")
+
     async def own_endpoint(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/autosessd/status" and request.method == "GET":
-            return web.json_response(self.sessions.status())
+            # status() scans the session directory: off the loop, as the control socket does.
+            return web.json_response(await asyncio.get_running_loop().run_in_executor(None, self.sessions.status))
         if request.path == "/autosessd/metrics" and request.method == "GET":
             return web.Response(text=self.metrics(), content_type="text/plain", charset="utf-8",
                                 headers={"X-Content-Type-Options": "nosniff"})
@@ -274,65 +199,7 @@ class Gate:
     async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None
                     ) -> web.StreamResponse:
         """Forward one request to the engine and its response back, as it arrives."""
-        assert self.client is not None
-        url = self.upstream + request.rel_url.path_qs
-        headers = _forward_headers(request.headers)
-        data = body if body else None
-        try:
-            try:
-                up = await self.client.request(request.method, url, headers=headers, data=data,
-                                               allow_redirects=False)
-            except aiohttp.ServerDisconnectedError:
-                # A kept-alive connection the engine closed as we reused it (its idle timeout,
-                # or a restart): it never saw the request. Once more on fresh connections.
-                await self._fresh_client()
-                up = await self.client.request(request.method, url, headers=headers, data=data,
-                                               allow_redirects=False)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
-            self.errors_502 += 1
-            why = "timed out connecting" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
-            return gate_error(502, f"cannot reach the engine at {self.upstream}: {why}")
-        done = False
-        resp: web.StreamResponse | None = None
-        if watcher is not None:
-            watcher.reached = True
-        try:
-            headers = _forward_headers(up.headers)
-            streaming = "text/event-stream" in up.headers.get("Content-Type", "") or up.content_length is None
-            if not streaming:
-                data = await up.read()
-                done = True
-                if watcher is not None:
-                    with contextlib.suppress(ValueError, UnicodeDecodeError):
-                        watcher.take(json.loads(data))
-                return web.Response(status=up.status, reason=up.reason, headers=headers, body=data)
-            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                if watcher is not None:
-                    watcher.feed(chunk)
-                await resp.write(chunk)
-            done = True
-            await resp.write_eof()
-            return resp
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-            # The status line is already sent: the only honest signal left is to close the
-            # client's connection without finishing the body.
-            log.warning("gate: the engine at %s broke off a response to %s: %s", self.upstream, request.path,
-                        e or type(e).__name__)
-            if watcher is not None:
-                watcher.broken = True
-            if resp is None:  # nothing sent yet: a proper error answer is still possible
-                self.errors_502 += 1
-                return gate_error(502, f"the engine at {self.upstream} broke off its answer: {e}")
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-        finally:
-            if done:
-                up.release()  # back to the pool: keep-alive to the engine
-            else:
-                up.close()  # unfinished: closing tells the engine to stop generating
+        return await self.pool.forward(request, body, watcher)
 
     async def slot_action(self, request: web.Request) -> web.StreamResponse:
         """A client's own POST /slots/N?action=...: it waits for the slot's FIFO, so it never
@@ -460,7 +327,8 @@ class Gate:
             ("prefill_tokens_avoided_total", "counter", "Prompt tokens reused thanks to a restore",
              c.prefill_tokens_avoided),
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
-            ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable", self.errors_502),
+            ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
+             self.pool.errors_502),
             ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
         ]
         out = []

@@ -8,8 +8,13 @@ How a save becomes visible (no torn `auto-*.bin`, ever):
 
     engine writes  .autosessd-<key>.partial           (a name no reader looks at)
     verify_temp    size == engine's n_written, header magic if the engine has one
-    finalize       fsync(temp) → rename to auto-<key>.bin → fsync(dir)
+    finalize       chmod(temp) → fsync(temp) → rename to auto-<key>.bin → fsync(dir)
                    → metadata to .autosessd-<key>.json.partial → fsync → rename → fsync(dir)
+
+Both files hold a conversation (the state file its tokens, the metadata its key), so
+every file autosessd makes visible is 0600, or 0640 with its group set to
+control.group: the engine writes the state file under its own umask (often 0644), and
+the mode is fixed before the rename, so no reader ever sees it open to others.
 
 verify_temp runs before the turn goes on (it is a stat); finalize runs off the
 request's path. A crash between the two renames leaves a .bin whose metadata is
@@ -22,14 +27,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
+import threading
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import psutil
+
+log = logging.getLogger("autosessd")
 
 AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
 AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
@@ -155,19 +164,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+FILE_MODE = 0o600
+GROUP_FILE_MODE = 0o640
 
 
 class Store:
-    def __init__(self, path: str | Path):
+    """The session directory. Used from the event loop and from worker threads (finalize,
+    prune, status and ls run in the executor), so:
+
+    loop only     acquire, release, using      (they change in_use)
+    any thread    everything else; in_use and the metadata cache are read and changed
+                  only under _lock, and remove() checks in_use and unlinks under it, so
+                  once acquire(name) has returned no prune or remove deletes that file
+    """
+
+    def __init__(self, path: str | Path, group: int | None = None):
+        """group: the gid of control.group; files are then 0640 and belong to it."""
         self.path = Path(path)
-        # Names being written or read right now; prune never removes them.
+        self.group = group
+        self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
+        self._mode_warned = False
+        # Bytes per token of the densest file seen (None: not looked yet). Set by the first
+        # scan with metadata, raised by every finalize: a save's space check reads it
+        # instead of scanning the directory on the event loop.
+        self._per_token: float | None = None
+        # Names being written or read right now; prune never removes them. Under _lock.
         self.in_use: Counter[str] = Counter()
+        self._lock = threading.Lock()
         # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
         # of thousands of sessions stats them instead of reading every JSON again.
         self._meta_cache: dict[str, tuple[tuple[int, int, int], Meta]] = {}
@@ -186,13 +209,16 @@ class Store:
         return self.path / manual_name(name)
 
     def acquire(self, name: str) -> None:
-        """Mark a name as being written or read: prune and remove leave it alone."""
-        self.in_use[name] += 1
+        """Mark a name as being written or read: prune and remove leave it alone. Waits at
+        most for one unlink a prune thread is doing."""
+        with self._lock:
+            self.in_use[name] += 1
 
     def release(self, name: str) -> None:
-        self.in_use[name] -= 1
-        if self.in_use[name] <= 0:
-            del self.in_use[name]
+        with self._lock:
+            self.in_use[name] -= 1
+            if self.in_use[name] <= 0:
+                del self.in_use[name]
 
     @contextlib.contextmanager
     def using(self, name: str) -> Iterator[None]:
@@ -207,9 +233,16 @@ class Store:
         return psutil.disk_usage(str(self.path)).free
 
     def estimate_bytes(self, n_tokens: int) -> int | None:
-        """Bytes a save of n_tokens will take, from the densest file saved so far."""
-        per_token = [e.meta.bytes / e.meta.n_tokens for e in self.scan() if e.meta and e.meta.n_tokens > 0]
-        return int(max(per_token) * n_tokens) if per_token else None
+        """Bytes a save of n_tokens will take, from the densest file saved so far. Scans the
+        directory only the first time (when no scan has yet)."""
+        if self._per_token is None:
+            self.scan()
+        return int(self._per_token * n_tokens) if self._per_token else None
+
+    def _saw(self, meta: Meta) -> None:
+        if meta.n_tokens > 0:
+            # One float written whole: safe to read from the loop while a thread writes it.
+            self._per_token = max(self._per_token or 0.0, meta.bytes / meta.n_tokens)
 
     def space_needed(self, n_tokens: int) -> int:
         """Free bytes a save of n_tokens needs: its estimated size plus headroom (64 MiB,
@@ -243,23 +276,47 @@ class Store:
     def finalize(self, key: str, meta: Meta) -> None:
         """Make a verified temporary visible as auto-<key>.bin, then its metadata. Blocking."""
         temp, final = self.temp_path(key), self.bin_path(key)
-        _fsync_file(temp)
+        self._seal(temp)
         os.replace(temp, final)
         _fsync_dir(self.path)
         self._write_meta(meta)
+        self._saw(meta)
 
     def finalize_manual(self, key: str, name: str) -> None:
         """A parked session under a person's name: the same atomic rename, no metadata."""
         temp = self.temp_path(key)
-        _fsync_file(temp)
+        self._seal(temp)
         os.replace(temp, self.path / manual_name(name))
         _fsync_dir(self.path)
+
+    def _seal(self, path: Path) -> None:
+        """The engine's file: our mode (and group), then fsync. An engine running as another
+        user keeps its file; a save is not failed for that, but it is said once."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._own(fd, path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _own(self, fd: int, path: Path) -> None:
+        try:
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            os.fchmod(fd, self.mode)
+        except PermissionError as e:
+            if not self._mode_warned:
+                self._mode_warned = True
+                log.warning("auto sessions: cannot set mode %o on %s (%s): it keeps the engine's mode %o; run "
+                            "the engine as autosessd's user, or with UMask=0077", self.mode, path.name,
+                            e.strerror, os.fstat(fd).st_mode & 0o777)
 
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
         data = json.dumps(asdict(meta), sort_keys=True).encode() + b"\n"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
+            self._own(fd, tmp)  # the umask may have taken more than we asked, or less
             os.write(fd, data)
             os.fsync(fd)
         finally:
@@ -309,22 +366,31 @@ class Store:
                         pass
         if with_meta and len(self._meta_cache) > len(metas):
             live = {meta_name(k) for k in metas}
-            self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
+            with self._lock:  # another thread's scan may be adding to it
+                self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
         for key, st in bins.items():
             meta = metas.get(key)
             if meta is not None and (meta.bytes != st.st_size or meta.key != key):
                 meta = None
             entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta))
+        if with_meta:
+            if self._per_token is None:
+                self._per_token = 0.0  # looked: nothing saved yet
+            for e in entries:
+                if e.meta is not None:
+                    self._saw(e.meta)
         return entries
 
     def _cached_meta(self, d: os.DirEntry) -> Meta:
         st = d.stat(follow_symlinks=False)
         ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-        hit = self._meta_cache.get(d.name)
+        with self._lock:
+            hit = self._meta_cache.get(d.name)
         if hit is not None and hit[0] == ident:
             return hit[1]
         meta = Meta.from_json(Path(d.path).read_bytes())
-        self._meta_cache[d.name] = (ident, meta)
+        with self._lock:
+            self._meta_cache[d.name] = (ident, meta)
         return meta
 
     def manual_files(self) -> list[tuple[str, int, float]]:
@@ -345,6 +411,7 @@ class Store:
         """At start: remove leftover temporaries, metadata without a .bin, and .bin files
         whose metadata is missing or stale (an interrupted finalize). Returns what went."""
         removed = []
+        self._per_token = self._per_token or 0.0
         names = set(os.listdir(self.path))
         for name in sorted(names):
             why = None
@@ -354,9 +421,12 @@ class Store:
                 if auto_name(m.group(1)) not in names:
                     why = "metadata without a session file"
             elif m := AUTO_BIN.match(name):
-                if self.read_meta(m.group(1)) is None:
+                meta = self.read_meta(m.group(1))
+                if meta is None:
                     why = "no valid metadata (interrupted save)"
                     self._unlink(self.meta_path(m.group(1)))
+                else:
+                    self._saw(meta)  # the start's look at every file primes the space estimate
             if why and self._unlink(self.path / name):
                 removed.append(f"{name} ({why})")
         if removed:
@@ -366,26 +436,35 @@ class Store:
     def remove(self, key: str) -> int:
         """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
         is ever left for a reader). Returns the bytes freed. Refuses a file in use."""
-        if auto_name(key) in self.in_use:
-            raise StoreError(f"{auto_name(key)} is being written or read")
         path = self.bin_path(key)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        self._unlink(path)
+        with self._lock:  # no acquire() between the check and the unlink
+            if auto_name(key) in self.in_use:
+                raise StoreError(f"{auto_name(key)} is being written or read")
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                size = 0
+            self._unlink(path)
         self._unlink(self.meta_path(key))
         return size
 
     def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
-        """Apply plan_prune; free_target: bytes that should be free on the disk afterwards."""
+        """Apply plan_prune (in a worker thread: see the class docstring); free_target: bytes
+        that should be free on the disk afterwards. Returns what was really removed."""
         must_free = max(0, free_target - self.free_bytes()) if free_target else 0
-        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, set(self.in_use), must_free)
-        if not dry_run:
-            for e in plan.remove:
-                if e.name not in self.in_use:  # in use may have changed since the plan
-                    self.remove(e.key)
-        return plan
+        with self._lock:
+            in_use = set(self.in_use)  # a snapshot: the loop changes in_use meanwhile
+        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, in_use, must_free)
+        if dry_run:
+            return plan
+        removed, kept = [], list(plan.keep)
+        for e in plan.remove:
+            try:
+                self.remove(e.key)
+                removed.append(e)
+            except StoreError:  # taken into use since the plan: kept
+                kept.append(e)
+        return PrunePlan(remove=removed, keep=kept)
 
     @staticmethod
     def _unlink(path: Path) -> bool:

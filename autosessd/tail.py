@@ -43,12 +43,11 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .engines.base import EngineError
-from .keys import is_key, messages_key
+from .requestlog import BadLine, LogEvent, parse_line
 from .sessions import Sessions
 
 log = logging.getLogger("autosessd")
@@ -58,62 +57,6 @@ POLL_S = 1.0
 MAX_IN_FLIGHT = 1024  # starts without an end kept at most (the oldest expires first)
 IN_FLIGHT_TTL_S = 600.0  # a start older than this, with the engine's slot idle, has lost its end
 BAD_LINE_LOG_EVERY_S = 10.0
-
-
-class BadLine(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class LogEvent:
-    event: str  # "start" | "end"
-    id: str
-    slot: int
-    key: str | None = None
-    n_tokens: int | None = None
-    status: str | None = None
-    cache_n: int | None = None  # end: the response's timings.cache_n, which verifies a restore
-
-
-def parse_line(line: bytes) -> LogEvent:
-    """One request-log line → LogEvent, or BadLine saying why. Never anything else."""
-    try:
-        d = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise BadLine("not UTF-8") from None
-    except (ValueError, RecursionError):
-        raise BadLine("not JSON") from None
-    if not isinstance(d, dict):
-        raise BadLine("not a JSON object")
-    event = d.get("event")
-    if event not in ("start", "end"):
-        raise BadLine(f"event must be start or end, got {str(event)[:32]!r}")
-    rid = d.get("id")
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise BadLine("missing id")
-    slot = d.get("slot", 0)
-    if not isinstance(slot, int) or isinstance(slot, bool) or slot < 0:
-        raise BadLine("slot must be a whole number ≥ 0")
-    if event == "start":
-        if "key" in d:
-            key = d["key"]
-            if not is_key(key):
-                raise BadLine("key is not 16 hex digits")
-        elif "messages" in d:
-            key = messages_key(d["messages"])
-        else:
-            key = None  # a request with no conversation: still a request on the slot
-        return LogEvent("start", str(rid), slot, key=key)
-    n = d.get("n_tokens")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-        raise BadLine("n_tokens must be a whole number ≥ 0")
-    status = d.get("status", "ok")
-    if status not in ("ok", "error", "cancelled"):
-        raise BadLine(f"status must be ok, error or cancelled, got {str(status)[:32]!r}")
-    cache_n = d.get("cache_n")
-    if cache_n is not None and (not isinstance(cache_n, int) or isinstance(cache_n, bool) or cache_n < 0):
-        raise BadLine("cache_n must be a whole number ≥ 0")
-    return LogEvent("end", str(rid), slot, n_tokens=n, status=status, cache_n=cache_n)
 
 
 class Follower:

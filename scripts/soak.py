@@ -4,8 +4,9 @@ with engine restarts and request-log rotation, against the real llama-server.
 
 Reports turns, saves, restores and failures, and autosessd's resident memory and open
 file descriptors after a warm-up and at the end; checks the session directory for torn or
-disagreeing files. Exits 1 when a request failed, a file is corrupt, or memory or
-descriptors grew more than 10%.
+disagreeing files, and for `.partial` temporaries left once the daemon has stopped. Exits 1
+when a request failed, a file is corrupt or left half-made, or memory or descriptors grew
+more than 10%.
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ def footprint(pid: int) -> tuple[int, int]:
 
 
 def check_files(directory: Path) -> list[str]:
+    """What is wrong in the session directory once the daemon has stopped. A `.partial`
+    temporary is one of them: every save either finishes (renamed) or is cleaned up."""
     bad = []
+    partial = sorted(n for n in os.listdir(directory) if n.startswith(".autosessd-") and n.endswith(".partial"))
+    if partial:
+        bad.append(f"{len(partial)} temporaries left after the daemon stopped ({', '.join(partial[:3])})")
     for name in os.listdir(directory):
         if name.startswith(".autosessd-") and not name.endswith(".partial"):
             bad.append(f"unexpected temporary {name}")

@@ -29,3 +29,20 @@ def session_dir(tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
     return d
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say at the end of the run which tests were skipped and why (no root, no
+    systemd-analyze, no IPv6 loopback, ...): what this run did not check."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped: not checked on this machine")
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:4d} × {reason}")

@@ -12,9 +12,10 @@ autosessd, and misbehaves when asked to:
     --fault hang-restore / 500-restore / die-restore   the same for restore
     --fault slow-save=SECONDS   write the file slowly (for crash tests)
 
-Faults apply to session files, not to autosessd's start probe. State files have
-llama-server's header (autosessd/slotfile.py: magic "qsgg", the token list), then the
-prompt text (its "KV state"), padded to --bytes-per-token per token. Unlike llama-server,
+A chat answer echoes the request (answer_for): a digest of its messages and the start of
+its last user message. Faults apply to session files, not to autosessd's start probe. State
+files have llama-server's header (autosessd/slotfile.py: magic "qsgg", the token list), then
+the prompt text (its "KV state"), padded to --bytes-per-token per token. Unlike llama-server,
 the fake serves a chat while a slot action on the same slot is still running (the real
 engine runs a slot's actions and requests in order).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import sys
@@ -34,6 +36,18 @@ from aiohttp import web
 
 from autosessd import slotfile
 
+
+def answer_for(body: dict) -> str:
+    """The fake's answer to a chat request: it depends on the request's messages (the
+    conversation), so a test comparing answers sees whether the same conversation reached the
+    engine. llama-server's answer depends on them too (and on sampling, fixed in tests)."""
+    messages = body.get("messages") or body.get("input")
+    digest = hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]
+    last = ""
+    for m in messages if isinstance(messages, list) else []:
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str):
+            last = m["content"]
+    return f"echo {digest}: {last[:40]}"
 
 
 class Fake:
@@ -137,7 +151,7 @@ class Fake:
         self.tokens = n_prompt + 4
         self.last_prompt = text
         return web.json_response({
-            "choices": [{"message": {"role": "assistant", "content": "fake answer"}}],
+            "choices": [{"message": {"role": "assistant", "content": answer_for(body)}}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5},
             "timings": {"prompt_n": n_prompt - cached, "cache_n": cached, "predicted_n": 5},
         })

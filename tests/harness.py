@@ -139,7 +139,7 @@ class Daemon:
 
     def __init__(self, tmp: Path, session_dir: Path, engine_url: str, gate: bool = True, min_tokens: int = 100,
                  timeout_s: float = 30, extra_toml: str = "", args: list[str] | None = None,
-                 socket: Path | None = None):
+                 socket: Path | None = None, gate_toml: str = ""):
         self.tmp = tmp
         self.gate_port = free_port() if gate else None
         self.gate_url = f"http://127.0.0.1:{self.gate_port}" if gate else None
@@ -150,7 +150,7 @@ class Daemon:
             f'slot_save_path = "{session_dir}"\nauto_sessions_min_tokens = {min_tokens}\n'
             f'state_dir = "{tmp / "state"}"\n{extra_toml}\n'
             f'[engine]\nurl = "{engine_url}"\ntimeout_s = {timeout_s}\n'
-            + (f'[gate]\nlisten = "127.0.0.1:{self.gate_port}"\n' if gate else "")
+            + (f'[gate]\nlisten = "127.0.0.1:{self.gate_port}"\n{gate_toml}\n' if gate else "")
             + f'[control]\nsocket = "{self.socket}"\n')
         self.log = tmp / f"{self.name}.log"
         self.args = args or []

@@ -18,6 +18,7 @@ def test_defaults_are_the_seeds():
     assert (c.auto_sessions, c.auto_sessions_min_tokens, c.auto_sessions_keep, c.auto_sessions_max_gb) == \
         (True, 16000, 12, 100.0)
     assert c.engine.kind == "llama-server" and c.engine.slot == 0 and c.gate.listen is None
+    assert c.gate.max_body_mb == 64  # chat with images fits
 
 
 def test_full_file():
@@ -38,8 +39,15 @@ socket = "/run/x.sock"
 """, "t.toml")
     assert c.auto_sessions_min_tokens == 100 and c.auto_sessions_max_gb == 2.0
     assert c.engine.url == "http://127.0.0.1:9000" and c.engine.timeout_s == 5.0
-    assert c.gate.listen == "127.0.0.1:8081" and c.control.socket == "/run/x.sock"
+    assert c.gate.listen == ("127.0.0.1:8081",) and c.control.socket == "/run/x.sock"
     assert c.masked()["engine"]["api_key"] == "***"
+
+
+def test_gate_listen_takes_one_address_or_a_list():
+    one = parse(BASE + b"[gate]\nlisten = '127.0.0.1:8081'\n")
+    both = parse(BASE + b"[gate]\nlisten = ['127.0.0.1:8081', '[::1]:8081']\n")
+    assert one.gate.listen == ("127.0.0.1:8081",) and both.gate.listen == ("127.0.0.1:8081", "[::1]:8081")
+    assert parse(BASE, "t", {"gate.listen": "0.0.0.0:1"}).gate.listen == ("0.0.0.0:1",)  # --gate HOST:PORT
 
 
 def test_flags_override_the_file():
@@ -66,6 +74,13 @@ def test_flags_override_the_file():
         (b"[engine]\ncontrol = 'udp:x'\n", "engine.control", "unix:/path"),
         (b"[engine]\ntimeout_s = 0\n", "engine.timeout_s", "more than 0"),
         (b"[gate]\nlisten = '8080'\n", "gate.listen", "HOST:PORT"),
+        (b"[gate]\nlisten = ['127.0.0.1:1', '8080']\n", "gate.listen", "HOST:PORT"),
+        (b"[gate]\nlisten = []\n", "gate.listen", "non-empty list"),
+        (b"[gate]\nlisten = 8080\n", "gate.listen", "a string or a non-empty list"),
+        (b"[gate]\nlisten = ['127.0.0.1:1', '127.0.0.1:1']\n", "gate.listen", "twice"),
+        (b"[gate]\nmax_body_mb = 0\n", "gate.max_body_mb", "more than 0"),
+        (b"stop_timeout_s = -1\n", "stop_timeout_s", "more than 0"),
+        (b"[gate]\nmax_body_mb = '64M'\n", "gate.max_body_mb", "must be a number"),
         (b"[control]\ngroup = 'no-such-group-xyz'\n", "control.group", "no such group"),
         (b"engine = 3\n", "engine", "table"),
     ],

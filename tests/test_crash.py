@@ -25,7 +25,7 @@ from autosessd.engines.base import RestoreResult, SaveResult, SlotState
 from autosessd.policy import Held
 from autosessd.sessions import Sessions
 from autosessd.store import AUTO_BIN, TEMP_PREFIX, Store
-from harness import Daemon, chat_body, long_text
+from harness import Daemon, chat_body, long_text, wait_until
 
 BYTES_PER_TOKEN = 997
 
@@ -134,36 +134,92 @@ def test_sigkill_at_random_points_never_leaves_a_torn_session(tmp_path):
     assert any(AUTO_BIN.match(n) for n in os.listdir(session_dir))
 
 
+def temporaries(session_dir: Path) -> list[str]:
+    """A save's temporary (not the start's probe): it exists from the engine's write until
+    autosessd renames it, so one seen means a save was under way."""
+    return [n for n in os.listdir(session_dir)
+            if n.startswith(TEMP_PREFIX) and n.endswith(".partial") and "probe" not in n]
+
+
 @pytest.mark.engine
+@pytest.mark.timeout(1200)  # four rounds of real conversations on a shared 2-core machine
 def test_sigkill_of_the_real_daemon_during_switches(engines, session_dir, tmp_path):
+    """Kills the real daemon while it switches conversations. Every kill comes after at
+    least one save (counted in its log), half of them the moment a save's temporary shows
+    up (the kill lands inside the save), half at a random moment; then the next start's
+    cleanup must leave only whole files that agree with their metadata."""
     import threading
     import urllib.request
 
     (session_dir / "mine.bin").write_bytes(b"keep")
     eng = engines(session_dir)
-    bodies = [chat_body(long_text(30 + 10 * i, f"thing{i}") + "\nAnswer.") for i in range(3)]
+    convs = [chat_body(long_text(30 + 10 * i, f"thing{i}") + "\nAnswer.")["messages"] for i in range(3)]
     rng = random.Random(7)
-    def traffic(gate_url: str) -> None:
-        for _ in range(6):
-            body = rng.choice(bodies)
+
+    def traffic(gate_url: str, stop: threading.Event) -> None:
+        i = 0
+        while not stop.is_set():
+            c = i % 3 if i < 3 else rng.randrange(3)  # the first three switch for sure
+            i += 1
             try:
-                req = urllib.request.Request(gate_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                req = urllib.request.Request(gate_url + "/v1/chat/completions",
+                                             data=json.dumps({**chat_body(""), "messages": convs[c]}).encode(),
                                              headers={"Content-Type": "application/json"})
-                urllib.request.urlopen(req, timeout=60).read()
+                answer = json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]["content"]
             except OSError:
                 return  # the daemon was killed under it: that is the point
+            # Conversations grow, as real ones do: a switch away then always has a new state
+            # to save (an unchanged one is "up to date" and not written again).
+            convs[c] = convs[c] + [{"role": "assistant", "content": answer},
+                                   {"role": "user", "content": f"And box {i}?"}]
+            if len(convs[c]) > 15:
+                convs[c] = convs[c][:1]
 
-    for _ in range(4):
-        d = Daemon(tmp_path, session_dir, eng.url, min_tokens=50).start()
-        t = threading.Thread(target=traffic, args=(d.gate_url,))
+    rounds: list[tuple[int, bool]] = []
+    live: list[Daemon] = []
+    try:
+        run_rounds(session_dir, eng, traffic, rng, rounds, live)
+    finally:
+        for d in live:  # a failed round must not leave a daemon behind
+            d.stop(signal.SIGKILL)
+    # Each kill came after saves had happened, and at least one landed inside a save.
+    assert all(saves >= 1 for saves, _ in rounds), rounds
+    assert any(mid for _, mid in rounds), rounds
+
+
+def run_rounds(session_dir, eng, traffic, rng, rounds, live) -> None:
+    import threading
+
+    tmp_path = session_dir.parent
+    for r in range(4):
+        d = Daemon(tmp_path, session_dir, eng.url, min_tokens=50)
+        live.append(d)
+        d.start()
+        stop = threading.Event()
+        t = threading.Thread(target=traffic, args=(d.gate_url, stop))
         t.start()
-        time.sleep(rng.uniform(0.5, 2.5))
+        wait_until(lambda: "auto sessions: saved" in d.logtext(), 300, what="a first save")
+        if r % 2:
+            # Kill inside a save: the moment its temporary appears (polled every millisecond).
+            deadline = time.monotonic() + 300
+            while not temporaries(session_dir) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        else:
+            time.sleep(rng.uniform(0.0, 1.5))
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
-        t.join(60)
+        saves_before = d.logtext().count("auto sessions: saved")
+        mid_save = bool(temporaries(session_dir))  # the daemon died before renaming it
+        rounds.append((saves_before, mid_save))
+        stop.set()
+        t.join(120)
+        # The killed daemon's last request may still be in its prefill (the engine notices the
+        # closed connection only then); the next start checks the engine while it is idle.
+        wait_until(lambda: not eng.get("/slots")[0]["is_processing"], 300, what="the engine to be idle")
         # The next start cleans up; then every auto file must be whole and agree with its metadata.
-        d2 = Daemon(tmp_path, session_dir, eng.url, min_tokens=50).start()
-        d2.stop()
+        d2 = Daemon(tmp_path, session_dir, eng.url, min_tokens=50)
+        live.append(d2)
+        d2.start().stop()
         names = set(os.listdir(session_dir))
         assert not [n for n in names if n.startswith(TEMP_PREFIX)]
         for name in names:

@@ -14,6 +14,7 @@ import pytest
 
 from autosessd.keys import conversation_key
 from autosessd.store import AUTO_BIN, TEMP_PREFIX
+from fake_engine import answer_for
 from harness import Daemon, FakeEngine, chat_body, wait_until
 
 A = chat_body("conversation A " * 120)   # ~ 600 tokens → ~1.2 MB at 2,000 bytes/token
@@ -56,7 +57,7 @@ def test_full_disk(small_fs, tmp_path):
     try:
         for body in (A, B, C, A):
             status, out = post(d.gate_url, body)
-            assert status == 200 and out["choices"][0]["message"]["content"] == "fake answer"
+            assert status == 200 and out["choices"][0]["message"]["content"] == answer_for(body)
             no_torn_files(small_fs)
         st = d.status()
         # A and B fit; C's save did not and was refused before it started.

@@ -142,7 +142,9 @@ def test_client_disconnect_stops_the_engine_and_leaves_state_provisional(engines
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        body = chat_body("Write a very long story about a cat.", max_tokens=4000, stream=True)
+        # ignore_eos: the model cannot end the story on its own before the disconnect, so
+        # "stopped early" below can only be the disconnect's doing.
+        body = {**chat_body("Write a very long story about a cat.", max_tokens=4000, stream=True), "ignore_eos": True}
         c = http.client.HTTPConnection("127.0.0.1", d.gate_port, timeout=60)
         c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         r = c.getresponse()
@@ -174,3 +176,57 @@ def test_engine_restart_between_requests_fails_nothing(engines, session_dir, tmp
         assert "cannot reach" not in d.logtext()
     finally:
         d.stop()
+
+
+def test_sigterm_with_a_request_in_flight_through_the_gate(engines, session_dir, tmp_path):
+    """SIGTERM while the gate streams a long generation: the request gets the stop's grace
+    (half of stop_timeout_s here: 5 s), then its connection is closed cleanly, the engine
+    stops generating, and the daemon exits 0. Nothing partial is saved: no temporary is
+    left, and a file of the conversation, if the stop save wrote one, was taken once the
+    engine was idle (DESIGN §7) -- its header holds what the idle slot held."""
+    import http.client
+    import threading
+
+    from autosessd.slotfile import read_header
+
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="stop_timeout_s = 10").start()
+    body = {**chat_body(A["messages"][0]["content"], max_tokens=3000, stream=True), "ignore_eos": True}
+    outcome = {}
+    first_chunk = threading.Event()
+
+    def client():
+        c = http.client.HTTPConnection("127.0.0.1", d.gate_port, timeout=120)
+        try:
+            c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            outcome["status"] = r.status
+            done = False
+            for line in r:
+                first_chunk.set()
+                done = done or line.startswith(b"data: [DONE]")
+            outcome["end"] = "complete" if done else "closed"
+        except (http.client.IncompleteRead, ConnectionError) as e:
+            outcome["end"] = f"closed ({type(e).__name__})"
+        finally:
+            first_chunk.set()
+            c.close()
+
+    t = threading.Thread(target=client)
+    t.start()
+    assert first_chunk.wait(300), "no chunk arrived"
+    assert d.stop(signal.SIGTERM) == 0
+    t.join(60)
+    # 3,000 tokens cannot be generated on this machine in 5 s: the stop cut the request,
+    # with a clean close (the status line had been sent), never an error the gate made up.
+    assert outcome["status"] == 200 and outcome["end"].startswith("closed"), outcome
+    wait_until(lambda: not eng.get("/slots")[0]["is_processing"], 20, what="the engine to stop generating")
+    [slot] = eng.get("/slots")
+    assert slot["next_token"][0]["n_decoded"] < 3000
+    log = d.logtext()
+    assert "gate: stop: 1 request(s) still in flight after 5 s" in log, log
+    assert "Traceback" not in log and "gave up" not in log, log
+    assert not list(session_dir.glob(".autosessd-*"))
+    for f in session_dir.glob("auto-*.bin"):
+        meta = json.loads(f.with_suffix(".json").read_text())
+        assert read_header(f).n_tokens == meta["n_tokens"] == slot["n_prompt_tokens"], (meta, slot)

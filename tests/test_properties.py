@@ -14,7 +14,7 @@ from autosessd import protocol
 from autosessd.keys import conversation_key, is_key, messages_key
 from autosessd.protocol import ProtocolError
 from autosessd.store import AUTO_BIN, Meta, Store, StoreError, manual_name
-from autosessd.tail import BadLine, parse_line
+from autosessd.requestlog import BadLine, parse_line
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

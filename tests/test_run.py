@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,8 +20,9 @@ def run_daemon(*args, timeout=60):
 
 def config(tmp_path, session_dir, url, **extra):
     f = tmp_path / "autosessd.toml"
+    # Its own control socket: the default path is shared by every daemon on the machine.
     lines = [f'slot_save_path = "{session_dir}"', f'state_dir = "{tmp_path / "state"}"', "[engine]",
-             f'url = "{url}"', "timeout_s = 3"]
+             f'url = "{url}"', "timeout_s = 3", "[control]", f'socket = "{tmp_path / "ctl" / "a.sock"}"']
     f.write_text("\n".join(lines) + "\n")
     return str(f)
 
@@ -80,3 +82,62 @@ def test_starts_cleans_up_and_stops_on_sigterm(engines, tmp_path, session_dir):
         assert sorted(os.listdir(session_dir)) == ["mine.bin"]
     finally:
         p.kill()
+
+
+def test_unwritable_gate_request_log_is_refused_clearly(tmp_path, session_dir):
+    from harness import FakeEngine
+
+    eng = FakeEngine(session_dir).start()
+    try:
+        log_dir = tmp_path / "a-directory"  # where the log file should be: cannot be opened for writing
+        log_dir.mkdir()
+        r = run_daemon("--config", config(tmp_path, session_dir, eng.url), "--gate", f"127.0.0.1:{free_port()}",
+                       "--gate-request-log", str(log_dir))
+        assert r.returncode == 1, r.stderr
+        assert f"cannot start: gate.request_log {log_dir}: cannot open it for writing" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        eng.stop()
+
+
+def test_waiting_for_an_unreachable_engine_says_so_at_once_and_stops_on_sigterm(tmp_path, session_dir):
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg_path = Path(config(tmp_path, session_dir, url))
+    cfg_path.write_text(cfg_path.read_text().replace("timeout_s = 3", "timeout_s = 600"))
+    err = tmp_path / "stderr"
+    p = subprocess.Popen([sys.executable, "-m", "autosessd", "run", "--config", str(cfg_path)],
+                         stderr=open(err, "wb"))
+    try:
+        # Long before the 600 s wait is over, the log names what it waits for, and why not yet.
+        wait_until(lambda: f"waiting up to 600 s (engine.timeout_s) for the engine at {url}" in err.read_text(),
+                   60, what="the wait to be announced")
+        wait_until(lambda: f"not yet: cannot reach the engine at {url}" in err.read_text(), 60,
+                   what="the reason it is still waiting")
+        assert p.poll() is None  # and it keeps waiting
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0  # a stop does not wait for the engine wait to run out
+        assert "stopping (SIGTERM) before the start finished" in err.read_text()
+        assert "Traceback" not in err.read_text()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_gate_address_in_use_is_refused_clearly(tmp_path, session_dir):
+    import socket
+
+    from harness import FakeEngine
+
+    eng = FakeEngine(session_dir).start()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        r = run_daemon("--config", config(tmp_path, session_dir, eng.url), "--gate", f"127.0.0.1:{port}")
+        assert r.returncode == 1, r.stderr
+        assert f"cannot start: gate.listen 127.0.0.1:{port}: cannot listen there: " in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        taken.close()
+        eng.stop()

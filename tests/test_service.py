@@ -42,6 +42,8 @@ def test_autosessd_unit_has_what_the_daemon_relies_on():
         assert line in text, line
     assert "--slot-save-path /var/lib/llm-sessions" in (UNITS / "llama-server.service").read_text()
     assert "-np 1" in (UNITS / "llama-server.service").read_text()
+    # Both write files that hold conversations.
+    assert "UMask=0077" in text and "UMask=0077" in (UNITS / "llama-server.service").read_text()
 
 
 @pytest.mark.parametrize("name", ["org.autosessd.autosessd.plist", "org.autosessd.llama-server.plist"])

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,117 @@ def test_plan_prune_makes_room_oldest_first_never_in_use():
     plan = plan_prune(files, 10, 10**9, {auto_name(K[0])}, must_free=150)
     assert {K.index(e.key) for e in plan.remove} == {1, 2}
     assert plan_prune(files, 10, 10**9, set(), must_free=0).remove == []
+
+
+def readable_as_nobody(path) -> str:
+    """Open path for reading in a forked child running as uid/gid 65534: "read" or the error."""
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rd)
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            with open(path, "rb") as f:
+                f.read(1)
+            out = "read"
+        except BaseException as e:  # noqa: BLE001 - report anything to the parent
+            out = type(e).__name__
+        os.write(wr, out.encode())
+        os._exit(0)
+    os.close(wr)
+    with os.fdopen(rd) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.fixture
+def open_dir():
+    """A directory anyone may traverse (pytest's tmp_path is 0700 and would hide the files
+    by itself), so only the files' own modes protect them."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="autosessd-modes-")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d)
+
+
+def finalize_under_engine_umask(s: Store, open_dir) -> list:
+    old = os.umask(0o022)  # what an engine without UMask=0077 writes with
+    try:
+        save(s, K[0])
+        write_temp(s, K[1], 100)
+        s.finalize_manual(K[1], "mine")
+    finally:
+        os.umask(old)
+    return [s.bin_path(K[0]), s.meta_path(K[0]), open_dir / "mine.bin"]
+
+
+def test_finalized_files_are_private_whatever_the_engine_umask(open_dir):
+    for f in finalize_under_engine_umask(Store(open_dir), open_dir):
+        assert f.stat().st_mode & 0o777 == 0o600, f.name
+
+
+def test_another_user_cannot_read_session_files(open_dir):
+    if os.geteuid() != 0:
+        pytest.skip(reason="reading as another uid (65534) needs root")
+    files = finalize_under_engine_umask(Store(open_dir), open_dir)
+    (open_dir / "open.txt").write_text("x")
+    os.chmod(open_dir / "open.txt", 0o644)
+    assert readable_as_nobody(open_dir / "open.txt") == "read"  # the check sees a readable file as readable
+    for f in files:
+        assert readable_as_nobody(f) == "PermissionError", f.name
+
+
+def test_with_control_group_files_are_group_readable(open_dir):
+    gid = os.getgid()
+    s = Store(open_dir, group=gid)
+    old = os.umask(0o077)  # the group bit is set by us, not left to the umask
+    try:
+        save(s, K[0])
+    finally:
+        os.umask(old)
+    for f in (s.bin_path(K[0]), s.meta_path(K[0])):
+        st = f.stat()
+        assert st.st_mode & 0o777 == 0o640 and st.st_gid == gid, f.name
+
+
+def test_space_check_does_not_scan_the_directory_at_every_save(tmp_path, monkeypatch):
+    s = Store(tmp_path)
+    save(s, K[0], size=1000, n_tokens=10)  # 100 bytes per token
+    s2 = Store(tmp_path)  # a new start: its cleanup looks at every file once
+    s2.cleanup()
+    scans = []
+    real_scan = s2.scan
+    monkeypatch.setattr(s2, "scan", lambda *a, **kw: scans.append(1) or real_scan(*a, **kw))
+    monkeypatch.setattr(s2, "free_bytes", lambda: 10**12)
+    for _ in range(5):
+        assert s2.check_space(50) is None
+    assert s2.estimate_bytes(50) == 5000 and scans == []
+    save(s2, K[1], size=4000, n_tokens=10)  # a denser save raises the figure, still without a scan
+    assert s2.estimate_bytes(50) == 20000 and scans == []
+
+
+def test_a_file_taken_into_use_while_prune_runs_is_kept(tmp_path, monkeypatch):
+    """Prune runs in a worker thread while the loop marks files in use: one taken into use
+    after the plan chose it is still not removed, nor reported as removed."""
+    import autosessd.store as store_mod
+
+    s = Store(tmp_path)
+    for i in range(3):
+        save(s, K[i], saved_at=float(i))
+    real_plan = store_mod.plan_prune
+
+    def plan_then_loop_acquires(*a, **kw):
+        plan = real_plan(*a, **kw)
+        s.acquire(auto_name(K[0]))  # the loop, between the plan and the unlink
+        return plan
+
+    monkeypatch.setattr(store_mod, "plan_prune", plan_then_loop_acquires)
+    plan = s.prune(keep=1, max_bytes=10**9)
+    assert s.bin_path(K[0]).exists() and s.read_meta(K[0]) is not None
+    assert {e.key for e in plan.remove} == {K[1]}

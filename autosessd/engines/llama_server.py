@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from ..upstream import Upstream
 from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, RestoreResult,
                    SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
@@ -26,46 +27,34 @@ class LlamaServer:
     kind = "llama-server"
     magic = b"qsgg"
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0):
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0,
+                 pool: Upstream | None = None):
+        """pool: the engine's HTTP pool, shared with the gate (one is made when None)."""
         self.url = url.rstrip("/")
         self.address = self.url
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self._retired: list[aiohttp.ClientSession] = []
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            # Idle connections are dropped before the engine's own 5 s keep-alive timeout.
-            self._session = aiohttp.ClientSession(headers=headers,
-                                                  connector=aiohttp.TCPConnector(keepalive_timeout=3.0))
-        return self._session
+        self._own_pool = pool is None
+        self.pool = pool if pool is not None else Upstream(self.url, timeout_s)
+        # The pool does not decompress (the gate passes bodies through as they are): ask
+        # for none. The key is sent per call, never as the pool's default (the gate's
+        # clients bring their own).
+        self._headers = {"Accept-Encoding": "identity"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     async def close(self) -> None:
-        for session in [*self._retired, self._session]:
-            if session is not None:
-                await session.close()
-        self._session, self._retired = None, []
+        if self._own_pool:
+            await self.pool.close()
 
     async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            for attempt in (1, 2):
-                try:
-                    async with self._client().request(method, self.url + path, json=body, timeout=timeout) as r:
-                        text = await r.text(errors="replace")
-                        status = r.status
-                    break
-                except aiohttp.ServerDisconnectedError:
-                    # A kept-alive connection the engine closed as we reused it (idle timeout,
-                    # restart): it never saw the request (slot actions are idempotent anyway). Once more on a new pool;
-                    # the old one is retired, not closed, as other calls may be using it.
-                    if attempt == 2:
-                        raise
-                    if self._session is not None:
-                        self._retired.append(self._session)
-                    self._session = None
+            # The pool sends once more on fresh connections when a kept-alive one was closed
+            # under us (the engine never saw the request; slot actions are idempotent anyway).
+            async with await self.pool.send(method, path, json=body, headers=self._headers, timeout=timeout) as r:
+                text = await r.text(errors="replace")
+                status = r.status
         except asyncio.TimeoutError:
             raise EngineTimeout(f"the engine at {self.url} did not answer {method} {path} "
                                 f"within {timeout.total:g} s") from None
