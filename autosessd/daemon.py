@@ -387,8 +387,8 @@ class Daemon:
     async def _stop_save(self) -> None:
         assert self.sessions is not None
         for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
-            held = self.sessions.slot(sid).held
-            self._stopping = f"the stop save of slot {sid}" + (f" (conversation {held.key})" if held else "")
+            key = self.sessions.view(sid).key
+            self._stopping = f"the stop save of slot {sid}" + (f" (conversation {key})" if key else "")
             await self.sessions.save_held(sid, "stop")
         self._stopping = "the last session files being written (finalize, prune)"
         await self.sessions.drain()
