@@ -60,7 +60,7 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from .slotfile import TOKEN_NULL, BadSlotFile, read_header
 
@@ -163,14 +163,69 @@ def check_name(name: str) -> str:
     return name
 
 
+class _Run:
+    """One model's files in sorted order of their tokens, and the prefix each shares with
+    the next (adj[k] = lcp(items[k], items[k+1])). For sorted a ≤ b ≤ c, lcp(a, c) =
+    min(lcp(a, b), lcp(b, c)): from a query's insertion point outwards, the prefix each
+    file shares with the query follows from the previous one and adj, without comparing
+    tokens again — 1,000 files under one system prompt cost one comparison, not 1,000."""
+
+    def __init__(self, items: list[tuple[bytes, str]] | None = None):
+        self.items = sorted(items or [])
+        self.adj = [common_prefix(a[0], b[0]) for a, b in zip(self.items, self.items[1:])]
+
+    def insert(self, data: bytes, name: str) -> None:
+        n = len(self.items)
+        p = bisect.bisect_left(self.items, (data, name))
+        self.items.insert(p, (data, name))
+        if 0 < p < n:
+            self.adj[p - 1:p] = [common_prefix(self.items[p - 1][0], data), common_prefix(data, self.items[p + 1][0])]
+        elif p == 0 and n:
+            self.adj.insert(0, common_prefix(data, self.items[1][0]))
+        elif p == n and n:
+            self.adj.append(common_prefix(self.items[p - 1][0], data))
+
+    def delete(self, data: bytes, name: str) -> None:
+        n = len(self.items)
+        p = bisect.bisect_left(self.items, (data, name))
+        assert self.items[p][1] == name, (name, self.items[p][1])
+        del self.items[p]
+        if 0 < p < n - 1:
+            self.adj[p - 1:p + 1] = [min(self.adj[p - 1], self.adj[p])]
+        elif p == 0 and n > 1:
+            del self.adj[0]
+        elif p == n - 1 and n > 1:
+            del self.adj[p - 1]
+
+    def side(self, q: bytes, floor: int, step: int) -> Iterator[tuple[int, str]]:
+        """(shared tokens, name) of the files sharing at least `floor` with q on one side of
+        its insertion point (step -1: before it, +1: after it), nearest first. Stops at the
+        first file below `floor`: nothing further out shares more."""
+        i = bisect.bisect_left(self.items, (q, ""))
+        j = i - 1 if step < 0 else i
+        if not 0 <= j < len(self.items):
+            return
+        n = common_prefix(self.items[j][0], q)
+        while n >= floor:
+            yield n, self.items[j][1]
+            j += step
+            if not 0 <= j < len(self.items):
+                return
+            n = min(n, self.adj[j] if step < 0 else self.adj[j - 1])
+
+    def around(self, q: bytes, floor: int) -> Iterator[tuple[int, str]]:
+        yield from self.side(q, floor, -1)
+        yield from self.side(q, floor, +1)
+
+
 class TokenIndex:
     def __init__(self, directory: str | Path, cache_path: str | Path | None = None):
         self.directory = Path(directory)
         self.cache_path = Path(cache_path) if cache_path else None
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
-        # Per model: (tokens, name) in sorted order. Unknown models under None.
-        self._sorted: dict[str | None, list[tuple[bytes, str]]] = {}
+        # Per model its files in sorted order; unknown models under None.
+        self._runs: dict[str | None, _Run] = {}
         self.skipped: dict[str, str] = {}
         self.dirty = False  # changed since the cache was last written or loaded
         # add/remove/learn while a scan reads the disk win over what the scan saw: they
@@ -344,23 +399,20 @@ class TokenIndex:
 
     def _insert(self, e: Entry) -> None:
         self._entries[e.name] = e
-        bisect.insort(self._sorted.setdefault(e.model, []), (e.tokens, e.name))
+        self._runs.setdefault(e.model, _Run()).insert(e.tokens, e.name)
 
     def _drop(self, e: Entry) -> None:
         del self._entries[e.name]
-        lst = self._sorted[e.model]
-        i = bisect.bisect_left(lst, (e.tokens, e.name))
-        assert lst[i][1] == e.name
-        del lst[i]
-        if not lst:
-            del self._sorted[e.model]
+        run = self._runs[e.model]
+        run.delete(e.tokens, e.name)
+        if not run.items:
+            del self._runs[e.model]
 
     def _resort(self) -> None:
-        self._sorted = {}
+        by_model: dict[str | None, list[tuple[bytes, str]]] = {}
         for e in self._entries.values():
-            self._sorted.setdefault(e.model, []).append((e.tokens, e.name))
-        for lst in self._sorted.values():
-            lst.sort()
+            by_model.setdefault(e.model, []).append((e.tokens, e.name))
+        self._runs = {m: _Run(items) for m, items in by_model.items()}
 
     # -- lookups -------------------------------------------------------------------
     def get(self, name: str) -> Entry | None:
@@ -392,22 +444,11 @@ class TokenIndex:
         first (ties: fewer tokens to restore, then name). model=None asks among the files
         whose model is unknown."""
         q = tokens if isinstance(tokens, bytes) else encode(tokens)
-        min_lcp = max(1, min_lcp)
         exclude = set(exclude)
         with self._lock:
-            lst = self._sorted.get(model, [])
-            i = bisect.bisect_left(lst, (q, ""))
-            found: list[Match] = []
-            # Walking away from the insertion point the shared prefix never grows: stop at
-            # the first file below min_lcp on each side.
-            for rng in (range(i - 1, -1, -1), range(i, len(lst))):
-                for j in rng:
-                    data, name = lst[j]
-                    n = common_prefix(data, q)
-                    if n < min_lcp:
-                        break
-                    if name not in exclude:
-                        found.append(Match(name, n, self._entries[name].n_tokens))
+            run = self._runs.get(model)
+            found = [Match(name, n, self._entries[name].n_tokens)
+                     for n, name in (run.around(q, max(1, min_lcp)) if run else ()) if name not in exclude]
         found.sort(key=lambda m: (-m.lcp, m.n_tokens, m.name))
         return found[:limit] if limit is not None else found
 
@@ -418,24 +459,16 @@ class TokenIndex:
         then the smallest file (the quickest restore), then the name."""
         q = tokens if isinstance(tokens, bytes) else encode(tokens)
         exclude = set(exclude)
-        min_lcp = max(1, min_lcp)
         with self._lock:
-            lst = self._sorted.get(model, [])
-            i = bisect.bisect_left(lst, (q, ""))
-            top, tied = 0, []
-            for rng in (range(i - 1, -1, -1), range(i, len(lst))):
-                for j in rng:
-                    data, name = lst[j]
-                    n = common_prefix(data, q)
-                    if n < max(top, min_lcp):
-                        break  # nothing further out on this side shares as much
-                    if name in exclude:
-                        continue
-                    if n > top:
-                        top, tied = n, []
-                    tied.append(name)
-            if not tied:
+            run = self._runs.get(model)
+            if run is None:
                 return None
+            top = 0  # the nearest file not excluded on each side shares the most on its side
+            for step in (-1, 1):
+                top = max(top, next((n for n, name in run.side(q, max(1, min_lcp), step) if name not in exclude), 0))
+            if not top:
+                return None
+            tied = [name for n, name in run.around(q, top) if name not in exclude]
             name = min(tied, key=lambda nm: (nm != prefer, self._entries[nm].n_tokens, nm))
         return name, top
 

@@ -49,7 +49,8 @@ def test_common_prefix_counts_tokens_not_bytes(a, b, n):
     assert common_prefix(encode(a), encode(b)) == common_prefix(encode(b), encode(a)) == n
 
 
-tokens_st = st.lists(st.integers(0, 3), max_size=40)  # a small alphabet: long shared prefixes are common
+# A small alphabet and short lists: files that share long prefixes with each other and the query are common.
+tokens_st = st.lists(st.integers(0, 2), max_size=12)
 
 
 @given(tokens_st, tokens_st)
@@ -101,11 +102,12 @@ def test_best_and_matches_are_the_brute_force(tmp_path_factory, files, query, mo
         assert idx.lcp(n, query) == brute_lcp(t, query)
 
 
-ops_st = st.lists(st.tuples(st.sampled_from(["add", "remove", "learn"]), st.sampled_from(["a.bin", "b.bin", "c.bin"]),
-                            st.sampled_from([M, OTHER, None]), tokens_st), max_size=25)
+ops_st = st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "learn"]),
+                            st.sampled_from([f"{c}.bin" for c in "abcdefgh"]), st.sampled_from([M, M, OTHER, None]),
+                            tokens_st), max_size=40)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=ops_st, query=tokens_st)
 def test_add_remove_learn_keep_lookups_right(tmp_path_factory, ops, query):
     d = tmp_path_factory.mktemp("d")
@@ -123,11 +125,22 @@ def test_add_remove_learn_keep_lookups_right(tmp_path_factory, ops, query):
             assert idx.learn(name, model) == (name in truth)
             if name in truth:
                 truth[name] = (model, truth[name][1])
-    assert idx.names() == sorted(truth)
-    for model in (M, OTHER, None):
-        want = {n: brute_lcp(t, query) for n, (m, t) in truth.items() if m == model}
-        got = idx.best(query, model)
-        assert (got[1] if got else 0) == max([v for v in want.values() if v], default=0)
+        assert idx.names() == sorted(truth)
+        for m in (M, OTHER, None):
+            want = {n: brute_lcp(t, query) for n, (mm, t) in truth.items() if mm == m}
+            got = idx.best(query, m)
+            assert (got[1] if got else 0) == max([v for v in want.values() if v], default=0)
+            assert sorted((x.name, x.lcp) for x in idx.matches(query, m)) == sorted(
+                (n, v) for n, v in want.items() if v)
+
+
+def test_removing_a_file_between_two_others_keeps_their_shared_prefix_right(tmp_path):
+    idx = index_of(tmp_path, {"a.bin": (M, [0]), "b.bin": (M, [0, 1]), "c.bin": (M, [0, 1, 1])})
+    idx.remove("b.bin")
+    assert idx.matches([0, 1, 1, 0], M) == [Match("c.bin", 3, 3), Match("a.bin", 1, 1)]
+    idx.add("b.bin", [0, 1], M)
+    idx.remove("a.bin")
+    assert idx.matches([0], M) == [Match("b.bin", 1, 2), Match("c.bin", 1, 3)]
 
 
 def test_best_prefers_the_requests_own_line_then_the_smaller_file(tmp_path):
