@@ -292,8 +292,16 @@ class TokenIndex:
             self._changed = {n: g for n, g in self._changed.items() if g > gen0}
             if report.read or entries.keys() != known.keys():
                 self.dirty = True
-            self._entries = entries
-            self._resort()
+            if not self._entries:
+                self._entries = entries
+                self._resort()
+            else:  # a rescan: most files are unchanged, move only what did
+                for name, e in list(self._entries.items()):
+                    if entries.get(name) is not e:
+                        self._drop(e)
+                for name, e in entries.items():
+                    if name not in self._entries:
+                        self._insert(e)
             self.skipped = skipped
         report.files, report.skipped = len(entries), skipped
         report.seconds = time.perf_counter() - t0

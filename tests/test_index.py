@@ -210,6 +210,7 @@ def test_a_second_scan_rereads_only_what_changed(tmp_path):
     assert (r.read, r.from_cache, idx.names()) == (1, 0, ["mine.bin"])
     assert idx.get("mine.bin").token_list() == [2, 3, 4, 5]
     assert idx.get("mine.bin").model is None  # learned for the old file, not this one
+    assert idx.best([2, 3, 4, 5], None) == ("mine.bin", 4) and idx.best([2, 1], M) is None
 
 
 def test_a_change_during_a_scan_wins_over_what_the_scan_saw(tmp_path, monkeypatch):
