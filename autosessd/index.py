@@ -447,38 +447,50 @@ class TokenIndex:
         return None if e is None else common_prefix(e.tokens, q)
 
     def matches(self, tokens: Sequence[int] | bytes, model: str | None, min_lcp: int = 1,
-                exclude: Iterable[str] = (), limit: int | None = None) -> list[Match]:
+                exclude: Iterable[str] = (), window: int | None = None, limit: int | None = None) -> list[Match]:
         """Files of `model` sharing at least min_lcp tokens with `tokens`, longest prefix
         first (ties: fewer tokens to restore, then name). model=None asks among the files
-        whose model is unknown."""
+        whose model is unknown. window: see best()."""
         q = tokens if isinstance(tokens, bytes) else encode(tokens)
         exclude = set(exclude)
         with self._lock:
             run = self._runs.get(model)
             found = [Match(name, n, self._entries[name].n_tokens)
-                     for n, name in (run.around(q, max(1, min_lcp)) if run else ()) if name not in exclude]
+                     for n, name in (run.around(q, max(1, min_lcp)) if run else ())
+                     if name not in exclude and self._usable(name, n, window)]
         found.sort(key=lambda m: (-m.lcp, m.n_tokens, m.name))
         return found[:limit] if limit is not None else found
 
     def best(self, tokens: Sequence[int] | bytes, model: str | None, exclude: Iterable[str] = (),
-             prefer: str | None = None, min_lcp: int = 1) -> tuple[str, int] | None:
+             prefer: str | None = None, min_lcp: int = 1, window: int | None = None) -> tuple[str, int] | None:
         """The file of `model` that shares the longest prefix with `tokens`: (name, lcp), or
         None when none shares min_lcp. Among equals: `prefer` (the request's own line),
-        then the smallest file (the quickest restore), then the name."""
+        then the smallest file (the quickest restore), then the name.
+
+        window: the engine's sliding window (n_swa: 512 for Gemma 3) for a model with
+        sliding-window layers. llama-server saves only the last window of those layers, even
+        with --swa-full (llama_kv_cache::state_write skips SWA-masked cells), so after a
+        restore it keeps the shared prefix only when the file holds fewer than `window`
+        tokens past it; otherwise it re-reads the whole prompt (bench/index.py, reuse). Such
+        files are passed over. None: a model without sliding-window layers."""
         q = tokens if isinstance(tokens, bytes) else encode(tokens)
         exclude = set(exclude)
         with self._lock:
             run = self._runs.get(model)
             if run is None:
                 return None
-            top = 0  # the nearest file not excluded on each side shares the most on its side
+            top = 0  # the nearest usable file on each side shares the most on its side
             for step in (-1, 1):
-                top = max(top, next((n for n, name in run.side(q, max(1, min_lcp), step) if name not in exclude), 0))
+                top = max(top, next((n for n, name in run.side(q, max(1, min_lcp), step)
+                                     if name not in exclude and self._usable(name, n, window)), 0))
             if not top:
                 return None
-            tied = [name for n, name in run.around(q, top) if name not in exclude]
+            tied = [name for n, name in run.around(q, top) if name not in exclude and self._usable(name, n, window)]
             name = min(tied, key=lambda nm: (nm != prefer, self._entries[nm].n_tokens, nm))
         return name, top
+
+    def _usable(self, name: str, lcp: int, window: int | None) -> bool:
+        return window is None or self._entries[name].n_tokens - lcp < window
 
     # -- the cache -----------------------------------------------------------------
     def save_cache(self) -> bool:

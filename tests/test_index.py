@@ -82,12 +82,14 @@ def index_of(tmp_path, files) -> TokenIndex:
 @settings(max_examples=200, deadline=None)
 @given(files=files_st, query=tokens_st, model=st.sampled_from([M, OTHER, None]),
        exclude=st.sets(st.sampled_from([f"f{i}.bin" for i in range(8)])), min_lcp=st.integers(0, 6),
-       prefer=st.sampled_from([None, "f0.bin", "f1.bin"]))
-def test_best_and_matches_are_the_brute_force(tmp_path_factory, files, query, model, exclude, min_lcp, prefer):
+       prefer=st.sampled_from([None, "f0.bin", "f1.bin"]), window=st.sampled_from([None, 1, 2, 4]))
+def test_best_and_matches_are_the_brute_force(tmp_path_factory, files, query, model, exclude, min_lcp, prefer,
+                                              window):
     idx = index_of(tmp_path_factory.mktemp("d"), files)
-    allowed = {n: brute_lcp(t, query) for n, (m, t) in files.items() if m == model and n not in exclude}
+    allowed = {n: brute_lcp(t, query) for n, (m, t) in files.items() if m == model and n not in exclude
+               and (window is None or len(t) - brute_lcp(t, query) < window)}
     wanted = {n: v for n, v in allowed.items() if v >= max(1, min_lcp)}
-    got = idx.best(query, model, exclude=exclude, prefer=prefer, min_lcp=min_lcp)
+    got = idx.best(query, model, exclude=exclude, prefer=prefer, min_lcp=min_lcp, window=window)
     if not wanted:
         assert got is None
     else:
@@ -95,7 +97,7 @@ def test_best_and_matches_are_the_brute_force(tmp_path_factory, files, query, mo
         tied = [n for n, v in wanted.items() if v == top]
         name = min(tied, key=lambda n: (n != prefer, len(files[n][1]), n))
         assert got == (name, top)
-    ms = idx.matches(query, model, min_lcp=min_lcp, exclude=exclude)
+    ms = idx.matches(query, model, min_lcp=min_lcp, exclude=exclude, window=window)
     assert sorted((m.name, m.lcp) for m in ms) == sorted(wanted.items())
     assert [m.lcp for m in ms] == sorted((m.lcp for m in ms), reverse=True)
     for n, (m, t) in files.items():
@@ -155,6 +157,19 @@ def test_best_prefers_the_requests_own_line_then_the_smaller_file(tmp_path):
     assert idx.best(q, M, min_lcp=6) is None
     assert idx.matches(q, M, limit=2) == [Match("auto-bbbbbbbbbbbbbbbb.bin", 5, 6),
                                           Match("auto-aaaaaaaaaaaaaaaa.bin", 5, 8)]
+
+
+def test_a_sliding_window_passes_over_files_that_go_on_too_long_after_the_prefix(tmp_path):
+    S = list(range(100, 130))  # a system prompt
+    idx = index_of(tmp_path, {"task1.bin": (M, S + [1] * 40), "prefix.bin": (M, S + [2] * 5)})
+    q = S + [3] * 10
+    assert idx.best(q, M) == ("prefix.bin", 30)  # the smaller of two equals
+    assert idx.best(q, M, exclude={"prefix.bin"}) == ("task1.bin", 30)
+    # Gemma 3 keeps its last 512 tokens; here a window of 16: task1.bin holds 40 past the prefix.
+    assert idx.best(q, M, window=16, exclude={"prefix.bin"}) is None
+    assert idx.best(S[:18] + [9], M, window=16) is None  # both go on 16+ tokens past the 18 shared
+    assert idx.best(S[:20] + [9], M, window=16) == ("prefix.bin", 20)  # 15 past: the engine keeps it
+    assert idx.matches(q, M, window=16) == [Match("prefix.bin", 30, 35)]
 
 
 def test_media_placeholders_end_what_a_prompt_can_share(tmp_path):
