@@ -2,7 +2,7 @@
 """Issue 11's measurements: knowing session files by their tokens, and what it costs.
 
     python bench/index.py                    every part
-    python bench/index.py --only lookup,cost lookup | start | tokens | cost | reuse | prefix
+    python bench/index.py --only lookup,cost lookup | start | tokens | turns | cost | reuse | prefix
     BENCH_INDEX_FILES=10,100 BENCH_INDEX_TOKENS=1000,4000   a smaller grid
 
   lookup  the prefix lookup at 1k/4k/16k/32k tokens × 10/100/1,000 files, three ways:
@@ -12,6 +12,8 @@
   start   building the index at start: reading every header vs the cache, cache size
   tokens  (real engine) do /apply-template + /tokenize give exactly the saved file's first
           tokens? for a plain chat, a system prompt, a multi-turn conversation
+  turns   (real engine) a conversation going on, replies sent back as text: does the next
+          prompt extend the file saved after the reply, or depart inside the reply?
   cost    (real engine) the two calls at 1k/4k/16k tokens, idle and beside a running prefill
   reuse   (real engine) a file restored, then a prompt that departs from it in the middle:
           how much timings.cache_n reuses, with --swa-full and without
@@ -184,6 +186,10 @@ def part_lookup(work: Path) -> dict[str, Any]:
                 reps = 20 if kind == "linear" and n_files * n_tokens > 4e6 else 50
                 row[kind] = {"build_s": build_s, "memory_bytes": mem, "return_ms": 1e3 * timed(lambda: lookup(ret), reps),
                              "new_ms": 1e3 * timed(lambda: lookup(new), reps)}
+                if kind == "index":  # the caller encodes a prompt once per turn
+                    rb, nb = encode(ret), encode(new)
+                    row[kind]["return_encoded_ms"] = 1e3 * timed(lambda: s.best(rb, MODEL), reps)
+                    row[kind]["new_encoded_ms"] = 1e3 * timed(lambda: s.best(nb, MODEL), reps)
                 del s, lookup
             row["encode_ms"] = 1e3 * timed(lambda: encode(ret), 50)
             rows.append(row)
@@ -196,12 +202,13 @@ def part_lookup(work: Path) -> dict[str, Any]:
 
 
 def t_lookup(r: dict[str, Any]) -> str:
-    lines = ["| tokens/file | files | index: return / new (ms) | linear: return / new (ms) | "
-             "chain: return / new (ms) | memory index / chain | build index (ms) | encode query (ms) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| tokens/file | files | index: return / new (ms) | the same, query encoded (ms) | "
+             "linear: return / new (ms) | chain: return / new (ms) | memory index / chain | build index (ms) | "
+             "encode query (ms) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
         i, li, c = row["index"], row["linear"], row["chain"]
         lines.append(f"| {row['tokens']:,} | {row['files']:,} | {i['return_ms']:.3f} / {i['new_ms']:.3f} | "
+                     f"{i['return_encoded_ms']:.3f} / {i['new_encoded_ms']:.3f} | "
                      f"{li['return_ms']:.2f} / {li['new_ms']:.2f} | {c['return_ms']:.2f} / {c['new_ms']:.2f} | "
                      f"{i['memory_bytes'] / 1e6:.2f} MB / {c['memory_bytes'] / 1e6:.2f} MB | "
                      f"{1e3 * i['build_s']:.0f} | {row['encode_ms']:.2f} |")
@@ -327,6 +334,54 @@ def t_tokens(r: dict[str, Any]) -> str:
         lines.append(f"| {x['case']} | {x['prompt_tokens']:,} | {x['tokenized']:,} | {x['file_tokens']:,} "
                      f"(= {x['n_saved']:,}) | {x['completion_tokens']} | "
                      f"{'yes' if x['equal_prefix'] else 'NO, shares ' + str(x['lcp'])} |")
+    return "\n".join(lines)
+
+
+def part_turns(work: Path) -> dict[str, Any]:
+    """A conversation going on: the client sends each reply back as text. Does the next
+    prompt extend the file saved after the reply, or depart inside the reply (text sampled
+    as uncommon tokens comes back as other tokens)? Sampled (temperature 0.8) and greedy."""
+    d = work / "turns"
+    d.mkdir()
+    e = engine(d)
+    rows = []
+
+    async def go():
+        eng = LlamaServer(e.url, timeout_s=300)
+        try:
+            for temperature in (0.0, 0.8):
+                for conv in range(3):
+                    msgs = [{"role": "system", "content": "You are a pirate."},
+                            {"role": "user", "content": facts(10) + f" Tell me a story about box {conv}."}]
+                    for turn in range(4):
+                        body = {"messages": msgs, "temperature": temperature, "max_tokens": 60, "seed": 7 * conv + turn}
+                        r = e.post("/v1/chat/completions", body)
+                        await eng.save(0, "t.bin")
+                        f = read_header(d / "t.bin").tokens
+                        msgs = msgs + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                                       {"role": "user", "content": "Go on."}]
+                        nxt = await eng.prompt_tokens({"messages": msgs})
+                        shared = common_prefix(encode(f), encode(nxt))
+                        rows.append({"temperature": temperature, "prompt": r["usage"]["prompt_tokens"],
+                                     "file": len(f), "shared": shared})
+        finally:
+            await eng.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        e.stop()
+    return {"rows": rows}
+
+
+def t_turns(r: dict[str, Any]) -> str:
+    lines = ["| sampling | turns | next prompt extends the file | departs inside the reply | departs inside the prompt |",
+             "|---|---:|---:|---:|---:|"]
+    for temp in sorted({x["temperature"] for x in r["rows"]}):
+        xs = [x for x in r["rows"] if x["temperature"] == temp]
+        ext = sum(x["shared"] == x["file"] for x in xs)
+        in_reply = sum(x["prompt"] <= x["shared"] < x["file"] for x in xs)
+        lines.append(f"| temperature {temp:g} | {len(xs)} | {ext} | {in_reply} | {len(xs) - ext - in_reply} |")
     return "\n".join(lines)
 
 
@@ -517,6 +572,7 @@ PARTS = {
     "lookup": ("Prefix lookup: one lookup's time and the memory held", part_lookup, t_lookup),
     "start": ("Index at start: headers vs cache", part_start, t_start),
     "tokens": ("Do /apply-template + /tokenize give the saved file's tokens?", part_tokens, t_tokens),
+    "turns": ("A conversation going on: does the next prompt extend the saved file?", part_turns, t_turns),
     "cost": ("Cost of /apply-template + /tokenize", part_cost, t_cost),
     "reuse": ("Restore, then a prompt that departs in the middle", part_reuse, t_reuse),
     "prefix": ("A shared system prompt after a restart: the task's file vs a file of the prefix", part_prefix,

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from autosessd import index as index_mod
-from autosessd.index import (Match, SaveTarget, TokenIndex, branch_key, common_prefix, encode, save_key)
+from autosessd.index import (Match, SavedFile, SaveTarget, TokenIndex, branch_key, common_prefix, encode,
+                             save_key)
 from autosessd.slotfile import build
 
 M, OTHER = "model-a", "model-b"
@@ -342,6 +343,11 @@ BX = branch_key(KEY, Y[:3])
     ({KEY: X, BX: Y}, [2, 105, 20, 99], SaveTarget(branch_key(BX, [2, 105, 20, 99]), "branch", 0)),
     # an edited message 3 of X: departs at 4
     ({KEY: X}, X[:4] + [77, 78], SaveTarget(branch_key(KEY, X[:4] + [77]), "branch", 0)),
+    # X's file: its prompt (6) and a reply (50, 51); the next turn sends the reply back as other tokens
+    ({KEY: SavedFile(X + [50, 51], n_prompt=6)}, X + [50, 60, 61, 62], SaveTarget(KEY, "replaces", 7)),
+    ({KEY: SavedFile(X + [50, 51], n_prompt=6)}, X + [52], SaveTarget(KEY, "replaces", 6)),  # regenerated
+    ({KEY: SavedFile(X + [50, 51], n_prompt=6)}, X[:5] + [99], SaveTarget(branch_key(KEY, X[:5] + [99]), "branch", 0)),
+    ({KEY: SavedFile(X + [50, 51], n_prompt=None)}, X + [52], SaveTarget(branch_key(KEY, X + [52]), "branch", 0)),
 ])
 def test_save_key_table(files, tokens, want):
     assert save_key(KEY, tokens, files.get) == want
@@ -382,6 +388,27 @@ def test_saving_by_save_key_never_loses_a_conversation(convs):
             files[t.key] = conv
         for seen in convs[:convs.index(conv) + 1]:
             assert any(f[:len(seen)] == seen for f in files.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=12), st.integers(0, 4)),
+                min_size=1, max_size=12))
+def test_a_save_only_replaces_a_file_whose_prompt_it_holds(convs):
+    """With prompt lengths known, a save lands on a free name, or on a file whose prompt the
+    conversation holds whole (only a reply is given up)."""
+    files: dict[str, SavedFile] = {}
+    for tokens, reply in convs:
+        n_prompt = max(0, len(tokens) - reply)
+        t = save_key(KEY, tokens, files.get)
+        old = files.get(t.key)
+        if old is None:
+            assert t.why in ("new", "branch")
+        elif t.why == "covered":
+            assert old.tokens[:len(tokens)] == tokens
+            continue
+        else:
+            assert t.why in ("extends", "replaces") and tokens[:old.n_prompt] == old.tokens[:old.n_prompt]
+        files[t.key] = SavedFile(tokens, n_prompt)
 
 
 def test_save_key_gives_up_on_a_hand_made_loop():
