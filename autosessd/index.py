@@ -282,6 +282,8 @@ class TokenIndex:
             try:
                 entries[name] = self._read(name, ident, meta_ident, old)
                 report.read += 1
+            except FileNotFoundError:
+                pass  # removed since the directory was listed (a prune)
             except (BadSlotFile, OSError) as e:
                 skipped[name] = str(e)
         with self._lock:

@@ -184,7 +184,8 @@ def part_lookup(work: Path) -> dict[str, Any]:
                 assert got == (f"f{j}.bin", 3 * n_tokens // 4), (kind, got)
                 assert lookup(new)[1] == len(system), kind
                 reps = 20 if kind == "linear" and n_files * n_tokens > 4e6 else 50
-                row[kind] = {"build_s": build_s, "memory_bytes": mem, "return_ms": 1e3 * timed(lambda: lookup(ret), reps),
+                row[kind] = {"build_s": build_s, "memory_bytes": mem,
+                             "return_ms": 1e3 * timed(lambda: lookup(ret), reps),
                              "new_ms": 1e3 * timed(lambda: lookup(new), reps)}
                 if kind == "index":  # the caller encodes a prompt once per turn
                     rb, nb = encode(ret), encode(new)
@@ -259,7 +260,8 @@ def part_start(work: Path) -> dict[str, Any]:
 
 def t_start(r: dict[str, Any]) -> str:
     lines = ["| tokens/file | files | scan reading every header (ms) | scan from the cache (ms) | "
-             "rescan, nothing changed (ms) | write the cache (ms) | cache size |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "rescan, nothing changed (ms) | write the cache (ms) | cache size |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for x in r["rows"]:
         lines.append(f"| {x['tokens']:,} | {x['files']:,} | {1e3 * x['headers_s']:.0f} | {1e3 * x['cache_s']:.0f} | "
                      f"{1e3 * x['rescan_s']:.1f} | {1e3 * x['save_s']:.0f} | {x['cache_bytes'] / 1e6:.2f} MB |")
@@ -375,7 +377,8 @@ def part_turns(work: Path) -> dict[str, Any]:
 
 
 def t_turns(r: dict[str, Any]) -> str:
-    lines = ["| sampling | turns | next prompt extends the file | departs inside the reply | departs inside the prompt |",
+    lines = ["| sampling | turns | next prompt extends the file | departs inside the reply | "
+             "departs inside the prompt |",
              "|---|---:|---:|---:|---:|"]
     for temp in sorted({x["temperature"] for x in r["rows"]}):
         xs = [x for x in r["rows"] if x["temperature"] == temp]
@@ -440,7 +443,8 @@ def part_cost(work: Path) -> dict[str, Any]:
 
 
 def t_cost(r: dict[str, Any]) -> str:
-    lines = ["| prompt tokens | engine | /apply-template (ms) | /tokenize (ms) | both (ms) |", "|---:|---|---:|---:|---:|"]
+    lines = ["| prompt tokens | engine | /apply-template (ms) | /tokenize (ms) | both (ms) |",
+             "|---:|---|---:|---:|---:|"]
     for x in r["rows"]:
         lines.append(f"| {x['tokens']:,} | {'busy with a 16k prefill' if x['busy'] else 'idle'} | "
                      f"{x['apply_ms']:.1f} | {x['tokenize_ms']:.1f} | {x['total_ms']:.1f} |")
@@ -481,7 +485,8 @@ def part_reuse(work: Path) -> dict[str, Any]:
                     e.post("/v1/chat/completions", p)
                     live = e.post("/v1/chat/completions", body)
                     rows.append({"swa_full": swa_full, "edit": label, "prompt": restored["usage"]["prompt_tokens"],
-                                 "shared": shared, "file_tokens": n_file, "cache_n_restored": restored["timings"]["cache_n"],
+                                 "shared": shared, "file_tokens": n_file,
+                                 "cache_n_restored": restored["timings"]["cache_n"],
                                  "cache_n_live": live["timings"]["cache_n"],
                                  "prompt_ms_restored": restored["timings"]["prompt_ms"]})
                     print(f"  reuse swa_full={swa_full} edit at {label}: shared {shared}, cache_n "

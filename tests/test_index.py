@@ -367,7 +367,8 @@ def test_branch_names_differ_by_where_and_how_they_depart():
     names = {branch_key(KEY, X[:3] + [t]) for t in (1, 2)} | {branch_key(KEY, X[:4] + [1])} \
         | {branch_key("0" * 16, X[:3] + [1])}
     assert len(names) == 4 and all(len(n) == 16 and int(n, 16) >= 0 for n in names)
-    assert branch_key(KEY, [2, 105, 20]) == branch_key(KEY, encode([2, 105, 20])) == "5f0725ce242e3f74"  # sha1(b"autosessd branch\0" + key + b"\0" + int32 LE tokens)[:16]
+    # sha1(b"autosessd branch\0" + key + b"\0" + the tokens as little-endian int32)[:16]
+    assert branch_key(KEY, [2, 105, 20]) == branch_key(KEY, encode([2, 105, 20])) == "5f0725ce242e3f74"
 
 
 @settings(max_examples=200, deadline=None)
