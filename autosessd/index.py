@@ -10,11 +10,11 @@ How a lookup works. Token lists are kept as the header's own bytes (little-endia
 int32) in one sorted list per model, with the prefix each shares with the next. Of strings
 in sorted order, the one sharing the longest prefix with a query lies next to the query's
 insertion point, and walking away from it the shared prefix is the running minimum of the
-neighbours' (no tokens compared again). A lookup is one bisect and two comparisons: 0.06 ms
+neighbours' (no tokens compared again). A lookup is one bisect and two comparisons: 0.05 ms
 at 1,000 files of 16k tokens once the query is encoded (0.25 ms to encode 16k tokens), and
 under 1 ms when all 1,000 files tie on a shared system prompt. Measured against (bench/
-index.py): comparing every file (25 ms at that size) and a hash chain per 64-token block
-(0.5 ms, but 38 ms when 1,000 files tie, each read again for the exact prefix; and in
+index.py): comparing every file (19 ms at that size) and a hash chain per 64-token block
+(0.5 ms, but 30 ms when 1,000 files tie, each read again for the exact prefix; and in
 Python its dict of hashes takes as much memory as the tokens). The price is memory: 4 bytes
 a token (64 MB at 1,000 × 16k), under 1/1,000 of what the files themselves take on disk
 (Gemma 3 270M: 5.8 kB a token; larger models far more).
