@@ -2,6 +2,8 @@
 
     POST /slots/{id}?action=save|restore  {"filename": NAME}   NAME relative to --slot-save-path
     GET  /slots   GET /props   GET /v1/models   GET /health (503 while loading)
+    POST /apply-template  a chat body → {"prompt": the templated text}
+    POST /tokenize        {"content", "add_special", "parse_special"} → {"tokens": [...]}
 
 501 on /slots means the engine runs without --slot-save-path. A slot action on a busy
 slot is deferred by the engine until the slot is free, so it can take as long as the
@@ -96,6 +98,31 @@ class LlamaServer:
         except (KeyError, TypeError, ValueError):
             raise EngineBadAnswer(f"restore answered without n_restored/n_read/timings.restore_ms: "
                                   f"{d!r:.200}") from None
+
+    async def apply_template(self, body: dict, timeout_s: float | None = None) -> str:
+        """The text a chat request (an OpenAI `messages` body, passed whole: tools and
+        template options change the text) is prompted with, from the engine's own template."""
+        d = await self._call("POST", "/apply-template", body, timeout_s)
+        prompt = d.get("prompt") if isinstance(d, dict) else None
+        if not isinstance(prompt, str):
+            raise EngineBadAnswer(f"/apply-template answered without a prompt string: {d!r:.200}")
+        return prompt
+
+    async def tokenize(self, text: str, timeout_s: float | None = None) -> list[int]:
+        """`text` tokenized as the chat path tokenizes a prompt: with the model's special
+        tokens added (BOS) and special-token text parsed as such. /tokenize defaults to
+        add_special false (parse_special true), so both are given."""
+        d = await self._call("POST", "/tokenize", {"content": text, "add_special": True, "parse_special": True},
+                             timeout_s)
+        tokens = d.get("tokens") if isinstance(d, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise EngineBadAnswer(f"/tokenize answered without a list of token ids: {d!r:.200}")
+        return tokens
+
+    async def prompt_tokens(self, body: dict, timeout_s: float | None = None) -> list[int]:
+        """The exact tokens a chat request would be prompted with, without running it.
+        Neither call waits for a slot: the engine answers them beside a running request."""
+        return await self.tokenize(await self.apply_template(body, timeout_s), timeout_s)
 
     async def slots(self) -> list[SlotState]:
         d = await self._call("GET", "/slots")

@@ -1,0 +1,642 @@
+"""Token index over the session files (DESIGN §9: a file is known by its tokens).
+
+For every session file autosessd can see — its own `auto-<16 hex>.bin` and people's
+`*.bin` — the index keeps the model the file was written for, its token count and its
+token list, read from the file's header (slotfile.py). A new prompt's tokens then find
+the file that shares the longest common prefix (LCP) with it: the engine, given that
+file, keeps exactly that prefix and reads only the rest.
+
+How a lookup works. Token lists are kept as the header's own bytes (little-endian
+int32) in one sorted list per model, with the prefix each shares with the next. Of strings
+in sorted order, the one sharing the longest prefix with a query lies next to the query's
+insertion point, and walking away from it the shared prefix is the running minimum of the
+neighbours' (no tokens compared again). A lookup is one bisect and two comparisons: 0.05 ms
+at 1,000 files of 16k tokens once the query is encoded (0.25 ms to encode 16k tokens), and
+under 1 ms when all 1,000 files tie on a shared system prompt. Measured against (bench/
+index.py): comparing every file (19 ms at that size) and a hash chain per 64-token block
+(0.5 ms, but 30 ms when 1,000 files tie, each read again for the exact prefix; and in
+Python its dict of hashes takes as much memory as the tokens). The price is memory: 4 bytes
+a token (64 MB at 1,000 × 16k), under 1/1,000 of what the files themselves take on disk
+(Gemma 3 270M: 5.8 kB a token; larger models far more).
+
+Model. Auto files carry it in their metadata (`auto-<key>.json`, from the engine's
+fingerprint at save time). People's files have none: their model is unknown (None) until
+learned (`learn()`: after autosessd parked it by name, or a restore of it was verified by
+`cache_n`), and a lookup for a model never offers a file of another or an unknown model.
+
+What is read. Only final names (`*.bin` not starting with a dot: the engine writes
+autosessd's saves to `.autosessd-*.partial` first, so an auto file is never seen torn),
+only regular files (a link could lead out of the directory), only the header. A header
+that does not parse is skipped and the reason kept in `skipped`. A person's file being
+written in place by the engine can show a complete header before its state: its size and
+mtime then change, and the next `scan()` reads it again; a restore of it meanwhile fails
+at the engine and is handled like any failed restore.
+
+Between starts the index is cached in one file in the state directory, keyed per file by
+(inode, mtime, size) of the .bin and of its metadata (as store.py's metadata cache), so a
+start with 1,000 files stats them instead of reading every header. The cache holds token
+lists, i.e. conversations: it is written atomically with mode 0600. A cache that is
+missing, unreadable, for another directory or damaged is ignored and rebuilt.
+
+Thread safety: every method takes one lock (finalize and ls run in worker threads).
+
+Naming (`save_key`): where a conversation's tokens are saved. The seed's key K (of the
+first user message) names a conversation's own line. A conversation whose tokens extend
+the file under K replaces it; one that departs from it (another system prompt under the
+same opener, an edited message) is saved under branch_key(K, tokens up to and including
+the first token that departs), and so on down the chain if that name is taken by yet
+another line: never over a file whose tokens it does not contain.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import re
+import struct
+import sys
+import threading
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+from .slotfile import TOKEN_NULL, BadSlotFile, read_header
+
+AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
+
+# Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
+# entry's token bytes one after another, u32 crc32 of all that precedes it.
+CACHE_MAGIC = b"autosessd-index\n"
+CACHE_VERSION = 1
+
+Ident = tuple[int, int, int]  # (inode, mtime_ns, size)
+
+
+def encode(tokens: Sequence[int]) -> bytes:
+    """A token list as the header stores it: little-endian int32. ValueError naming what was wrong."""
+    if isinstance(tokens, (bytes, bytearray, str)):
+        raise ValueError(f"tokens must be a list of integers, got {type(tokens).__name__}")
+    try:
+        a = array("i", tokens)
+    except (TypeError, OverflowError) as e:
+        bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
+                    or not -2**31 <= t < 2**31), None)
+        raise ValueError(f"tokens must be 32-bit integers, got {bad!r}: {e}") from None
+    if a.itemsize != 4:  # pragma: no cover - every platform CPython runs on has a 4-byte int
+        a = array("l", tokens)
+    if sys.byteorder == "big":  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def decode(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """Tokens two encoded token lists share from the start.
+
+    Binary search on slice equality: each comparison is a memcmp in C, so 32k tokens cost
+    ~17 comparisons instead of a Python loop over every token."""
+    n = min(len(a), len(b)) >> 2
+    if a[:4 * n] == b[:4 * n]:
+        return n
+    lo, hi = 0, n  # a[:4lo] == b[:4lo], a[:4hi] != b[:4hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if a[4 * lo:4 * mid] == b[4 * lo:4 * mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def comparable(tokens: Sequence[int]) -> Sequence[int]:
+    """The part of a file's token list a text prompt can share: up to the first media
+    placeholder (the engine marks an image's positions with -1 and compares media by
+    their own ids, which a header does not tell us)."""
+    return tokens[:tokens.index(TOKEN_NULL)] if TOKEN_NULL in tokens else tokens
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    model: str | None  # fingerprint of the model it was written for; None: not known
+    n_tokens: int  # as the header says (media placeholders included)
+    tokens: bytes  # encoded; the comparable part only
+    ident: Ident | None  # of the .bin, when indexed from the disk
+    meta_ident: Ident | None = None  # of auto-<key>.json, when it had one
+
+    def token_list(self) -> list[int]:
+        return decode(self.tokens)
+
+
+@dataclass(frozen=True)
+class Match:
+    name: str
+    lcp: int  # tokens shared with the query
+    n_tokens: int
+
+
+@dataclass
+class ScanReport:
+    files: int = 0
+    from_cache: int = 0
+    read: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    cache: str = "none"  # "loaded", "none", or why it was not used
+    seconds: float = 0.0
+
+
+def _ident(st: os.stat_result) -> Ident:
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def check_name(name: str) -> str:
+    """A bare, final session file name, or ValueError: the index never reads temporaries
+    (dot names) and never a path."""
+    if not isinstance(name, str) or not name.endswith(".bin") or "/" in name or "\x00" in name \
+            or name.startswith("."):
+        raise ValueError(f"{name!r} is not a session file name (a bare *.bin name, no leading dot)")
+    return name
+
+
+class _Run:
+    """One model's files in sorted order of their tokens, and the prefix each shares with
+    the next (adj[k] = lcp(items[k], items[k+1])). For sorted a ≤ b ≤ c, lcp(a, c) =
+    min(lcp(a, b), lcp(b, c)): from a query's insertion point outwards, the prefix each
+    file shares with the query follows from the previous one and adj, without comparing
+    tokens again — 1,000 files under one system prompt cost one comparison, not 1,000."""
+
+    def __init__(self, items: list[tuple[bytes, str]] | None = None):
+        self.items = sorted(items or [])
+        self.adj = [common_prefix(a[0], b[0]) for a, b in zip(self.items, self.items[1:])]
+
+    def insert(self, data: bytes, name: str) -> None:
+        n = len(self.items)
+        p = bisect.bisect_left(self.items, (data, name))
+        self.items.insert(p, (data, name))
+        if 0 < p < n:
+            self.adj[p - 1:p] = [common_prefix(self.items[p - 1][0], data), common_prefix(data, self.items[p + 1][0])]
+        elif p == 0 and n:
+            self.adj.insert(0, common_prefix(data, self.items[1][0]))
+        elif p == n and n:
+            self.adj.append(common_prefix(self.items[p - 1][0], data))
+
+    def delete(self, data: bytes, name: str) -> None:
+        n = len(self.items)
+        p = bisect.bisect_left(self.items, (data, name))
+        assert self.items[p][1] == name, (name, self.items[p][1])
+        del self.items[p]
+        if 0 < p < n - 1:
+            self.adj[p - 1:p + 1] = [min(self.adj[p - 1], self.adj[p])]
+        elif p == 0 and n > 1:
+            del self.adj[0]
+        elif p == n - 1 and n > 1:
+            del self.adj[p - 1]
+
+    def side(self, q: bytes, floor: int, step: int) -> Iterator[tuple[int, str]]:
+        """(shared tokens, name) of the files sharing at least `floor` with q on one side of
+        its insertion point (step -1: before it, +1: after it), nearest first. Stops at the
+        first file below `floor`: nothing further out shares more."""
+        i = bisect.bisect_left(self.items, (q, ""))
+        j = i - 1 if step < 0 else i
+        if not 0 <= j < len(self.items):
+            return
+        n = common_prefix(self.items[j][0], q)
+        while n >= floor:
+            yield n, self.items[j][1]
+            j += step
+            if not 0 <= j < len(self.items):
+                return
+            n = min(n, self.adj[j] if step < 0 else self.adj[j - 1])
+
+    def around(self, q: bytes, floor: int) -> Iterator[tuple[int, str]]:
+        yield from self.side(q, floor, -1)
+        yield from self.side(q, floor, +1)
+
+
+class TokenIndex:
+    def __init__(self, directory: str | Path, cache_path: str | Path | None = None):
+        self.directory = Path(directory)
+        self.cache_path = Path(cache_path) if cache_path else None
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        # Per model its files in sorted order; unknown models under None.
+        self._runs: dict[str | None, _Run] = {}
+        self.skipped: dict[str, str] = {}
+        self.dirty = False  # changed since the cache was last written or loaded
+        # add/remove/learn while a scan reads the disk win over what the scan saw: they
+        # are newer. Each records the change's number here; a scan drops what is older.
+        self._gen = 0
+        self._changed: dict[str, int] = {}
+
+    # -- reading the directory --------------------------------------------------
+    def scan(self) -> ScanReport:
+        """(Re)build from the directory: entries whose files are unchanged since the cache or
+        the last scan are kept, others are read from their headers. Blocking I/O."""
+        t0 = time.perf_counter()
+        report = ScanReport()
+        with self._lock:
+            known = dict(self._entries)
+            gen0 = self._gen
+        if not known and self.cache_path is not None:
+            known, report.cache = self._load_cache()
+        bins: dict[str, os.stat_result] = {}
+        metas: dict[str, os.stat_result] = {}
+        skipped: dict[str, str] = {}
+        try:
+            it = os.scandir(self.directory)
+        except FileNotFoundError:
+            it = None
+        if it is not None:
+            with it:
+                for d in it:
+                    if d.name.startswith("."):
+                        continue  # temporaries: being written
+                    try:
+                        st = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if d.name.endswith(".bin"):
+                        if not d.is_file(follow_symlinks=False):
+                            skipped[d.name] = "not a regular file"
+                            continue
+                        bins[d.name] = st
+                    elif d.name.startswith("auto-") and d.name.endswith(".json"):
+                        metas[d.name] = st
+        entries: dict[str, Entry] = {}
+        for name, st in bins.items():
+            meta_st = metas.get(name[:-4] + ".json") if AUTO_BIN.match(name) else None
+            ident, meta_ident = _ident(st), _ident(meta_st) if meta_st else None
+            old = known.get(name)
+            if old is not None and old.ident == ident and old.meta_ident == meta_ident:
+                entries[name] = old
+                report.from_cache += 1
+                continue
+            try:
+                entries[name] = self._read(name, ident, meta_ident, old)
+                report.read += 1
+            except FileNotFoundError:
+                pass  # removed since the directory was listed (a prune)
+            except (BadSlotFile, OSError) as e:
+                skipped[name] = str(e)
+        with self._lock:
+            for name, gen in self._changed.items():
+                if gen > gen0:
+                    if name in self._entries:
+                        entries[name] = self._entries[name]
+                        skipped.pop(name, None)
+                    else:
+                        entries.pop(name, None)
+            self._changed = {n: g for n, g in self._changed.items() if g > gen0}
+            if report.read or entries.keys() != known.keys():
+                self.dirty = True
+            if not self._entries:
+                self._entries = entries
+                self._resort()
+            else:  # a rescan: most files are unchanged, move only what did
+                for name, e in list(self._entries.items()):
+                    if entries.get(name) is not e:
+                        self._drop(e)
+                for name, e in entries.items():
+                    if name not in self._entries:
+                        self._insert(e)
+            self.skipped = skipped
+        report.files, report.skipped = len(entries), skipped
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _read(self, name: str, ident: Ident, meta_ident: Ident | None, old: Entry | None) -> Entry:
+        path = self.directory / name
+        header = read_header(path)
+        model = None
+        if AUTO_BIN.match(name):
+            model = self._meta_model(name, ident[2])
+        elif old is not None and old.ident == ident:
+            model = old.model  # learned, and the file is the same one
+        return Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=encode(comparable(header.tokens)),
+                     ident=ident, meta_ident=meta_ident)
+
+    def _meta_model(self, name: str, size: int) -> str | None:
+        """The model in auto-<key>.json when that metadata belongs to this very file."""
+        try:
+            d = json.loads((self.directory / (name[:-4] + ".json")).read_bytes())
+            if d["key"] != AUTO_BIN.match(name).group(1) or int(d["bytes"]) != size:
+                return None
+            return str(d["model"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    # -- keeping up with saves and removals ---------------------------------------
+    def add(self, name: str, tokens: Sequence[int], model: str | None) -> Entry:
+        """A file that was just made final under `name`, holding `tokens`, for `model`.
+        The file must exist (its identity is what keeps the cache honest)."""
+        check_name(name)
+        st = os.stat(self.directory / name, follow_symlinks=False)
+        meta_ident = None
+        if AUTO_BIN.match(name):
+            try:
+                meta_ident = _ident(os.stat(self.directory / (name[:-4] + ".json"), follow_symlinks=False))
+            except FileNotFoundError:
+                pass
+        entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=encode(comparable(tokens)),
+                      ident=_ident(st), meta_ident=meta_ident)
+        self._put(entry)
+        return entry
+
+    def add_file(self, name: str, model: str | None = None) -> Entry:
+        """Index `name` from its own header (after a save: the engine's word on what it
+        holds). Model: the one given, else its metadata's (auto), else what was learned."""
+        check_name(name)
+        path = self.directory / name
+        st = os.stat(path, follow_symlinks=False)
+        header = read_header(path)
+        meta_ident = None
+        if AUTO_BIN.match(name):
+            try:
+                meta_ident = _ident(os.stat(self.directory / (name[:-4] + ".json"), follow_symlinks=False))
+            except FileNotFoundError:
+                pass
+            if model is None:
+                model = self._meta_model(name, st.st_size)
+        elif model is None:
+            with self._lock:
+                old = self._entries.get(name)
+            model = old.model if old is not None and old.ident == _ident(st) else None
+        entry = Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=encode(comparable(header.tokens)),
+                      ident=_ident(st), meta_ident=meta_ident)
+        self._put(entry)
+        return entry
+
+    def learn(self, name: str, model: str) -> bool:
+        """The model of a file is now known (a person's file autosessd parked, or restored
+        and saw reused). False when the index has no such file."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None:
+                return False
+            if e.model != model:
+                self._drop(e)
+                self._insert(Entry(e.name, model, e.n_tokens, e.tokens, e.ident, e.meta_ident))
+                self._touch(name)
+            return True
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None:
+                return False
+            self._drop(e)
+            self._touch(name)
+            return True
+
+    def _put(self, entry: Entry) -> None:
+        with self._lock:
+            old = self._entries.get(entry.name)
+            if old is not None:
+                self._drop(old)
+            self._insert(entry)
+            self.skipped.pop(entry.name, None)
+            self._touch(entry.name)
+
+    def _touch(self, name: str) -> None:
+        self._gen += 1
+        self._changed[name] = self._gen
+        self.dirty = True
+
+    def _insert(self, e: Entry) -> None:
+        self._entries[e.name] = e
+        self._runs.setdefault(e.model, _Run()).insert(e.tokens, e.name)
+
+    def _drop(self, e: Entry) -> None:
+        del self._entries[e.name]
+        run = self._runs[e.model]
+        run.delete(e.tokens, e.name)
+        if not run.items:
+            del self._runs[e.model]
+
+    def _resort(self) -> None:
+        by_model: dict[str | None, list[tuple[bytes, str]]] = {}
+        for e in self._entries.values():
+            by_model.setdefault(e.model, []).append((e.tokens, e.name))
+        self._runs = {m: _Run(items) for m, items in by_model.items()}
+
+    # -- lookups -------------------------------------------------------------------
+    def get(self, name: str) -> Entry | None:
+        with self._lock:
+            return self._entries.get(name)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._entries
+
+    def lcp(self, name: str, tokens: Sequence[int] | bytes) -> int | None:
+        """Tokens `name` shares with `tokens` from the start; None when not indexed."""
+        q = tokens if isinstance(tokens, bytes) else encode(tokens)
+        with self._lock:
+            e = self._entries.get(name)
+        return None if e is None else common_prefix(e.tokens, q)
+
+    def matches(self, tokens: Sequence[int] | bytes, model: str | None, min_lcp: int = 1,
+                exclude: Iterable[str] = (), window: int | None = None, limit: int | None = None) -> list[Match]:
+        """Files of `model` sharing at least min_lcp tokens with `tokens`, longest prefix
+        first (ties: fewer tokens to restore, then name). model=None asks among the files
+        whose model is unknown. window: see best()."""
+        q = tokens if isinstance(tokens, bytes) else encode(tokens)
+        exclude = set(exclude)
+        with self._lock:
+            run = self._runs.get(model)
+            found = [Match(name, n, self._entries[name].n_tokens)
+                     for n, name in (run.around(q, max(1, min_lcp)) if run else ())
+                     if name not in exclude and self._usable(name, n, window)]
+        found.sort(key=lambda m: (-m.lcp, m.n_tokens, m.name))
+        return found[:limit] if limit is not None else found
+
+    def best(self, tokens: Sequence[int] | bytes, model: str | None, exclude: Iterable[str] = (),
+             prefer: str | None = None, min_lcp: int = 1, window: int | None = None) -> tuple[str, int] | None:
+        """The file of `model` that shares the longest prefix with `tokens`: (name, lcp), or
+        None when none shares min_lcp. Among equals: `prefer` (the request's own line),
+        then the smallest file (the quickest restore), then the name.
+
+        window: the engine's sliding window (n_swa: 512 for Gemma 3) for a model with
+        sliding-window layers. llama-server saves only the last window of those layers, even
+        with --swa-full (llama_kv_cache::state_write skips SWA-masked cells), so after a
+        restore it keeps the shared prefix only when the file holds fewer than `window`
+        tokens past it; otherwise it re-reads the whole prompt (bench/index.py, reuse). Such
+        files are passed over. None: a model without sliding-window layers."""
+        q = tokens if isinstance(tokens, bytes) else encode(tokens)
+        exclude = set(exclude)
+        with self._lock:
+            run = self._runs.get(model)
+            if run is None:
+                return None
+            top = 0  # the nearest usable file on each side shares the most on its side
+            for step in (-1, 1):
+                top = max(top, next((n for n, name in run.side(q, max(1, min_lcp), step)
+                                     if name not in exclude and self._usable(name, n, window)), 0))
+            if not top:
+                return None
+            tied = [name for n, name in run.around(q, top) if name not in exclude and self._usable(name, n, window)]
+            name = min(tied, key=lambda nm: (nm != prefer, self._entries[nm].n_tokens, nm))
+        return name, top
+
+    def _usable(self, name: str, lcp: int, window: int | None) -> bool:
+        return window is None or self._entries[name].n_tokens - lcp < window
+
+    # -- the cache -----------------------------------------------------------------
+    def save_cache(self) -> bool:
+        """Write the cache (atomically, 0600) when something changed. Blocking I/O; run it
+        off the request's path (at stop, after prune). False when there was nothing to do."""
+        if self.cache_path is None:
+            return False
+        with self._lock:
+            if not self.dirty:
+                return False
+            entries = sorted(self._entries.values(), key=lambda e: e.name)
+            self.dirty = False
+        try:
+            dst = os.stat(self.directory)
+            desc = {"dir": str(self.directory.resolve()), "dev": dst.st_dev, "ino": dst.st_ino,
+                    "entries": [[e.name, e.model, e.n_tokens, len(e.tokens) // 4, list(e.ident or (0, 0, 0)),
+                                 list(e.meta_ident) if e.meta_ident else None] for e in entries]}
+            head = json.dumps(desc, separators=(",", ":")).encode()
+            body = CACHE_MAGIC + struct.pack("<II", CACHE_VERSION, len(head)) + head
+            crc = zlib.crc32(body)
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
+            try:
+                tmp.unlink()  # O_CREAT keeps an existing file's mode: start from none
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as f:
+                    f.write(body)
+                    for e in entries:
+                        f.write(e.tokens)
+                        crc = zlib.crc32(e.tokens, crc)
+                    f.write(struct.pack("<I", crc))
+                    f.flush()
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.cache_path)
+        except OSError:
+            with self._lock:
+                self.dirty = True
+            raise
+        return True
+
+    def _load_cache(self) -> tuple[dict[str, Entry], str]:
+        """(entries, "loaded") or ({}, why the cache was not used)."""
+        try:
+            data = self.cache_path.read_bytes()
+        except FileNotFoundError:
+            return {}, "none"
+        except OSError as e:
+            return {}, f"unreadable: {e.strerror or e}"
+        try:
+            if not data.startswith(CACHE_MAGIC) or len(data) < len(CACHE_MAGIC) + 12:
+                return {}, "not an index cache"
+            version, n_head = struct.unpack_from("<II", data, len(CACHE_MAGIC))
+            if version != CACHE_VERSION:
+                return {}, f"version {version}, this code reads {CACHE_VERSION}"
+            (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+            if zlib.crc32(memoryview(data)[:-4]) != crc:
+                return {}, "damaged (checksum)"
+            at = len(CACHE_MAGIC) + 8
+            desc = json.loads(data[at:at + n_head])
+            dst = os.stat(self.directory)
+            if (desc["dir"], desc["dev"], desc["ino"]) != (str(self.directory.resolve()), dst.st_dev, dst.st_ino):
+                return {}, f"for another directory ({desc['dir']})"
+            at += n_head
+            entries = {}
+            for name, model, n_tokens, n_cmp, ident, meta_ident in desc["entries"]:
+                tokens = data[at:at + 4 * n_cmp]
+                at += 4 * n_cmp
+                entries[check_name(name)] = Entry(name, model, int(n_tokens), tokens, tuple(ident),
+                                                  tuple(meta_ident) if meta_ident else None)
+            if at != len(data) - 4:
+                return {}, "damaged (length)"
+            return entries, "loaded"
+        except (ValueError, KeyError, TypeError, struct.error, OSError) as e:
+            return {}, f"damaged ({e})"
+
+
+# -- naming -----------------------------------------------------------------------
+def branch_key(key: str, tokens: Sequence[int] | bytes) -> str:
+    """The owned key for a conversation that departs from the file under `key`; `tokens`:
+    the conversation's tokens up to and including the first one that departs.
+
+    Those tokens never change as the conversation grows (it only appends), so every later
+    save of the same conversation lands on the same name; a conversation that departs at
+    another point, or with another token, gets another name."""
+    data = tokens if isinstance(tokens, bytes) else encode(tokens)
+    return hashlib.sha1(b"autosessd branch\0" + key.encode() + b"\0" + data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SavedFile:
+    """What save_key needs of a file: its tokens and how many of them were the prompt it
+    was generated from (the rest is the reply). n_prompt None: not known (a person's file,
+    an older save): all of it counts as the conversation."""
+
+    tokens: bytes | Sequence[int]
+    n_prompt: int | None = None
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    key: str  # save as auto-<key>.bin
+    why: str  # "new", "extends", "replaces", "branch", "covered"
+    shared: int  # tokens the conversation shares with the file now under key (0 when none)
+
+
+def save_key(key: str, tokens: Sequence[int] | bytes,
+             file_at: Callable[[str], SavedFile | bytes | Sequence[int] | None], max_steps: int = 64) -> SaveTarget:
+    """Where a conversation whose first user message has key `key` and whose state holds
+    `tokens` is saved. file_at(k): auto-<k>.bin's SavedFile (or bare tokens), None when
+    there is none.
+
+    Walk from `key`: no file there → save there ("new"; "branch" below the first step);
+    the tokens extend (or equal) that file → replace it ("extends": the new file holds all
+    the old one did); they are a strict prefix of it → "covered", no save needed (the file
+    holds this state and more); they depart inside the file's reply, past its prompt →
+    replace it ("replaces": the same conversation going on — a chat client sends the reply
+    back as text, and text sampled as uncommon tokens comes back as other tokens: seen with
+    Gemma 3 at temperature 0.8 — or its last reply regenerated); they depart inside the
+    file's prompt at token d → go on to branch_key(k, tokens[:d + 1]). max_steps guards
+    against a directory edited by hand."""
+    q = tokens if isinstance(tokens, bytes) else encode(tokens)
+    n = len(q) // 4
+    k = key
+    for step in range(max_steps):
+        f = file_at(k)
+        if f is None:
+            return SaveTarget(k, "new" if step == 0 else "branch", 0)
+        if not isinstance(f, SavedFile):
+            f = SavedFile(f)
+        fb = f.tokens if isinstance(f.tokens, bytes) else encode(f.tokens)
+        d = common_prefix(q, fb)
+        if d == len(fb) // 4:
+            return SaveTarget(k, "extends", d)
+        if d == n:
+            return SaveTarget(k, "covered", d)
+        if f.n_prompt is not None and d >= f.n_prompt:
+            return SaveTarget(k, "replaces", d)
+        k = branch_key(k, q[:4 * (d + 1)])
+    raise ValueError(f"no free name for a conversation of key {key} after {max_steps} branches")
