@@ -413,8 +413,6 @@ def test_a_save_only_replaces_a_file_whose_prompt_it_holds(convs):
 
 
 def test_save_key_gives_up_on_a_hand_made_loop():
-    files = {}
-
     def lookup(k):  # every name holds a file that departs at once: no honest directory does this
         return [99]
 
