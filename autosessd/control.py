@@ -228,10 +228,10 @@ class ControlServer:
         return await asyncio.get_running_loop().run_in_executor(None, self.sessions.ls)
 
     async def cmd_park(self, args: dict[str, Any]) -> Any:
-        return await self.sessions.park(args.get("slot"), args.get("name"))
+        return await self.sessions.park(self._slot_arg("park", args), args.get("name"))
 
     async def cmd_restore(self, args: dict[str, Any]) -> Any:
-        return await self.sessions.restore_now(args["what"], args.get("slot"))
+        return await self.sessions.restore_now(args["what"], self._slot_arg("restore", args))
 
     async def cmd_prune(self, args: dict[str, Any]) -> Any:
         keep, max_gb = args.get("keep"), args.get("max_gb")
@@ -258,15 +258,21 @@ class ControlServer:
             key = messages_key(args["messages"])
         else:
             raise ProtocolError(Code.BAD_ARGS, "turn: give \"key\" or \"messages\"")
-        slot = args.get("slot")
-        if slot is not None and slot != self.cfg.engine.slot:
-            raise ProtocolError(Code.BAD_ARGS, f"turn: slot {slot} is not driven (engine.slot is "
-                                               f"{self.cfg.engine.slot})")
+        slot = self._slot_arg("turn", args)
         # The serving layer runs the request after our answer and does not report its end:
-        # the next turn finds it ended (sessions: SWITCHED, end not seen).
-        async with await self.sessions.admit(slot) as ticket:
+        # the next turn finds it ended (sessions: SWITCHED, end not seen). Without a slot,
+        # autosessd places the conversation; the answer's "slot" is where to pin the request.
+        ticket = await (self.sessions.admit(slot) if slot is not None else self.sessions.place(key))
+        async with ticket:
             result = await self.sessions.turn(ticket, key, sees_end=False)
         return result.to_dict()
+
+    def _slot_arg(self, cmd: str, args: dict[str, Any]) -> int | None:
+        slot = args.get("slot")
+        if slot is not None and slot not in self.sessions.slots:
+            raise ProtocolError(Code.BAD_ARGS, f"{cmd}: the engine has no slot {slot} (it has "
+                                               f"{', '.join(map(str, sorted(self.sessions.slots)))})")
+        return slot
 
     async def cmd_events(self, args: dict[str, Any], reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:

@@ -134,15 +134,29 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(out)
 
 
+def slot_line(s: dict[str, Any]) -> str:
+    """One slot's state as status shows it (sessions.py's states)."""
+    state = s.get("state") or "unknown"
+    busy = "  (a request runs)" if s.get("busy") else ""
+    if state == "held":
+        kind = "durable" if s.get("durable") else "provisional"
+        return f"holds {s['held']}  {tokens(s.get('n_tokens'))} tokens  {kind}{busy}"
+    if state == "restored":
+        return f"restored {s['held']}  {tokens(s.get('n_tokens'))} tokens, not yet verified{busy}"
+    if state == "switched":
+        return f"running {s['held'] or 'a request without a conversation'}{busy}"
+    if state == "empty":
+        return f"empty{busy}"
+    return "holds nothing autosessd can name" + (f" ({s['why']})" if s.get("why") else "") + busy
+
+
 def show_status(st: dict[str, Any]) -> str:
     e, store, c = st["engine"], st["store"], st["counters"]
     out = [f"autosessd {st['version']}, up {int(st['uptime_s'])} s, auto sessions "
            f"{'on' if st['auto_sessions'] else 'off'}",
            f"engine    {e['kind']} {e['url']}  {'healthy' if e['healthy'] else 'NOT healthy'}  {e['model']}"]
-    for s in st["slots"] or [{"id": 0, "held": None}]:
-        held = (f"holds {s['held']}  {tokens(s['n_tokens'])} tokens  "
-                f"{'durable' if s['durable'] else 'provisional'}") if s.get("held") else "holds nothing known"
-        out.append(f"slot {s['id']}    {held}")
+    for s in st["slots"] or [{"id": 0, "state": "unknown"}]:
+        out.append(f"slot {s['id']}    {slot_line(s)}")
     out.append(f"sessions  {store['path']}  {store['auto_files']} auto files, {gb(store['auto_bytes'])}, "
                f"{gb(store['free_bytes'])} free  (keep {store['keep']}, max {store['max_gb']:g} GB, "
                f"min {tokens(store['min_tokens'])} tokens)")
@@ -233,22 +247,24 @@ def ls(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
 
 @cli.command()
 @click.option("--name", metavar="NAME", help="save to NAME.bin, a manual file prune never touches")
+@click.option("--slot", type=click.IntRange(min=0), help="the engine slot (default: engine.slot)")
 @common
-def park(ctx: click.Context, name: str | None, sock: str | None, as_json: bool | None) -> None:
+def park(ctx: click.Context, name: str | None, slot: int | None, sock: str | None, as_json: bool | None) -> None:
     """Save the held conversation now, whatever its size."""
     c = ctx.obj.merged(sock, as_json)
-    run(lambda: c.out(call(c.path, "park", timeout=None, name=name),
+    run(lambda: c.out(call(c.path, "park", timeout=None, name=name, slot=slot),
                       lambda r: f"saved {tokens(r['n_tokens'])} tokens ({gb(r['bytes'])}) to {r['file']} "
                                 f"in {r['ms']:,.0f} ms"))
 
 
 @cli.command()
 @click.argument("what", metavar="KEY|NAME")
+@click.option("--slot", type=click.IntRange(min=0), help="the engine slot (default: engine.slot)")
 @common
-def restore(ctx: click.Context, what: str, sock: str | None, as_json: bool | None) -> None:
-    """Load auto-KEY.bin or NAME.bin into the engine's slot."""
+def restore(ctx: click.Context, what: str, slot: int | None, sock: str | None, as_json: bool | None) -> None:
+    """Load auto-KEY.bin or NAME.bin into an engine slot."""
     c = ctx.obj.merged(sock, as_json)
-    run(lambda: c.out(call(c.path, "restore", timeout=None, what=what),
+    run(lambda: c.out(call(c.path, "restore", timeout=None, what=what, slot=slot),
                       lambda r: f"restored {tokens(r['n_tokens'])} tokens from {r['file']} in {r['ms']:,.0f} ms"))
 
 

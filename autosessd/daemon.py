@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import config as config_mod
+from . import slotfile
+from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
 from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
@@ -151,6 +153,8 @@ class Checked:
     model: str  # fingerprint
     model_name: str
     slots_visible: bool  # False: the engine runs with --no-slots
+    total_slots: int = 1
+    layout: KVLayout | None = None  # of the engine's state files, as far as the probe shows (its streams)
 
 
 async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
@@ -160,12 +164,12 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         info = await engine.info()
     except EngineError as e:
         raise StartupError(f"cannot read the engine's properties: {e}") from None
-    if info.total_slots > 1:
-        raise StartupError(f"the engine at {engine.address} runs {info.total_slots} slots; autosessd drives one: "
-                           f"start llama-server with -np 1 (multi-slot support is separate work)")
+    if cfg.engine.slot >= info.total_slots:
+        raise StartupError(f"engine.slot is {cfg.engine.slot}, but the engine at {engine.address} runs "
+                           f"{info.total_slots} slot(s) (0-{info.total_slots - 1}): fix engine.slot")
     try:
         visible = await wait_idle(engine, cfg.engine.slot, cfg.engine.timeout_s)
-        await probe_save(engine, store, cfg.engine.slot)
+        layout = await probe_save(engine, store, cfg.engine.slot)
     except SlotSavingOff:
         raise StartupError(f"slot saving is off in the engine at {engine.address}: start llama-server with "
                            f"--slot-save-path {store.path}") from None
@@ -175,12 +179,16 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         log.warning("engine: %s does not show its slots (--no-slots): autosessd takes token counts from the "
                     "responses, and cannot see requests that bypass the gate (or a serving layer that does not "
                     "use the turn hook); switch-back and restart work as usual", engine.address)
-    return Checked(info.model, info.model_name, visible)
+    if info.total_slots > 1:
+        log.info("engine: %d slots%s; each conversation is placed on one and pinned there (id_slot)",
+                 info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
+    return Checked(info.model, info.model_name, visible, info.total_slots, layout)
 
 
-async def probe_save(engine: Engine, store: Store, slot: int) -> None:
+async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None:
     """Ask the engine to save into a probe name and look for it in our directory: the only
-    way to learn that the engine's --slot-save-path is the directory we manage."""
+    way to learn that the engine's --slot-save-path is the directory we manage. The file also
+    tells how many KV streams the engine's state files carry (what makes them loadable)."""
     name = f"{TEMP_PREFIX}probe-{os.getpid()}.partial"
     path = store.path / name
     try:
@@ -194,6 +202,13 @@ async def probe_save(engine: Engine, store: Store, slot: int) -> None:
             raise StartupError(f"probe save: the engine reported {res.n_bytes:,} bytes, {name} has {size:,}")
         log.info("engine check: probe save of %s tokens (%s) landed in %s", f"{res.n_tokens:,}",
                  fmt_bytes(res.n_bytes), store.path)
+        if engine.magic != slotfile.MAGIC_BYTES:
+            return None
+        try:
+            return slotfile.read_layout(path)
+        except (slotfile.BadSlotFile, OSError) as e:
+            log.warning("engine check: cannot read the KV layout of the probe file: %s", e)
+            return None
     finally:
         path.unlink(missing_ok=True)
 
@@ -253,6 +268,8 @@ class Daemon:
             log.info("auto sessions: removed %s", what)
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
                                  slots_visible=checked.slots_visible)
+        self.sessions.add_slots(checked.total_slots)
+        self.sessions.engine_layout = checked.layout
         self.sessions.engine_healthy = True
         try:
             self.inputs = self.build_inputs()

@@ -52,6 +52,9 @@ log = logging.getLogger("autosessd")
 SETTLE_S = 10.0  # at a stop, for the bookkeeping of requests the stop cut
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses",
                                 "/responses"})
+# Requests llama-server lets a client pin to a slot with "id_slot" (b11434): with several slots
+# autosessd pins them where it placed them. Embeddings and rerank cannot be pinned.
+PINNABLE_PATHS = CONVERSATION_PATHS | {"/completion", "/completions", "/v1/completions", "/infill"}
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
 # slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
 # passes the slot's FIFO: unknown routes err on the safe side.
@@ -220,14 +223,24 @@ class Gate:
         conversation, since it replaces what the slot holds. The FIFO is released once the
         response has been delivered, or the client went away and the engine stopped."""
         body = await request.read()
-        key = None
-        if request.path in CONVERSATION_PATHS:
-            try:
-                key = conversation_key(json.loads(body))
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                key = None  # the engine answers a bad body itself
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            parsed = None  # the engine answers a bad body itself
+        key = conversation_key(parsed) if request.path in CONVERSATION_PATHS else None
         s = self.sessions
-        ticket = await s.admit()
+        n_slots = len(s.slots)
+        if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict)):
+            return await self.unplaced(request, body)
+        want = parsed.get("id_slot") if n_slots > 1 and isinstance(parsed, dict) else None
+        if isinstance(want, int) and not isinstance(want, bool) and want >= 0:
+            ticket = await s.admit(want % n_slots)  # the client chose the slot (the engine wraps the id too)
+        else:
+            ticket = await s.place(key)
+            if n_slots > 1:
+                # Pinned to the slot autosessd placed it on (and restored into): without it the
+                # engine would pick a slot by prompt similarity.
+                body = json.dumps({**parsed, "id_slot": ticket.slot_id}).encode()
         rid = uuid.uuid4().hex[:12]
         # The turn is shielded: a client leaving mid-save must not leave the engine's slot
         # half-way between two conversations while the FIFO moves on.
@@ -236,9 +249,11 @@ class Gate:
         watcher = SSEWatcher()
         try:
             await asyncio.shield(turn_task)
+            await s.may_launch(ticket)
             if self.request_log:
                 self.request_log.write(event="start", id=rid, slot=ticket.slot_id, key=key)
             forwarded = True
+            self._spawn(s.launch_started(ticket))
             # Not shielded: cancelling it (client gone) closes the upstream request.
             resp = await self.proxy(request, body, watcher)
         except asyncio.CancelledError:
@@ -259,6 +274,26 @@ class Gate:
             status = "ok" if resp.status < 400 and not watcher.broken else "error"
         await asyncio.shield(self._spawn(self._after(ticket, key, watcher, status, rid)))
         return resp
+
+    async def unplaced(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """With several slots, a request that cannot be pinned to one (embeddings, rerank,
+        a body that is not a JSON object) runs wherever the engine puts it: it takes every
+        slot's FIFO, and afterwards the slot it ran on (its task id moved) holds nothing we
+        can name."""
+        tickets = await self.sessions.admit_all()
+        try:
+            return await self.proxy(request, body)
+        finally:
+            await asyncio.shield(self._spawn(self._after_unplaced(tickets)))
+
+    async def _after_unplaced(self, tickets: list[Ticket]) -> None:
+        try:
+            await self.sessions.ran_unplaced()
+        except Exception as e:
+            log.exception("gate: bookkeeping after an unplaced request: %s", e)
+        finally:
+            for t in tickets:
+                t.release()
 
     async def _after(self, ticket: Ticket, key: str | None, watcher: SSEWatcher, status: str, rid: str) -> None:
         """Still holding the FIFO: tell sessions how the request ended (it reads the slot

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from .slotfile import KVLayout
+
 
 @dataclass(frozen=True)
 class Held:
@@ -44,6 +46,7 @@ class FileInfo:
 
     n_tokens: int
     model: str
+    layout: KVLayout | None = None  # what decides whether an engine can load it; None: not recorded
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class SaveOutcome(Enum):
 BELOW_MIN = "below min tokens"
 NO_FILE = "no file"
 MODEL_MISMATCH = "model mismatch"
+LAYOUT_MISMATCH = "saved with another KV layout (slots without a unified cache, cache types or flash attention differ)"
 UP_TO_DATE = "file up to date"
 SAVE_FAILED_DURABLE = "the save of the held conversation failed and the engine still holds it"
 PROVISIONAL = "a cancelled request left a partial state"
@@ -116,8 +120,9 @@ def plan_save(held: Held | None, occasion: Occasion, min_tokens: int, saved: Fil
 
 
 def plan_restore(held: Held | None, key: str | None, outcome: SaveOutcome, file: FileInfo | None,
-                 model: str | None, min_tokens: int) -> Restore | Skip | None:
-    """Step 3: should auto-<key>.bin be restored before `key` runs?"""
+                 model: str | None, min_tokens: int, layout: KVLayout | None = None) -> Restore | Skip | None:
+    """Step 3: should auto-<key>.bin be restored before `key` runs? `layout` is the engine's
+    KV layout as far as known: a file it cannot load is never restored into a failure."""
     if key is None or (held is not None and held.key == key):
         return None
     if outcome is SaveOutcome.FAILED and held is not None and held.durable:
@@ -126,6 +131,8 @@ def plan_restore(held: Held | None, key: str | None, outcome: SaveOutcome, file:
         return Skip("restore", key, NO_FILE)
     if model is None or file.model != model:
         return Skip("restore", key, MODEL_MISMATCH)
+    if file.layout is not None and layout is not None and not file.layout.compatible(layout):
+        return Skip("restore", key, LAYOUT_MISMATCH)
     if file.n_tokens < min_tokens or file.n_tokens == 0:
         return Skip("restore", key, BELOW_MIN)
     return Restore(key, file.n_tokens)

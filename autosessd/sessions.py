@@ -77,7 +77,7 @@ from typing import Any, Awaitable, Callable
 
 from . import __version__, policy, slotfile
 from .config import Config
-from .engines.base import Engine, EngineError, SlotsHidden, SlotState
+from .engines.base import Engine, EngineError, EngineRefused, SlotsHidden, SlotState
 from .policy import FileInfo, Held, Occasion, Restore, Save, SaveOutcome, Skip
 from .store import Meta, Store, StoreError, auto_name, manual_name, temp_name
 
@@ -86,6 +86,7 @@ log = logging.getLogger("autosessd")
 # Causes reported when a restore was not reused, most likely first.
 NOT_REUSED_CAUSE = ("the engine did not reuse the restored state: a sliding-window model (Gemma 2/3, ...) "
                     "run without --swa-full, or a prompt that no longer starts with the saved conversation")
+NO_KV_ROOM = "No available space in KV cache"  # llama-server's answer to a restore that does not fit
 WATCH_EVERY_S = 0.025  # GET /slots while a request whose restore awaits verification runs (hook, tail)
 
 
@@ -167,17 +168,30 @@ UNKNOWN_AT_START = View(Phase.UNKNOWN, n_tokens=None, why="not seen since autose
 class Slot:
     id: int
     view: View = UNKNOWN_AT_START
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    holder: Ticket | None = None  # who has the slot's FIFO now (see Sessions._dispatch)
+    placing: str | None = None  # the conversation a holder placed here, before its turn names it
+    last_used: float = 0.0  # when a ticket was last handed out: the least recently used slot is taken first
     task_id: int | None = None  # the engine's id_task when we last looked: a new one means a request ran
     seen_cache_n: tuple[int, int] | None = None  # (task id, cache_n) read from GET /slots while it ran
     watcher: asyncio.Task | None = None
+    holds_launch: bool = False  # this slot's ticket holds Sessions._launch (engines that empty idle slots)
+
+    @property
+    def busy(self) -> bool:
+        return self.holder is not None
+
+    def holds(self, key: str) -> bool:
+        """The conversation is on this slot: held, restored, running, or just placed here."""
+        v = self.view
+        return self.placing == key or (v.key == key and v.phase in (Phase.HELD, Phase.RESTORED, Phase.SWITCHED))
 
 
 class Ticket:
-    """A place in one slot's FIFO, from Sessions.admit(). Release is safe twice, so every
-    path out of a request (delivered, failed, cancelled, settled later) may call it."""
+    """A place in one slot's FIFO, from Sessions.admit() or place(). Release is safe twice,
+    so every path out of a request (delivered, failed, cancelled, settled later) may call it."""
 
-    def __init__(self, slot: Slot):
+    def __init__(self, sessions: Sessions, slot: Slot):
+        self._sessions = sessions
         self._slot = slot
         self._released = False
 
@@ -185,10 +199,14 @@ class Ticket:
     def slot_id(self) -> int:
         return self._slot.id
 
+    @property
+    def held(self) -> bool:
+        return not self._released
+
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._slot.lock.release()
+            self._sessions._release(self._slot, self)
 
     async def __aenter__(self) -> Ticket:
         return self
@@ -197,9 +215,20 @@ class Ticket:
         self.release()
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """A request for a ticket: a given slot (`want`), or a placement for conversation `key`
+    (None: a request without one)."""
+
+    future: asyncio.Future
+    want: int | None
+    key: str | None
+
+
 @dataclass
 class TurnResult:
     key: str | None
+    slot: int | None = None  # the slot the request runs on (pin it there when several)
     saved: dict[str, Any] | None = None
     restored: dict[str, Any] | None = None
     skipped: list[str] = field(default_factory=list)
@@ -255,9 +284,16 @@ class Sessions:
         self.model = model
         self.model_name = model_name
         self.slots_visible = slots_visible  # False: the engine runs with --no-slots
+        # The KV layout of this engine's state files (streams from the start probe; the rest from
+        # its first save): a file of another layout cannot be loaded and is not restored.
+        self.engine_layout: slotfile.KVLayout | None = None
+        self.clears_idle_slots = False  # seen: the engine empties idle slots (unified KV + --cache-idle-slots)
         self.counters = Counters()
         self.events = Events()
         self.slots: dict[int, Slot] = {}
+        self._waiters: list[_Waiter] = []  # for tickets, in arrival order
+        self._idle_waiters: list[asyncio.Future] = []  # fifos_free
+        self._launch = asyncio.Lock()  # no request starts while held (see may_launch)
         self.last_not_reused: dict[str, Any] | None = None
         self.started_at = time.time()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
@@ -267,6 +303,7 @@ class Sessions:
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
+        self.slot()  # the configured slot; add_slots() adds the engine's others
 
     # -- slots and their FIFOs ---------------------------------------------------
     def slot(self, slot_id: int | None = None) -> Slot:
@@ -275,18 +312,120 @@ class Sessions:
             self.slots[sid] = Slot(sid)
         return self.slots[sid]
 
+    def add_slots(self, n: int) -> None:
+        """The engine runs n slots (0..n-1): all of them are driven."""
+        for sid in range(n):
+            self.slot(sid)
+
     async def admit(self, slot_id: int | None = None) -> Ticket:
-        """Wait for the slot's FIFO. Whatever runs a turn, a request, a save or a restore on
-        the slot holds a ticket until the engine is done with it."""
-        s = self.slot(slot_id)
-        await s.lock.acquire()
-        return Ticket(s)
+        """Wait for one slot's FIFO (the configured slot by default). Whatever runs a turn, a
+        request, a save or a restore on the slot holds a ticket until the engine is done with it."""
+        return await self._take(_Waiter(asyncio.get_running_loop().create_future(), self.slot(slot_id).id, None))
+
+    async def place(self, key: str | None) -> Ticket:
+        """Choose the slot for a request of conversation `key` and wait for its FIFO: the slot
+        that holds the conversation (it never runs on two slots at once), otherwise the least
+        recently used free slot, one holding nothing worth keeping first (a request without a
+        conversation never displaces a long one while another slot is free)."""
+        if len(self.slots) <= 1:
+            return await self.admit()
+        return await self._take(_Waiter(asyncio.get_running_loop().create_future(), None, key))
+
+    async def admit_all(self) -> list[Ticket]:
+        """Every slot's FIFO, in slot order (no deadlock: nothing else takes two). For a request
+        the engine places itself (embeddings and rerank cannot be pinned to a slot)."""
+        tickets: list[Ticket] = []
+        try:
+            for sid in sorted(self.slots):
+                tickets.append(await self.admit(sid))
+        except BaseException:
+            for t in tickets:
+                t.release()
+            raise
+        return tickets
+
+    def _try_admit(self, s: Slot) -> Ticket | None:
+        """The slot's ticket if it is free now and nobody waits for it; never waits."""
+        if s.busy or any(w.want == s.id for w in self._waiters):
+            return None
+        ticket = Ticket(self, s)
+        s.holder, s.last_used = ticket, time.monotonic()
+        return ticket
+
+    async def _take(self, w: _Waiter) -> Ticket:
+        self._waiters.append(w)
+        self._dispatch()
+        try:
+            return await w.future
+        except asyncio.CancelledError:
+            if w in self._waiters:
+                self._waiters.remove(w)
+            elif w.future.done() and not w.future.cancelled():
+                w.future.result().release()  # handed out as we were cancelled: give it back
+            raise
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters in arrival order; a waiter whose slot is busy keeps its
+        place, and later waiters may take other slots meanwhile (each slot stays FIFO)."""
+        for w in list(self._waiters):
+            if w.future.done():
+                self._waiters.remove(w)
+                continue
+            s = self._choose(w)
+            if s is None:
+                continue
+            self._waiters.remove(w)
+            ticket = Ticket(self, s)
+            s.holder, s.placing, s.last_used = ticket, w.key, time.monotonic()
+            w.future.set_result(ticket)
+
+    def _choose(self, w: _Waiter) -> Slot | None:
+        if w.want is not None:
+            s = self.slot(w.want)
+            return None if s.busy else s
+        if w.key is not None:
+            own = next((s for s in self.slots.values() if s.holds(w.key)), None)
+            if own is not None:
+                return None if own.busy else own
+        free = [s for s in self.slots.values() if not s.busy]
+        if not free:
+            return None
+
+        def worth_keeping(s: Slot) -> bool:
+            held = s.view.held()
+            return held is not None and (held.n_tokens is None or held.n_tokens >= self.cfg.auto_sessions_min_tokens)
+
+        return min(free, key=lambda s: (worth_keeping(s), s.last_used, s.id))
+
+    def _release(self, s: Slot, ticket: Ticket) -> None:
+        if s.holder is ticket:
+            if s.holds_launch:  # its request never got to start (not forwarded, cancelled)
+                s.holds_launch = False
+                self._launch.release()
+            s.holder, s.placing = None, None
+            for waiter in self._idle_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._idle_waiters.clear()
+            self._dispatch()
 
     async def fifos_free(self) -> None:
         """Until no ticket is held on any slot (a stop waits for this, bounded by its caller)."""
-        for s in list(self.slots.values()):
-            async with s.lock:
-                pass
+        while any(s.busy for s in self.slots.values()):
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
+
+    async def ran_unplaced(self) -> None:
+        """A request the engine placed itself has run, every slot's ticket held meanwhile: the
+        slot it ran on (its task id moved) holds nothing autosessd can name."""
+        for s in sorted(self.slots.values(), key=lambda x: x.id):
+            st = await self._look(s)
+            if st is None:
+                self.lost(s.id, "a request the engine placed itself may have run on it (slots not visible)")
+            elif st.task_id != s.task_id:
+                s.task_id = st.task_id
+                self.lost(s.id, "a request the engine placed itself (an embedding, a rerank) ran on it")
 
     def view(self, slot_id: int | None = None) -> View:
         return self.slot(slot_id).view
@@ -350,6 +489,15 @@ class Sessions:
         if st is not None and st.is_processing:
             st = None  # the next request runs already (a log read late): this one's end is not visible
         self._settle(s, v, status, st, n_tokens, cache_n, n_prompt)
+        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and self.cfg.auto_sessions:
+            # The next request to start on any other slot empties this one: save it now, before
+            # its ticket goes (the caller holds it), with no request starting meanwhile.
+            held = s.view.held()
+            step = policy.plan_save(held, Occasion.BEHIND, self.cfg.auto_sessions_min_tokens,
+                                    self._file_info(held.key) if held else None, self.model)
+            if isinstance(step, Save) and held is not None:
+                async with self._launch:
+                    await self._save(s, held, None)
 
     def lost(self, slot_id: int | None, why: str) -> None:
         """The slot's contents changed behind our back: hold nothing named, so the next
@@ -437,13 +585,59 @@ class Sessions:
             ran = st is None or st.task_id != s.task_id
             self._settle(s, v, "ok" if ran else "not_run", st, None, None, None)
         elif st is not None and v.phase in (Phase.HELD, Phase.RESTORED):
+            # A slot that never ran a task does not report its count (right after a restore).
+            counted = v.phase is Phase.HELD or st.task_id is not None
             if st.task_id != s.task_id:
                 self.lost(s.id, "a request that did not come through autosessd ran on the slot")
-            elif v.phase is Phase.HELD and v.n_tokens is not None and st.n_tokens != v.n_tokens:
+            elif counted and st.n_tokens == 0 and v.n_tokens:
+                self._emptied_by_engine(s)
+            elif counted and v.n_tokens is not None and st.n_tokens != v.n_tokens:
                 self.lost(s.id, f"its slot shows {st.n_tokens:,} tokens, {v.n_tokens:,} were held")
         if st is not None:
             s.task_id = st.task_id
         return True
+
+    def _emptied_by_engine(self, s: Slot) -> None:
+        """The slot lost its tokens without a task of its own: with a unified KV cache and
+        --cache-idle-slots (llama-server's defaults for -np auto), every request that starts on
+        any slot moves the idle slots to the engine's RAM cache and empties them."""
+        if not self.clears_idle_slots and len(self.slots) > 1:
+            self.clears_idle_slots = True
+            log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
+                        "cache with --cache-idle-slots, the defaults of -np auto): autosessd now saves each "
+                        "conversation when its request ends, not only when its slot is taken. Start llama-server "
+                        "with --no-cache-idle-slots to keep idle slots (README: Several slots)",
+                        self.engine.address)
+        self.lost(s.id, "the engine emptied the idle slot (moved to its RAM cache)")
+
+    async def may_launch(self, ticket: Ticket) -> None:
+        """Before a request is sent to the engine: when the engine empties idle slots at every
+        request start, wait until no restore (or end save) elsewhere needs the engine to start
+        nothing else; then hold that until this request has started (launch_started)."""
+        s = self._slot_of(ticket)
+        if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
+            return
+        await self._launch.acquire()
+        s.holds_launch = True
+
+    async def launch_started(self, ticket: Ticket, bound_s: float = 2.0) -> None:
+        """The request was sent: once the engine shows it running on its slot (a new task id),
+        or after bound_s, other requests may start. Safe to call for any ticket."""
+        s = self.slot(ticket.slot_id)
+        if not s.holds_launch:
+            return
+        try:
+            deadline = time.monotonic() + bound_s
+            before = s.task_id
+            while time.monotonic() < deadline:
+                st = await self._look(s)
+                if st is None or (st.is_processing and st.task_id != before):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            if s.holds_launch:
+                s.holds_launch = False
+                self._launch.release()
 
     def watch_request(self, slot_id: int | None) -> None:
         """A request whose end we will not see with its timings (turn hook, tail) starts on a
@@ -477,7 +671,7 @@ class Sessions:
         sees_end=False (turn hook): its end will not be reported, so a restore is verified
         by watching the engine's slot instead."""
         s = self._slot_of(ticket)
-        result = TurnResult(key=key)
+        result = TurnResult(key=key, slot=s.id)
         t0 = time.monotonic()
         if key is not None and self.cfg.auto_sessions:
             self.counters.turns += 1
@@ -493,7 +687,7 @@ class Sessions:
             self.switched_to(s.id, key)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if self.cfg.auto_sessions and (key is not None or result.saved or result.errors):
-                self.events.emit("turn", slot=s.id, **result.to_dict())
+                self.events.emit("turn", **result.to_dict())
         if not sees_end:
             self.watch_request(s.id)
         if self.cfg.auto_sessions:
@@ -502,7 +696,7 @@ class Sessions:
 
     def _slot_of(self, ticket: Ticket) -> Slot:
         s = self.slot(ticket.slot_id)
-        assert s.lock.locked(), "a turn needs the slot's ticket"
+        assert s.holder is ticket and ticket.held, "a turn needs the slot's ticket"
         return s
 
     async def _turn(self, s: Slot, key: str | None, result: TurnResult) -> None:
@@ -521,8 +715,14 @@ class Sessions:
         if key is None:
             return
         file = await self._wait_file(key)
-        step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens)
+        step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
+                                   self.engine_layout)
         if isinstance(step, Restore):
+            if self.clears_idle_slots and len(self.slots) > 1:
+                # Another request starting between this restore and our own would empty the
+                # restored slot: no request starts until ours has (launch_started releases it).
+                await self._launch.acquire()
+                s.holds_launch = True
             await self._restore(s, key, result)
         elif isinstance(step, Skip):
             self._skipped(step, result)
@@ -541,7 +741,10 @@ class Sessions:
 
     def _file_info(self, key: str) -> FileInfo | None:
         meta = self.store.read_meta(key)
-        return FileInfo(meta.n_tokens, meta.model) if meta else None
+        if meta is None:
+            return None
+        return FileInfo(meta.n_tokens, meta.model,
+                        slotfile.KVLayout.from_fingerprint(meta.layout) if meta.layout else None)
 
     async def _wait_file(self, key: str) -> FileInfo | None:
         pending = self._finalizing.get(key)
@@ -604,8 +807,9 @@ class Sessions:
                 self.events.emit("save_discarded", slot=s.id, key=key, why=why)
                 return SaveOutcome.FAILED
             ms = (time.monotonic() - t0) * 1000
+            layout = self._learn_layout(key)
             meta = Meta(key=key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(),
-                        model=self.model, save_ms=round(res.ms, 2))
+                        model=self.model, save_ms=round(res.ms, 2), layout=layout.fingerprint() if layout else None)
             fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target)
             self._finalizing[key] = fut
             fut.add_done_callback(lambda f: self._finalized(key, final, f))
@@ -642,6 +846,19 @@ class Sessions:
             raise StoreError(f"{path.name} holds {header.n_tokens:,} tokens by its header, the engine reported "
                              f"{n_saved:,}")
 
+    def _learn_layout(self, key: str) -> slotfile.KVLayout | None:
+        """The KV layout of a state file this engine just wrote: it is the engine's layout."""
+        if self.engine.magic != slotfile.MAGIC_BYTES:
+            return None
+        try:
+            layout = slotfile.read_layout(self.store.temp_path(key))
+        except (slotfile.BadSlotFile, OSError) as e:
+            log.debug("auto sessions: KV layout of %s: %s", key, e)
+            return None
+        if self.engine_layout is None or self.engine_layout.v_trans is None:
+            self.engine_layout = layout
+        return layout
+
     def _finalize(self, key: str, meta: Meta, target: str | None) -> None:
         if target is None:
             self.store.finalize(key, meta)
@@ -676,7 +893,14 @@ class Sessions:
         t0 = time.monotonic()
         try:
             with self.store.using(name):
-                res = await self.engine.restore(s.id, name)
+                try:
+                    res = await self.engine.restore(s.id, name)
+                except EngineRefused as e:
+                    # A unified KV cache shared by every slot can be too full for the file; the
+                    # engine never evicts another slot itself. Make room once, then try again.
+                    if NO_KV_ROOM not in str(e) or not await self._make_room(s, name):
+                        raise
+                    res = await self.engine.restore(s.id, name)
         except EngineError as e:
             self.counters.restore_failures += 1
             log.warning("auto sessions: restore of %s: %s", name, e)
@@ -704,6 +928,33 @@ class Sessions:
         if result is not None:
             result.restored = info
         return True
+
+    async def _make_room(self, s: Slot, name: str) -> bool:
+        """Empty the least recently used other slot that is free now, saving its conversation
+        first when worth it. False when there is none."""
+        others = sorted((o for o in self.slots.values() if o is not s and not o.busy), key=lambda o: o.last_used)
+        for o in others:
+            ticket = self._try_admit(o)
+            if ticket is None:
+                continue
+            try:
+                held = o.view.held()
+                step = policy.plan_save(held, Occasion.KEYLESS, self.cfg.auto_sessions_min_tokens,
+                                        self._file_info(held.key) if held else None, self.model)
+                if isinstance(step, Save) and held is not None:
+                    await self._save(o, held, None)
+                n = await self.engine.erase(o.id)
+                log.info("auto sessions: emptied slot %d (%s tokens) to make room in the KV cache for %s", o.id,
+                         fmt_tokens(n), name)
+                self.events.emit("slot_emptied", slot=o.id, why=f"room for {name}")
+                self._set(o, View(Phase.EMPTY))
+                return True
+            except EngineError as e:
+                log.warning("auto sessions: making room on slot %d for %s: %s", o.id, name, e)
+                return False
+            finally:
+                ticket.release()
+        return False
 
     # -- commands and the other inputs' occasions ------------------------------------
     async def park(self, slot_id: int | None = None, name: str | None = None) -> dict[str, Any]:
@@ -819,7 +1070,7 @@ class Sessions:
             s = self._slot_of(t)
             file = await self._wait_file(key)
             step = policy.plan_restore(None, key, SaveOutcome.NOT_TRIED, file, self.model,
-                                       self.cfg.auto_sessions_min_tokens)
+                                       self.cfg.auto_sessions_min_tokens, self.engine_layout)
             if isinstance(step, Skip):
                 self._skipped(step, None)
                 return False
@@ -950,7 +1201,7 @@ class Sessions:
         return {"id": s.id, "state": v.phase.value, "held": v.key if named else None,
                 "n_tokens": v.n_tokens if v.phase is not Phase.SWITCHED else None,
                 "durable": v.durable if v.phase in (Phase.HELD, Phase.RESTORED) else None,
-                "awaiting_verification": v.restored is not None, "busy": s.lock.locked(), "why": v.why or None}
+                "awaiting_verification": v.restored is not None, "busy": s.busy, "why": v.why or None}
 
     def ls(self) -> list[dict[str, Any]]:
         """Every session file: ours (auto) and people's (manual), newest first."""

@@ -103,6 +103,17 @@ class KVLayout:
         return f"s{self.n_stream}" + ("" if self.v_trans is None else
                                       f"-v{self.v_trans}-l{self.n_layer}-k{self.k_type}")
 
+    @classmethod
+    def from_fingerprint(cls, text: str) -> "KVLayout | None":
+        """fingerprint() read back; None for anything else (metadata written by hand, or older)."""
+        try:
+            parts = dict((p[0], int(p[1:])) for p in text.split("-"))
+            if set(parts) == {"s"}:
+                return cls(parts["s"])
+            return cls(parts["s"], parts["v"], parts["l"], parts["k"])
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError):
+            return None
+
     def compatible(self, other: "KVLayout") -> bool:
         """Could a file of this layout load into an engine that writes `other`? Unknown parts
         (an empty slot's file) do not count against it."""

@@ -91,12 +91,15 @@ class Meta:
     saved_at: float
     model: str
     save_ms: float
+    layout: str | None = None  # slotfile.KVLayout.fingerprint(): the KV streams, cache types, layers
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
         d = json.loads(data)
+        layout = d.get("layout")
         return cls(key=str(d["key"]), n_tokens=int(d["n_tokens"]), bytes=int(d["bytes"]),
-                   saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)))
+                   saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)),
+                   layout=layout if isinstance(layout, str) else None)
 
 
 @dataclass(frozen=True)

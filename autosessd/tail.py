@@ -37,6 +37,7 @@ meanwhile may have run before the (deferred) restore, which then replaced its st
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -187,21 +188,17 @@ class Tail:
         self.follower = Follower(self.path, cfg.effective_state_dir() / f"tail-{digest}.json")
         self.in_flight: dict[str, tuple[LogEvent, float]] = {}  # id → (start, when it was read)
         self.in_flight_expired = 0
-        self.starts_seen = 0  # any start, for "did a request begin meanwhile"
+        self.starts_seen: collections.Counter[int] = collections.Counter()  # per slot: did a request begin
         self.lines = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._observer: Any = None
         self._bad_burst = 0
         self._bad_logged_at = 0.0
-        self._save_task: asyncio.Task | None = None
-        self._save_wanted = False
+        self._save_tasks: dict[int, asyncio.Task] = {}  # per slot
+        self._save_wanted: set[int] = set()
         self._read_lock = asyncio.Lock()
-        self._last_held: str | None = None
-
-    @property
-    def slot(self) -> int:
-        return self.cfg.engine.slot
+        self._last_held: dict[int, str] = {}  # per slot: the conversation its last request was of
 
     # -- life ------------------------------------------------------------------
     async def start(self) -> None:
@@ -210,7 +207,7 @@ class Tail:
                      f"{self.follower.offset:,}")
             self.follower.save_state()
         self._start_watch()
-        self._last_held = self.sessions.recorded_held().get(self.slot)
+        self._last_held = dict(self.sessions.recorded_held())
         self.sessions.on_engine_restart.append(self._engine_restarted)
         self._task = asyncio.get_running_loop().create_task(self._run())
         log.info("tail: following %s", self.path)
@@ -245,9 +242,10 @@ class Tail:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._save_task is not None and not self._save_task.done():
+        pending = [t for t in self._save_tasks.values() if not t.done()]
+        if pending:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._save_task), grace_s)
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*pending, return_exceptions=True)), grace_s)
         self.follower.save_state()
         self.follower._close()
         if self._observer is not None:
@@ -302,10 +300,11 @@ class Tail:
         except BadLine as e:
             self._bad(1, str(e))
             return
-        if ev.slot != self.slot:
+        if ev.slot not in self.sessions.slots:
+            self._bad(1, f"slot {ev.slot} is not one of the engine's {len(self.sessions.slots)}")
             return
         if ev.event == "start":
-            self.starts_seen += 1
+            self.starts_seen[ev.slot] += 1
             if len(self.in_flight) >= MAX_IN_FLIGHT:  # a serving layer that never logs ends
                 oldest = next(iter(self.in_flight))
                 await self._expire(oldest, "more than {:,} requests in flight".format(MAX_IN_FLIGHT))
@@ -314,14 +313,17 @@ class Tail:
             self.sessions.switched_to(ev.slot, ev.key)
             self.sessions.watch_request(ev.slot)
             if ev.key is not None:
-                self._last_held = ev.key
+                self._last_held[ev.slot] = ev.key
             return
         start, _ = self.in_flight.pop(ev.id, (None, 0.0))
         if start is None:
             return
         await self.sessions.ended(ev.slot, start.key, ev.status or "ok", ev.n_tokens, ev.cache_n, look=last)
-        if ev.status == "ok" and start.key is not None and not self.in_flight:
-            self._schedule_save_behind()
+        if ev.status == "ok" and start.key is not None and not self._in_flight_on(ev.slot):
+            self._schedule_save_behind(ev.slot)
+
+    def _in_flight_on(self, slot: int) -> bool:
+        return any(start.slot == slot for start, _ in self.in_flight.values())
 
     async def expire_in_flight(self, now: float | None = None) -> None:
         """A start whose end never comes (the serving layer crashed) would block every save
@@ -329,12 +331,11 @@ class Tail:
         engine's slot idle, it counts as a request that failed."""
         now = time.monotonic() if now is None else now
         old = [rid for rid, (_, at) in self.in_flight.items() if now - at >= IN_FLIGHT_TTL_S]
-        if not old:
-            return
-        st = await self._slot_state()
-        if st is not None and st.is_processing:
-            return  # something still runs: it may be one of them
         for rid in old:
+            start, _ = self.in_flight[rid]
+            st = await self._slot_state(start.slot)
+            if st is not None and st.is_processing:
+                continue  # something still runs there: it may be this one
             await self._expire(rid, f"no end logged within {IN_FLIGHT_TTL_S:g} s")
 
     async def _expire(self, rid: str, why: str) -> None:
@@ -344,39 +345,39 @@ class Tail:
         await self.sessions.ended(start.slot, start.key, "error")
 
     # -- save behind ---------------------------------------------------------------
-    def _schedule_save_behind(self) -> None:
-        self._save_wanted = True
-        if self._save_task is None or self._save_task.done():
-            self._save_task = asyncio.get_running_loop().create_task(self._save_behind_loop())
+    def _schedule_save_behind(self, slot: int) -> None:
+        self._save_wanted.add(slot)
+        task = self._save_tasks.get(slot)
+        if task is None or task.done():
+            self._save_tasks[slot] = asyncio.get_running_loop().create_task(self._save_behind_loop(slot))
 
-    async def _save_behind_loop(self) -> None:
+    async def _save_behind_loop(self, slot: int) -> None:
         # An end that arrives while a save behind is running asks for another pass.
-        while self._save_wanted:
-            self._save_wanted = False
-            await self._save_behind()
+        while slot in self._save_wanted:
+            self._save_wanted.discard(slot)
+            await self._save_behind(slot)
 
-    async def _save_behind(self) -> None:
+    async def _save_behind(self, slot: int) -> None:
         try:
             while True:  # wait for the engine to finish, unless another request is logged
-                if self.in_flight:
+                if self._in_flight_on(slot):
                     return
-                st = await self._slot_state()
+                st = await self._slot_state(slot)
                 if st is None or not st.is_processing:
                     break
                 await asyncio.sleep(0.05)
-            starts_before = self.starts_seen
-            await self.sessions.save_behind(self.slot, self._still_ours(starts_before))
+            await self.sessions.save_behind(slot, self._still_ours(slot, self.starts_seen[slot]))
         except Exception as e:
             log.warning("tail: save behind: %s", e)
 
-    def _still_ours(self, starts_before: int) -> Any:
+    def _still_ours(self, slot: int, starts_before: int) -> Any:
         async def check(n_tokens_before: int | None = None) -> str | None:
             """Why the slot's state just saved or restored may not be what we think, or None."""
             with contextlib.suppress(OSError):
                 await self.read_new_lines()
-            if self.starts_seen != starts_before or self.in_flight:
+            if self.starts_seen[slot] != starts_before or self._in_flight_on(slot):
                 return "a request started meanwhile"
-            st = await self._slot_state()
+            st = await self._slot_state(slot)
             if st is not None and (st.is_processing or (n_tokens_before is not None
                                                         and st.n_tokens != n_tokens_before)):
                 return "the engine's slot changed meanwhile"
@@ -384,21 +385,21 @@ class Tail:
 
         return check
 
-    async def _slot_state(self) -> Any:
+    async def _slot_state(self, slot: int) -> Any:
         if not self.sessions.slots_visible:
             return None
         try:
-            return await self.sessions.engine_slot(self.slot)
+            return await self.sessions.engine_slot(slot)
         except EngineError as e:
             log.debug("tail: slot state: %s", e)
             return None
 
     # -- after an engine restart ---------------------------------------------------
     async def _engine_restarted(self) -> None:
-        key = self._last_held
-        if key is None or self.in_flight:
-            return
-        st = await self._slot_state()
-        if st is not None and (st.is_processing or st.n_tokens > 0):
-            return
-        await self.sessions.restore_behind(self.slot, key, self._still_ours(self.starts_seen))
+        for slot, key in sorted(self._last_held.items()):
+            if slot not in self.sessions.slots or self._in_flight_on(slot):
+                continue
+            st = await self._slot_state(slot)
+            if st is not None and (st.is_processing or st.n_tokens > 0):
+                continue
+            await self.sessions.restore_behind(slot, key, self._still_ours(slot, self.starts_seen[slot]))

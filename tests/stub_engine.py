@@ -1,9 +1,11 @@
 """An in-process engine for tests that need sessions but not a process: writes real files
 in llama-server's layout (autosessd/slotfile.py), the token ids standing for a conversation.
 
-Like llama-server: GET /slots shows the slot's token count and the id of the last task that
-ran on it; a failed restore clears the slot. Unlike it: slot actions never wait for a request
-(tests call ran() between them)."""
+Like llama-server: GET /slots shows each slot's token count and the id of the last task that
+ran on it (ids from one counter across slots); a failed restore clears the slot; with
+`clears_idle` (a unified KV cache with --cache-idle-slots) a request starting on one slot
+empties every idle slot. Unlike it: slot actions never wait for a request (tests call ran()
+between them), and `no_room` makes restores fail for lack of KV room until a slot is erased."""
 
 from autosessd import slotfile
 from autosessd.engines.base import EngineInfo, EngineRefused, RestoreResult, SaveResult, SlotState, SlotsHidden
@@ -14,45 +16,78 @@ class StubEngine:
     address = "http://stub"
     magic = b"qsgg"
 
-    def __init__(self, directory, model="stub-model", slots_visible=True):
+    def __init__(self, directory, model="stub-model", slots_visible=True, n_slots=1, clears_idle=False):
         self.dir = directory
         self.model = model
-        self.tokens: list[int] = []
+        self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
+        self.task_ids: dict[int, int | None] = {i: None for i in range(n_slots)}
         self.processing = False
-        self.task_id: int | None = None
         self.saves: list[str] = []
         self.slots_visible = slots_visible
+        self.clears_idle = clears_idle
+        self.no_room = False
+        self.erased: list[int] = []
+        self._tasks = 0
 
-    def ran(self, tokens) -> None:
+    # slot 0, for the single-slot tests
+    @property
+    def tokens(self) -> list[int]:
+        return self.held[0]
+
+    @property
+    def task_id(self) -> int | None:
+        return self.task_ids[0]
+
+    @task_id.setter
+    def task_id(self, value: int | None) -> None:
+        self.task_ids[0] = value
+
+    def ran(self, tokens, slot: int = 0) -> None:
         """A request ran on the slot and left these tokens (a count: tokens 1..n)."""
-        self.tokens = list(range(1, tokens + 1)) if isinstance(tokens, int) else list(tokens)
-        self.task_id = (self.task_id or 0) + 1
+        self._tasks += 1
+        self.task_ids[slot] = self._tasks
+        if self.clears_idle:
+            for other in self.held:
+                if other != slot:
+                    self.held[other] = []
+        self.held[slot] = list(range(1, tokens + 1)) if isinstance(tokens, int) else list(tokens)
 
     async def save(self, slot, name):
-        data = slotfile.build(self.tokens, b"\0" * (len(self.tokens) * 10))
+        data = slotfile.build(self.held[slot], b"\0" * (len(self.held[slot]) * 10))
         (self.dir / name).write_bytes(data)
         self.saves.append(name)
-        return SaveResult(len(self.tokens), len(data), 1.0)
+        return SaveResult(len(self.held[slot]), len(data), 1.0)
 
     async def restore(self, slot, name):
         try:
             header = slotfile.read_header(self.dir / name)
         except (FileNotFoundError, slotfile.BadSlotFile):
-            self.tokens = []
+            self.held[slot] = []
             raise EngineRefused("failed to open file") from None
-        self.tokens = list(header.tokens)
-        return RestoreResult(len(self.tokens), (self.dir / name).stat().st_size, 1.0)
+        if self.no_room:
+            self.held[slot] = []
+            raise EngineRefused("POST /slots answered 400: Unable to restore slot: No available space in KV cache "
+                                "or invalid slot save file")
+        self.held[slot] = list(header.tokens)
+        return RestoreResult(len(self.held[slot]), (self.dir / name).stat().st_size, 1.0)
+
+    async def erase(self, slot):
+        n, self.held[slot] = len(self.held[slot]), []
+        self.erased.append(slot)
+        self.no_room = False
+        return n
 
     async def slots(self):
         if not self.slots_visible:
             raise SlotsHidden("GET /slots is off")
-        return [SlotState(0, self.processing, len(self.tokens), None, self.task_id)]
+        return [SlotState(i, self.processing and i == 0, len(self.held[i]), None, self.task_ids[i])
+                for i in sorted(self.held)]
 
     async def health(self):
         return True
 
     async def info(self):
-        return EngineInfo(self.model, self.model, 1)
+        return EngineInfo(self.model, self.model, len(self.held))
 
     async def close(self):
         pass

@@ -2,7 +2,8 @@
 
 import pytest
 
-from autosessd.policy import (BELOW_MIN, MODEL_MISMATCH, NO_FILE, PROVISIONAL, SAVE_FAILED_DURABLE, UP_TO_DATE,
+from autosessd.slotfile import KVLayout
+from autosessd.policy import (BELOW_MIN, LAYOUT_MISMATCH, MODEL_MISMATCH, NO_FILE, PROVISIONAL, SAVE_FAILED_DURABLE, UP_TO_DATE,
                               FileInfo, Held, Occasion, Restore, Save, SaveOutcome, Skip, plan_restore, plan_save,
                               restore_reused)
 
@@ -70,6 +71,23 @@ def test_plan_save(name, held, occasion, key, saved, expect):
 )
 def test_plan_restore(name, held, key, outcome, file, expect):
     assert plan_restore(held, key, outcome, file, M, MIN) == expect, name
+
+
+S1, S4 = KVLayout(1, 0, 3, 1), KVLayout(4, 0, 3, 1)
+
+
+@pytest.mark.parametrize("name, file_layout, engine_layout, expect", [
+    ("same layout: restore", S1, S1, Restore(B, 3000)),
+    ("one-stream file, engine without a unified cache (-np 4): skipped", S1, S4,
+     Skip("restore", B, LAYOUT_MISMATCH)),
+    ("another K cache type: skipped", KVLayout(1, 0, 3, 8), S1, Skip("restore", B, LAYOUT_MISMATCH)),
+    ("engine layout known only by its streams (empty probe): restore", S1, KVLayout(1), Restore(B, 3000)),
+    ("file without a recorded layout (older metadata): restore", None, S4, Restore(B, 3000)),
+    ("engine layout unknown: restore", S4, None, Restore(B, 3000)),
+])
+def test_plan_restore_never_restores_a_file_the_engine_cannot_load(name, file_layout, engine_layout, expect):
+    file = FileInfo(3000, M, file_layout)
+    assert plan_restore(None, B, SaveOutcome.NOT_TRIED, file, M, MIN, engine_layout) == expect, name
 
 
 def test_empty_file_is_never_restored_even_with_min_zero():

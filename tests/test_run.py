@@ -59,10 +59,12 @@ def test_missing_session_dir(tmp_path):
     assert r.returncode != 0 and "is not a directory" in r.stderr
 
 
-def test_more_than_one_slot_is_refused(engines, tmp_path, session_dir):
+def test_a_slot_the_engine_does_not_have_is_refused(engines, tmp_path, session_dir):
     eng = engines(session_dir, slots=2)
-    r = run_daemon("--config", config(tmp_path, session_dir, eng.url))
-    assert r.returncode != 0 and "-np 1" in r.stderr
+    cfg = config(tmp_path, session_dir, eng.url)
+    Path(cfg).write_text(Path(cfg).read_text().replace("[engine]\n", "[engine]\nslot = 5\n", 1))
+    r = run_daemon("--config", cfg)
+    assert r.returncode != 0 and "engine.slot is 5" in r.stderr and "2 slot(s)" in r.stderr
 
 
 def test_starts_cleans_up_and_stops_on_sigterm(engines, tmp_path, session_dir):

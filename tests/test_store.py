@@ -37,7 +37,8 @@ def test_finalize_makes_bin_and_metadata(tmp_path):
     assert not s.temp_path(K[0]).exists()
     assert s.bin_path(K[0]).read_bytes()[:4] == b"qsgg"
     meta = json.loads(s.meta_path(K[0]).read_text())
-    assert meta == {"key": K[0], "n_tokens": 77, "bytes": 200, "saved_at": 1.0, "model": MODEL, "save_ms": 1.0}
+    assert meta == {"key": K[0], "n_tokens": 77, "bytes": 200, "saved_at": 1.0, "model": MODEL, "save_ms": 1.0,
+                    "layout": None}
     assert s.read_meta(K[0]).n_tokens == 77
     [e] = s.scan()
     assert e.key == K[0] and e.bytes == 200 and e.meta.n_tokens == 77

@@ -34,8 +34,8 @@ async def served(s, tail, rid, key, n, **end):
 
 
 async def settle(tail, s):
-    if tail._save_task is not None:
-        await tail._save_task
+    for task in list(tail._save_tasks.values()):
+        await task
     await s.drain()
 
 

@@ -79,6 +79,11 @@ class Engine(Protocol):
 
     async def restore(self, slot: int, name: str) -> RestoreResult: ...
 
+    async def erase(self, slot: int) -> int:
+        """Empty a slot (its state is not saved); the tokens it held. EngineRefused when the
+        engine cannot."""
+        ...
+
     async def slots(self) -> list[SlotState]: ...
 
     async def health(self) -> bool:

@@ -101,6 +101,9 @@ class ControlStream:
         except (TypeError, ValueError):
             raise EngineBadAnswer(f"RESTORE answered without n_tokens/n_bytes: {d!r:.200}") from None
 
+    async def erase(self, slot: int) -> int:
+        raise EngineRefused("the control stream has no command to empty a slot")
+
     async def slots(self) -> list[SlotState]:
         d = await self._command("STATUS")
         try:

@@ -124,6 +124,14 @@ class LlamaServer:
         Neither call waits for a slot: the engine answers them beside a running request."""
         return await self.tokenize(await self.apply_template(body, timeout_s), timeout_s)
 
+    async def erase(self, slot: int) -> int:
+        """Empty a slot's KV cache (it is not saved anywhere); the tokens it held."""
+        d = await self._call("POST", f"/slots/{slot}?action=erase")
+        try:
+            return int(d["n_erased"])
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"erase answered without n_erased: {d!r:.200}") from None
+
     async def slots(self) -> list[SlotState]:
         d = await self._call("GET", "/slots")
         if not isinstance(d, list):

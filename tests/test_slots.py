@@ -1,0 +1,141 @@
+"""Several engine slots (issue 12) on the stub engine: where a request is placed, what is saved
+and restored, FIFOs per slot, making room, and an engine that empties idle slots.
+The real engine with -np 4 and -np auto is in test_slots_real.py."""
+
+import asyncio
+
+from autosessd import slotfile
+from autosessd.config import parse
+from autosessd.sessions import Phase, Sessions
+from autosessd.store import Store
+from stub_engine import StubEngine
+
+KEYS = [f"{c}" * 16 for c in "abcdef"]
+A, B, C, D, E, F = KEYS
+
+
+def conv(key, n):
+    base = 1000 * (KEYS.index(key) + 1) if key else 90000
+    return list(range(base, base + n))
+
+
+def make(tmp_path, n_slots=2, min_tokens=10, **kw):
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'.encode())
+    s = Sessions(cfg, StubEngine(tmp_path, n_slots=n_slots, **kw), Store(tmp_path), "stub-model")
+    s.add_slots(n_slots)
+    return s
+
+
+async def request(s, key, n, ticket=None):
+    """What the gate does: place, turn, the request runs on the ticket's slot, ended."""
+    t = ticket or await s.place(key)
+    async with t:
+        turn = await s.turn(t, key)
+        await s.may_launch(t)
+        s.engine.ran(conv(key, n), slot=t.slot_id)
+        await s.launch_started(t, bound_s=0)
+        await s.ended(t.slot_id, key, "ok")
+    await s.drain()
+    return t.slot_id, turn
+
+
+def file_tokens(tmp_path, key):
+    return list(slotfile.read_header(tmp_path / f"auto-{key}.bin").tokens)
+
+
+async def test_each_conversation_keeps_its_slot(tmp_path):
+    s = make(tmp_path)
+    slot_a, _ = await request(s, A, 50)
+    slot_b, _ = await request(s, B, 40)
+    assert slot_a != slot_b
+    again, turn = await request(s, A, 60)
+    assert again == slot_a and turn.saved is None and turn.restored is None
+    assert not list(tmp_path.glob("auto-*"))
+
+
+async def test_a_third_conversation_takes_the_least_recently_used_slot_saving_its_occupant(tmp_path):
+    s = make(tmp_path)
+    slot_a, _ = await request(s, A, 50)
+    slot_b, _ = await request(s, B, 40)
+    await request(s, B, 45)
+    slot_c, turn = await request(s, C, 30)
+    assert slot_c == slot_a and turn.saved["key"] == A  # A was used least recently
+    assert file_tokens(tmp_path, A) == conv(A, 50)
+    slot_a2, turn = await request(s, A, 55)
+    assert slot_a2 == slot_b and turn.saved["key"] == B and turn.restored["key"] == A
+    assert file_tokens(tmp_path, B) == conv(B, 45)
+
+
+async def test_one_conversation_never_runs_on_two_slots(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    first = await s.place(A)
+    second = asyncio.ensure_future(s.place(A))
+    other = await asyncio.wait_for(s.place(B), 1)  # a free slot is not held back for A
+    await asyncio.sleep(0.01)
+    assert not second.done()  # A's second request waits for A's slot
+    first.release()
+    t = await asyncio.wait_for(second, 1)
+    assert t.slot_id == first.slot_id and other.slot_id != first.slot_id
+    t.release()
+    other.release()
+
+
+async def test_requests_on_different_slots_hold_their_tickets_at_once(tmp_path):
+    s = make(tmp_path, n_slots=4)
+    tickets = [await asyncio.wait_for(s.place(k), 1) for k in (A, B, C, D)]
+    assert sorted(t.slot_id for t in tickets) == [0, 1, 2, 3]
+    late = asyncio.ensure_future(s.place(E))
+    await asyncio.sleep(0.01)
+    assert not late.done()
+    tickets[2].release()
+    assert (await asyncio.wait_for(late, 1)).slot_id == tickets[2].slot_id
+
+
+async def test_a_request_without_a_conversation_does_not_displace_a_long_one_while_a_slot_is_free(tmp_path):
+    s = make(tmp_path, n_slots=3)
+    slot_a, _ = await request(s, A, 500)
+    slot_b, _ = await request(s, B, 5)  # below min tokens: nothing worth keeping
+    for _ in range(3):
+        slot, turn = await request(s, None, 30)
+        assert slot != slot_a and turn.saved is None
+    assert s.view(slot_a).key == A and s.view(slot_a).phase is Phase.HELD
+
+
+async def test_a_restore_without_kv_room_empties_the_least_recently_used_idle_slot_and_retries(tmp_path):
+    s = make(tmp_path, n_slots=3)
+    await request(s, A, 50)
+    slot_b, _ = await request(s, B, 40)
+    await request(s, C, 30)
+    await request(s, D, 20)  # takes A's slot: A saved
+    s.engine.no_room = True  # the unified cache is full: the engine never evicts by itself
+    slot_a, turn = await request(s, A, 60)
+    assert turn.restored is not None and turn.restored["key"] == A and not turn.errors
+    assert s.engine.erased and s.engine.erased[0] != slot_a
+    emptied = s.engine.erased[0]
+    assert s.view(emptied).phase is Phase.EMPTY
+
+
+async def test_an_engine_that_empties_idle_slots_is_noticed_and_ends_are_saved(tmp_path):
+    """llama-server's defaults for -np auto (unified KV, --cache-idle-slots): a request starting
+    on one slot empties the idle others. autosessd notices, then saves each conversation when
+    its request ends, so a return restores the whole conversation."""
+    s = make(tmp_path, clears_idle=True)
+    slot_a, _ = await request(s, A, 50)
+    await request(s, B, 40)  # empties A's slot: A was never saved
+    slot_a2, turn = await request(s, A, 60)
+    assert s.clears_idle_slots and turn.restored is None and s.counters.engine_resets >= 1
+    await request(s, B, 45)
+    assert file_tokens(tmp_path, A) == conv(A, 60) and file_tokens(tmp_path, B) == conv(B, 45)
+    _, turn = await request(s, A, 70)
+    assert turn.restored is not None and turn.restored["n_tokens"] == 60
+
+
+async def test_stop_saves_every_slot(tmp_path):
+    s = make(tmp_path, n_slots=3)
+    for key, n in ((A, 50), (B, 40), (C, 30)):
+        await request(s, key, n)
+    for sid in s.slots:
+        await s.save_held(sid, "stop")
+    for key, n in ((A, 50), (B, 40), (C, 30)):
+        assert file_tokens(tmp_path, key) == conv(key, n)
