@@ -155,6 +155,7 @@ class Checked:
     slots_visible: bool  # False: the engine runs with --no-slots
     total_slots: int = 1
     layout: KVLayout | None = None  # of the engine's state files, as far as the probe shows (its streams)
+    clears_idle_slots: bool = False
 
 
 async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
@@ -179,10 +180,43 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         log.warning("engine: %s does not show its slots (--no-slots): autosessd takes token counts from the "
                     "responses, and cannot see requests that bypass the gate (or a serving layer that does not "
                     "use the turn hook); switch-back and restart work as usual", engine.address)
+    clears = False
     if info.total_slots > 1:
         log.info("engine: %d slots%s; each conversation is placed on one and pinned there (id_slot)",
                  info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
-    return Checked(info.model, info.model_name, visible, info.total_slots, layout)
+        if visible:
+            clears = await probe_idle_clearing(engine)
+    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears)
+
+
+async def probe_idle_clearing(engine: Engine) -> bool:
+    """Does the engine empty idle slots whenever a request starts on another one (a unified KV
+    cache with --cache-idle-slots, llama-server's defaults for -np auto)? No endpoint says;
+    a tiny request on slot 0, then one on slot 1, shows it: slot 0 keeps its tokens or not.
+    Only on an engine whose first two slots hold nothing (nothing of anyone's is moved)."""
+    complete = getattr(engine, "complete", None)
+    if complete is None:
+        return False
+    try:
+        states = {s.id: s for s in await engine.slots()}
+        if any(states[i].is_processing or states[i].n_tokens for i in (0, 1) if i in states):
+            return False
+        for sid in (0, 1):
+            await complete(sid, "Hello", 1)
+        states = {s.id: s for s in await engine.slots()}
+        clears = states[0].n_tokens == 0
+        for sid in (0, 1):
+            await engine.erase(sid)
+    except (EngineError, KeyError) as e:
+        log.debug("engine check: idle-slot probe: %s", e)
+        return False
+    if clears:
+        log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
+                    "cache with --cache-idle-slots, the defaults of -np auto): autosessd saves each conversation "
+                    "when its request ends, not only when its slot is taken, and a conversation whose request "
+                    "ends just as another starts can miss its save. Start llama-server with "
+                    "--no-cache-idle-slots to keep idle slots (README: Several slots)", engine.address)
+    return clears
 
 
 async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None:
@@ -270,6 +304,7 @@ class Daemon:
                                  slots_visible=checked.slots_visible)
         self.sessions.add_slots(checked.total_slots)
         self.sessions.engine_layout = checked.layout
+        self.sessions.clears_idle_slots = checked.clears_idle_slots
         self.sessions.engine_healthy = True
         try:
             self.inputs = self.build_inputs()

@@ -115,6 +115,7 @@ class Counters:
     skipped_disk_full: int = 0
     skipped_engine_busy: int = 0
     saves_discarded: int = 0
+    saves_missed: int = 0  # an engine that empties idle slots emptied one before its end could be saved
     restores_reused: int = 0
     restores_not_reused: int = 0
     restores_unverified: int = 0
@@ -489,6 +490,14 @@ class Sessions:
         if st is not None and st.is_processing:
             st = None  # the next request runs already (a log read late): this one's end is not visible
         self._settle(s, v, status, st, n_tokens, cache_n, n_prompt)
+        if self.clears_idle_slots and s.view.phase is Phase.HELD and st is not None and st.n_tokens == 0:
+            # Another request started between this one's end and our look, and the engine moved
+            # this slot to its RAM cache: its latest state never reaches the disk.
+            self.counters.saves_missed += 1
+            log.warning("auto sessions: %s: another request started as it ended and the engine emptied its slot "
+                        "before it could be saved (--no-cache-idle-slots keeps idle slots)", auto_name(key or ""))
+            self.lost(s.id, "the engine emptied the idle slot (moved to its RAM cache)")
+            return
         if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and self.cfg.auto_sessions:
             # The next request to start on any other slot empties this one: save it now, before
             # its ticket goes (the caller holds it), with no request starting meanwhile.
@@ -605,9 +614,9 @@ class Sessions:
             self.clears_idle_slots = True
             log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
                         "cache with --cache-idle-slots, the defaults of -np auto): autosessd now saves each "
-                        "conversation when its request ends, not only when its slot is taken. Start llama-server "
-                        "with --no-cache-idle-slots to keep idle slots (README: Several slots)",
-                        self.engine.address)
+                        "conversation when its request ends, not only when its slot is taken, and a conversation "
+                        "whose request ends just as another starts can miss its save. Start llama-server with "
+                        "--no-cache-idle-slots to keep idle slots (README: Several slots)", self.engine.address)
         self.lost(s.id, "the engine emptied the idle slot (moved to its RAM cache)")
 
     async def may_launch(self, ticket: Ticket) -> None:

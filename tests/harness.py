@@ -65,14 +65,21 @@ def engine_paths() -> dict[str, str]:
 class Engine:
     """One llama-server process on a free loopback port."""
 
-    def __init__(self, save_dir: Path | None, swa_full: bool = True, ctx: int = 8192, slots: int = 1,
-                 extra: list[str] | None = None, log_path: Path | None = None):
+    def __init__(self, save_dir: Path | None, swa_full: bool = True, ctx: int = 8192, slots: int | str = 1,
+                 extra: list[str] | None = None, log_path: Path | None = None, cache_ram: int | None = 0):
+        """slots: a number, or "auto" (llama-server's default: 4 slots, one unified KV cache).
+        cache_ram: MiB of the engine's RAM prompt cache; 0 (the tests' default) turns it off so it
+        cannot hide a switch; None leaves the engine's default (8 GiB, with --cache-idle-slots)."""
         self.save_dir = save_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         paths = engine_paths()
         self.args = [paths["LLAMA_SERVER"], "-m", paths["MODEL"], "--host", "127.0.0.1", "--port", str(self.port),
-                     "-np", str(slots), "-c", str(ctx), "--cache-ram", "0", "-t", "2", "--no-webui"]
+                     "-c", str(ctx), "-t", "2", "--no-webui"]
+        if slots != "auto":  # llama-server's default is auto; the flag takes only numbers
+            self.args += ["-np", str(slots)]
+        if cache_ram is not None:
+            self.args += ["--cache-ram", str(cache_ram)]
         if save_dir is not None:
             self.args += ["--slot-save-path", str(save_dir)]
         if swa_full:
