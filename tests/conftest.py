@@ -29,3 +29,33 @@ def session_dir(tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
     return d
+
+
+# -- the shared tier's real S3 server (tests/s3_gateway.py) ---------------------------------
+@pytest.fixture(scope="session")
+def s3_gateway():
+    """One Ceph RADOS Gateway for the whole session, started on first use (~16 s)."""
+    from s3_gateway import Gateway
+
+    gw = Gateway.start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_gateway):
+    """A fresh bucket for one test, emptied and removed after it."""
+    name = s3_gateway.new_bucket()
+    yield name
+    s3_gateway.empty(name)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """`make test` says how many shared-tier tests did not run, why, and the command that runs them."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "s3" in getattr(r, "keywords", {})]
+    if skipped:
+        from s3_gateway import RUN_THEM
+
+        reason = skipped[0].longrepr[2] if isinstance(skipped[0].longrepr, tuple) else str(skipped[0].longrepr)
+        terminalreporter.write_line(f"{len(skipped)} shared-tier (S3) tests skipped: {reason}", yellow=True)
+        terminalreporter.write_line(f"run them with: {RUN_THEM}", yellow=True)
