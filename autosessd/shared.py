@@ -462,8 +462,13 @@ class SharedStore:
             client = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=boto_cfg)
         self._client = client
         part = cfg.part_mb * 1024 * 1024
+        # From an open file, s3transfer reads the parts one after another into memory (at most
+        # max_in_memory_upload_chunks of them: 6 x part_mb): the inode opened is the one sent.
+        # (From a file name it would reopen the path for every part, and a save renamed over
+        # it meanwhile would mix two saves in one object.)
         self._transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=4,
                                         use_threads=True)
+        self._transfer.max_in_memory_upload_chunks = 6  # s3transfer's own knob; boto3's __init__ lacks it
         self.counters = Counters()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -497,8 +502,9 @@ class SharedStore:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the worker. Queued uploads are dropped (start() re-queues them next time);
-        one in flight gets `timeout` seconds to finish."""
+        """Stop the worker; one upload in flight gets `timeout` seconds to finish. Queued
+        uploads stay queued for a later start() in this process; after an exit,
+        start(store, model) finds them again in the session directory."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -864,7 +870,8 @@ class SharedStore:
                 todo = list(plan.remove)
                 while todo:
                     batch, todo = todo[:500], todo[500:]
-                    if not lease.held() and not lease.renew():
+                    # Renewed before every batch: a long prune never outlives its lease.
+                    if not lease.held() or not lease.renew():
                         raise SharedError("bucket prune: lost the lease (another host took it over)")
                     r = self._client.delete_objects(Bucket=self.bucket, Delete={
                         "Objects": [{"Key": s.key} for s in batch], "Quiet": True})

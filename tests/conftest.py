@@ -56,6 +56,7 @@ def pytest_terminal_summary(terminalreporter):
     if skipped:
         from s3_gateway import RUN_THEM
 
-        reason = skipped[0].longrepr[2] if isinstance(skipped[0].longrepr, tuple) else str(skipped[0].longrepr)
+        rep = skipped[0].longrepr
+        reason = (rep[2] if isinstance(rep, tuple) else str(rep)).removeprefix("Skipped: ")
         terminalreporter.write_line(f"{len(skipped)} shared-tier (S3) tests skipped: {reason}", yellow=True)
         terminalreporter.write_line(f"run them with: {RUN_THEM}", yellow=True)

@@ -15,9 +15,11 @@ import pytest
 
 from autosessd import slotfile
 from autosessd.config import parse
+from autosessd.engines.llama_server import LlamaServer
+from autosessd.keys import conversation_key
 from autosessd.shared import Lease, SharedError, SharedStore, Unavailable
-from autosessd.store import Meta, Store
-from harness import wait_until
+from autosessd.store import Meta, Store, temp_name
+from harness import chat_body, long_text, wait_until
 
 pytestmark = pytest.mark.s3
 
@@ -134,6 +136,33 @@ def test_a_big_file_goes_up_in_parts_and_comes_back_whole(hosts, s3_gateway, s3_
     assert etag.strip('"').endswith("-5"), etag  # a multipart object's ETag counts its parts
     assert sha(h2.download(found, s2)) == sha(s1.bin_path(KEY))
     assert unfinished_uploads(s3_gateway, s3_bucket) == []
+
+
+def test_a_save_replacing_the_file_mid_upload_never_mixes_into_the_object(hosts, s3_gateway, s3_bucket):
+    """The next save of a conversation renames a new file over the one being uploaded: the
+    upload goes on with the inode it opened, then the newer save follows."""
+    [(h1, s1)] = hosts(1, part_mb=5)
+    first = save(s1, KEY, [1] * 100, b"A" * (60 * 1024 * 1024), saved_at=1000.0)
+    first_bytes = s1.bin_path(KEY).read_bytes()
+    replaced = threading.Event()
+
+    def on_progress(direction, key, n):
+        if not replaced.is_set():
+            replaced.set()
+            h1.upload_later(s1.bin_path(KEY), save(s1, KEY, [2] * 100, b"B" * (60 * 1024 * 1024), saved_at=2000.0))
+
+    h1.progress = on_progress
+    assert h1.upload_now(s1.bin_path(KEY), first) == "done" and replaced.is_set()
+    [older] = h1.versions()
+    body = s3_gateway.client().get_object(Bucket=s3_bucket, Key=older.key)["Body"].read()
+    assert body == first_bytes  # wholly the first save: not one part of the second
+    h1.progress = None
+    h1.start()
+    wait_until(lambda: h1.status()["uploads_done"] == 1, 60, what="the newer save's upload")
+    [current] = h1.list()
+    assert current.saved_at == 2000.0
+    body = s3_gateway.client().get_object(Bucket=s3_bucket, Key=current.key)["Body"].read()
+    assert body == s1.bin_path(KEY).read_bytes() and body != first_bytes
 
 
 def test_gateway_down_mid_upload_leaves_nothing_torn_and_the_upload_resumes(hosts, s3_gateway, s3_bucket):
@@ -368,3 +397,39 @@ def test_credentials_from_a_file_and_a_clear_error_without_them(s3_gateway, s3_b
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_gateway.env["AWS_SECRET_ACCESS_KEY"])
     why = SharedStore(shared_cfg(s3_gateway, "no-such-bucket-here")).check()
     assert "bucket no-such-bucket-here at http://127.0.0.1:" in why and "404" in why
+
+
+@pytest.mark.engine
+async def test_a_conversation_saved_on_one_host_continues_on_another(engines, hosts):
+    """Host 1's engine saves conversation A; host 2's engine, with its own session directory,
+    gets the file through the bucket, restores it and answers A's next request from it."""
+    (h1, s1), (h2, s2) = hosts(2)
+    e1, e2 = engines(s1.path), engines(s2.path)
+    body = chat_body(long_text(70) + "\nHow many marbles are in box 5?")  # ~1,250 tokens
+    key = conversation_key(body)
+    first = e1.post("/v1/chat/completions", body)
+    eng1, eng2 = LlamaServer(e1.url, timeout_s=30), LlamaServer(e2.url, timeout_s=30)
+    try:
+        model, model2 = (await eng1.info()).model, (await eng2.info()).model
+    finally:
+        await eng1.close()
+        await eng2.close()
+    assert model == model2  # the fingerprint names the weights, not the host or the path
+    # The save as sessions.py makes it: engine → temporary → verified → finalized → queued.
+    r = e1.post("/slots/0?action=save", {"filename": temp_name(key)})
+    s1.verify_temp(key, r["n_written"], slotfile.MAGIC_BYTES)
+    meta = Meta(key=key, n_tokens=r["n_saved"], bytes=r["n_written"], saved_at=time.time(), model=model,
+                save_ms=r["timings"]["save_ms"])
+    s1.finalize(key, meta)
+    h1.start()
+    h1.upload_later(s1.bin_path(key), meta)
+    wait_until(lambda: h1.status()["uploads_done"] == 1, 60, what="host 1's upload")
+
+    [found] = h2.find(model2, f"auto-{key}.bin")
+    assert found.n_tokens == meta.n_tokens and found.host == "host1"
+    h2.download(found, s2)
+    restored = e2.post("/slots/0?action=restore", {"filename": found.name})
+    assert restored["n_restored"] == meta.n_tokens
+    second = e2.post("/v1/chat/completions", body)
+    assert second["timings"]["cache_n"] >= 0.9 * second["usage"]["prompt_tokens"]
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
