@@ -429,7 +429,7 @@ class SharedStore:
     status()                     counters for autosessctl status and metrics
     """
 
-    def __init__(self, cfg: SharedConfig, client: Any = None):
+    def __init__(self, cfg: SharedConfig):
         try:
             import boto3
             from boto3.s3.transfer import TransferConfig
@@ -443,23 +443,22 @@ class SharedStore:
         self.host = cfg.host or default_host()
         self._ClientError = ClientError
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
-        if client is None:
-            creds = read_credentials(cfg.credentials_file) if cfg.credentials_file else {}
-            boto_cfg = BotoConfig(
-                connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
-                # One quick retry inside a call; the upload queue does the patient retrying.
-                retries={"max_attempts": 2, "mode": "standard"},
-                # Path-style works on every S3-compatible server (RGW, MinIO, R2) without DNS per bucket.
-                s3={"addressing_style": "path"},
-                # botocore >= 1.36 sends CRC checksums by default, which several S3-compatible
-                # servers refuse; the download checks size and header itself.
-                request_checksum_calculation="when_required", response_checksum_validation="when_required",
-                max_pool_connections=16)
-            session = boto3.session.Session(**creds)
-            if session.get_credentials() is None:
-                raise Unavailable("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in autosessd's "
-                                  "environment, or name a file with [shared] credentials_file")
-            client = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=boto_cfg)
+        creds = read_credentials(cfg.credentials_file) if cfg.credentials_file else {}
+        boto_cfg = BotoConfig(
+            connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
+            # One quick retry inside a call; the upload queue does the patient retrying.
+            retries={"max_attempts": 2, "mode": "standard"},
+            # Path-style works on every S3-compatible server (RGW, MinIO, R2) without DNS per bucket.
+            s3={"addressing_style": "path"},
+            # botocore >= 1.36 sends CRC checksums by default, which several S3-compatible
+            # servers refuse; the download checks size and header itself.
+            request_checksum_calculation="when_required", response_checksum_validation="when_required",
+            max_pool_connections=16)
+        session = boto3.session.Session(**creds)
+        if session.get_credentials() is None:
+            raise Unavailable("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in autosessd's "
+                              "environment, or name a file with [shared] credentials_file")
+        client = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=boto_cfg)
         self._client = client
         part = cfg.part_mb * 1024 * 1024
         # From an open file, s3transfer reads the parts one after another into memory (at most

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import statistics
 import subprocess
@@ -66,9 +67,9 @@ def med(xs):
 
 def transfer_rows(env, bucket, sizes_mb, reps, tmp: Path):
     a, b = store_for(env, bucket, "host-a"), store_for(env, bucket, "host-b")
-    # A fresh cluster creates RGW's data pool at the first object written (~3 s): not a cost of
-    # an upload, so one small object goes first.
-    a._client.put_object(Bucket=bucket, Key="warm-up", Body=b"x")
+    # A fresh cluster creates RGW's pools at the first object and the first multipart upload
+    # (~2-3 s each): not a cost of an upload, so one multipart object goes first.
+    a._client.upload_fileobj(io.BytesIO(bytes(17 << 20)), bucket, "warm-up", Config=a._transfer)
     a._client.delete_object(Bucket=bucket, Key="warm-up")
     rows = []
     for mb in sizes_mb:
