@@ -757,14 +757,18 @@ class SharedStore:
     def download_bytes_per_s(self) -> float | None:
         return self._down_rate
 
-    def download(self, s: RemoteSession, store: Store) -> Path:
+    def download(self, s: RemoteSession, store: Store, claimed: bool = False) -> Path:
         """Bring save `s` into the session directory as s.name; → its path. SharedError when
-        it cannot; then nothing under that name changed."""
+        it cannot; then nothing under that name changed. Blocking: run it in a thread.
+
+        The name is held in Store.in_use for the download (prune leaves it alone) and a name
+        someone else holds is never replaced. claimed=True: the caller acquired the name
+        itself (on the event loop, to keep holding it through the restore that follows)."""
         name = s.name
         stem = stem_of(name)
         final = store.path / name
         conv = s.conversation_key
-        if name in store.in_use:
+        if store.in_use.get(name, 0) > (1 if claimed else 0):
             raise SharedError(f"{name} is being written or read here; a download does not replace it")
         local = store.read_meta(conv) if conv else None
         if local is not None and local.saved_at >= s.saved_at:
@@ -772,12 +776,18 @@ class SharedStore:
                 self.counters.downloads_kept_local += 1
             return final
         temp = store.path / f"{TEMP_PREFIX}{stem}.{uuid.uuid4().hex[:8]}.download.partial"
-        store.acquire(name)
+        # The store's mode and group when it has them (0640 + control.group), else 0600.
+        mode, group = getattr(store, "mode", 0o600), getattr(store, "group", None)
+        if not claimed:
+            store.acquire(name)
         t0 = time.monotonic()
         try:
             got = 0
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                if group is not None:
+                    os.fchown(fd, -1, group)
+                os.fchmod(fd, mode)
                 with os.fdopen(fd, "wb") as out:
                     r = self._client.get_object(Bucket=self.bucket, Key=s.key)
                     body = r["Body"]
@@ -816,7 +826,8 @@ class SharedStore:
                 self.counters.last_download_error = str(e)
             raise
         finally:
-            store.release(name)
+            if not claimed:
+                store.release(name)
             try:
                 temp.unlink()
             except FileNotFoundError:

@@ -255,11 +255,6 @@ class Store:
         os.replace(temp, self.path / manual_name(name))
         _fsync_dir(self.path)
 
-    def write_meta(self, meta: Meta) -> None:
-        """Write auto-<key>.json atomically, for a .bin that came from elsewhere (a download
-        from the shared tier, autosessd/shared.py); a local save writes it in finalize."""
-        self._write_meta(meta)
-
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
         data = json.dumps(asdict(meta), sort_keys=True).encode() + b"\n"
@@ -271,6 +266,11 @@ class Store:
             os.close(fd)
         os.replace(tmp, self.meta_path(meta.key))
         _fsync_dir(self.path)
+
+    def write_meta(self, meta: Meta) -> None:
+        """Write auto-<key>.json atomically, for a .bin that came from elsewhere (a download
+        from the shared tier, autosessd/shared.py); a local save writes it in finalize."""
+        self._write_meta(meta)
 
     def discard_temp(self, key: str) -> None:
         try:

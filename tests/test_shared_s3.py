@@ -233,6 +233,14 @@ def test_a_download_never_replaces_a_file_in_use_or_a_newer_local_save(hosts):
         with pytest.raises(SharedError, match="being written or read"):
             h2.download(found, s2)
     assert sha(s2.bin_path(KEY)) == local_sha and s2.read_meta(KEY) == mine
+    with s2.using(NAME), s2.using(NAME):  # the caller's claim, and someone else's
+        with pytest.raises(SharedError, match="being written or read"):
+            h2.download(found, s2, claimed=True)
+    assert sha(s2.bin_path(KEY)) == local_sha
+    with s2.using(NAME):  # only the caller's claim, held on through the restore that follows
+        h2.download(found, s2, claimed=True)
+        assert NAME in s2.in_use
+    assert s2.read_meta(KEY).saved_at == 2000.0 and s2.bin_path(KEY).read_bytes().endswith(b"remote")
     newest = save(s2, KEY, [3] * 30, b"local, newest", saved_at=3000.0)
     assert h2.download(found, s2) == s2.bin_path(KEY)
     assert s2.read_meta(KEY) == newest and h2.status()["downloads_kept_local"] == 1
