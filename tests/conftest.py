@@ -51,12 +51,10 @@ def s3_bucket(s3_gateway):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """`make test` says how many shared-tier tests did not run, why, and the command that runs them."""
+    """`make test` says how many shared-tier tests did not run, why, and (in the reason) the
+    one command that runs them."""
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if "s3" in getattr(r, "keywords", {})]
     if skipped:
-        from s3_gateway import RUN_THEM
-
         rep = skipped[0].longrepr
         reason = (rep[2] if isinstance(rep, tuple) else str(rep)).removeprefix("Skipped: ")
         terminalreporter.write_line(f"{len(skipped)} shared-tier (S3) tests skipped: {reason}", yellow=True)
-        terminalreporter.write_line(f"run them with: {RUN_THEM}", yellow=True)

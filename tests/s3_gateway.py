@@ -36,7 +36,8 @@ class Gateway:
             why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "scripts/s3-gateway: unavailable"
             if os.environ.get("AUTOSESSD_REQUIRE_S3"):
                 pytest.fail(f"AUTOSESSD_REQUIRE_S3 is set and the S3 gateway cannot run here: {why}")
-            pytest.skip(f"no S3 gateway: {why}")
+            # The command is in the reason: every summary of skips that prints reasons shows it.
+            pytest.skip(f"no S3 gateway: {why}; run these tests with: {RUN_THEM}")
         if r.returncode != 0:
             raise AssertionError(f"scripts/s3-gateway start failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
         return cls(dict(line.split("=", 1) for line in r.stdout.split()))
