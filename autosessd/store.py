@@ -327,6 +327,11 @@ class Store:
         os.replace(tmp, self.meta_path(meta.key))
         _fsync_dir(self.path)
 
+    def write_meta(self, meta: Meta) -> None:
+        """Write auto-<key>.json atomically, for a .bin that came from elsewhere (a download
+        from the shared tier, autosessd/shared.py); a local save writes it in finalize."""
+        self._write_meta(meta)
+
     def discard_temp(self, key: str) -> None:
         try:
             self.temp_path(key).unlink()

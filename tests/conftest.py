@@ -46,3 +46,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_sep("-", f"{len(skipped)} skipped: not checked on this machine")
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{n:4d} × {reason}")
+
+
+# -- the shared tier's real S3 server (tests/s3_gateway.py) ---------------------------------
+@pytest.fixture(scope="session")
+def s3_gateway():
+    """One Ceph RADOS Gateway for the whole session, started on first use (~16 s)."""
+    from s3_gateway import Gateway
+
+    gw = Gateway.start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_gateway):
+    """A fresh bucket for one test, emptied and removed after it."""
+    name = s3_gateway.new_bucket()
+    yield name
+    s3_gateway.empty(name)

@@ -83,6 +83,25 @@ def test_flags_override_the_file():
         (b"[gate]\nmax_body_mb = '64M'\n", "gate.max_body_mb", "must be a number"),
         (b"[control]\ngroup = 'no-such-group-xyz'\n", "control.group", "no such group"),
         (b"engine = 3\n", "engine", "table"),
+        (b"[shared]\nbucket = 'sessions'\n", "shared.endpoint_url", "missing"),
+        (b"[shared]\nendpoint_url = 'http://s3:7480'\n", "shared.bucket", "missing"),
+        (b"[shared]\nendpoint_url = 's3.example.com'\nbucket = 'b01'\n", "shared.endpoint_url", "http"),
+        (b"[shared]\nendpoint_url = 'http://k:s@s3'\nbucket = 'b01'\n", "shared.endpoint_url", "credentials"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'My_Bucket'\n", "shared.bucket", "bucket name"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nprefix = '/abs/'\n", "shared.prefix", "folders"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nprefix = 'no-slash'\n", "shared.prefix",
+         "ending in '/'"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nsecret_access_key = 'x'\n",
+         "shared.secret_access_key", "never go in the config file"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\ncredentials_file = 'creds'\n",
+         "shared.credentials_file", "absolute"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nhost = 'a/b'\n", "shared.host", "letters"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\npart_mb = 4\n", "shared.part_mb", "5 to 5120"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nread_timeout_s = 0\n", "shared.read_timeout_s",
+         "more than 0"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nkeep = 0\n", "shared.keep", "1 or more"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nlease_s = 1\n", "shared.lease_s", "10 or more"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nbogus = 1\n", "shared.bogus", "unknown key"),
     ],
 )
 def test_bad_values_name_the_key(text, key, reason):
@@ -91,6 +110,16 @@ def test_bad_values_name_the_key(text, key, reason):
     assert e.value.key == key
     assert reason in e.value.reason
     assert str(e.value).startswith(f"/etc/autosessd/autosessd.toml: {key}: ")
+
+
+def test_shared_absent_means_no_remote_tier_and_present_means_its_values():
+    assert parse(BASE, "t.toml").shared is None
+    c = parse(BASE + b"[shared]\nendpoint_url = 'https://s3.example.com'\nbucket = 'team-sessions'\n"
+                     b"prefix = 'llm/prod/'\nkeep = 50\nmax_gb = 20\n", "t.toml")
+    assert (c.shared.endpoint_url, c.shared.bucket, c.shared.prefix) == ("https://s3.example.com", "team-sessions",
+                                                                         "llm/prod/")
+    assert (c.shared.keep, c.shared.max_gb, c.shared.region) == (50, 20.0, "us-east-1")
+    assert parse(BASE + b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nprefix = ''\n").shared.prefix == ""
 
 
 def test_missing_and_relative_slot_save_path():

@@ -1,0 +1,103 @@
+"""The shared tier's pure parts: bucket names, the prune plan, the download estimate, credentials."""
+
+import os
+
+import pytest
+
+from autosessd.shared import (RemoteSession, SharedError, Unavailable, estimate, model_id, parse_key,
+                              plan_bucket_prune, read_credentials, stem_of)
+
+P = "team/"
+KEY = "0123456789abcdef"
+
+
+def obj(stem="auto-" + KEY, us=1_700_000_000_000_000, n=100, host="h1", model="m1"):
+    return f"{P}sessions/{model}/{stem}/{us:020d}-{n:010d}-{host}.bin"
+
+
+def rs(stem="auto-" + KEY, saved=100.0, host="h1", size=10, modified=None, model="m1", n=100):
+    key = obj(stem, round(saved * 1e6), n, host, model)
+    return RemoteSession(key=key, model=model, name=stem + ".bin", saved_at=saved, n_tokens=n, host=host,
+                         bytes=size, modified=saved if modified is None else modified)
+
+
+def test_an_owned_name_parses_to_what_find_needs():
+    s = parse_key(P, obj(n=27174, host="gpu-2.lan"), 5, 9.0)
+    assert (s.model, s.name, s.n_tokens, s.host, s.bytes, s.saved_at) == \
+        ("m1", f"auto-{KEY}.bin", 27174, "gpu-2.lan", 5, 1_700_000_000.0)
+    assert s.conversation_key == KEY
+    assert parse_key(P, obj(stem="parked-1"), 5, 9.0).conversation_key is None
+
+
+@pytest.mark.parametrize("key", [
+    "team/notes.txt",
+    "team/sessions/readme",
+    "team/sessions/m1/auto-x/garbage.bin",
+    f"team/sessions/m1/auto-{KEY}/1700-100-h1.bin",  # digits not padded: not written by autosessd
+    f"team/sessions/m1/auto-{KEY}/{0:020d}-{1:010d}-h1.bin.partial",
+    f"team/sessions/m1/../auto-{KEY}/{0:020d}-{1:010d}-h1.bin",
+    f"sessions/m1/auto-{KEY}/{0:020d}-{1:010d}-h1.bin",  # the pattern, but outside the prefix
+    f"other/team/sessions/m1/auto-{KEY}/{0:020d}-{1:010d}-h1.bin",
+])
+def test_names_autosessd_does_not_own_are_never_sessions(key):
+    assert parse_key(P, key, 1, 1.0) is None
+
+
+def test_model_and_file_names_never_make_paths():
+    assert model_id("3f2a9c0d1e2b4a5c") == "3f2a9c0d1e2b4a5c"
+    odd = model_id("/models/gemma 3/ä.gguf")
+    assert odd.startswith("h-") and "/" not in odd and odd == model_id("/models/gemma 3/ä.gguf")
+    assert stem_of(f"auto-{KEY}.bin") == f"auto-{KEY}" and stem_of("parked.v2.bin") == "parked.v2"
+    for bad in ("../x.bin", "a/b.bin", ".hidden.bin", "x.json", "x"):
+        with pytest.raises(SharedError):
+            stem_of(bad)
+
+
+def test_prune_keeps_the_newest_current_saves_and_drops_superseded_after_grace():
+    a_old, a_new = rs("auto-a", 100.0, "h1"), rs("auto-a", 200.0, "h2", modified=200.0)
+    b = rs("auto-b", 150.0)
+    c = rs("auto-c", 50.0)
+    plan = plan_bucket_prune([a_old, a_new, b, c], keep=2, max_bytes=10**9, now=200.0 + 60, grace_s=30)
+    assert {s.key for s in plan.keep} == {a_new.key, b.key}
+    assert {s.key for s in plan.remove} == {a_old.key, c.key} and plan.superseded == 1
+    # Within the grace period a superseded save stays: another host may be downloading it.
+    plan = plan_bucket_prune([a_old, a_new], keep=5, max_bytes=10**9, now=200.0 + 10, grace_s=30)
+    assert plan.remove == [] and plan.superseded == 0
+
+
+def test_prune_size_budget_and_newer_wins_by_name_not_arrival():
+    # h1's save was made later but arrived earlier (modified earlier): it is still the current one.
+    late_arrival = rs("auto-a", 100.0, "h2", size=4, modified=500.0)
+    newer = rs("auto-a", 101.0, "h1", size=4, modified=400.0)
+    plan = plan_bucket_prune([late_arrival, newer, rs("auto-b", 90.0, size=7)], keep=10, max_bytes=8,
+                             now=1000.0, grace_s=0)
+    assert [s.key for s in plan.keep] == [newer.key]
+    assert {s.key for s in plan.remove} == {late_arrival.key, rs("auto-b", 90.0, size=7).key}
+
+
+def test_estimate_says_both_numbers_and_which_is_faster():
+    e = estimate(1_000_000_000, 27_174, down_bytes_s=400e6, prefill_tokens_s=600, latency_s=0)
+    assert e.worth and e.download_s == 2.5 and 45 < e.reread_s < 46
+    line = e.line("auto-x.bin", 1_000_000_000, 27_174)
+    assert "download ~2.5 s at 400 MB/s" in line and "re-reading 27,174 tokens ~45.3 s at 600 tokens/s" in line
+    assert line.endswith("downloading")
+    slow = estimate(1_000_000_000, 2_000, down_bytes_s=20e6, prefill_tokens_s=2_000)
+    assert not slow.worth and slow.line("a.bin", 10**9, 2000).endswith("skipped, re-reading is faster")
+    # Nothing measured yet: download (and so measure); it is never refused blind.
+    assert estimate(10**9, 10, None, 600).worth and estimate(10**9, 10, 1e6, None).worth
+
+
+def test_credentials_file(tmp_path):
+    f = tmp_path / "creds"
+    f.write_text("[default]\naws_access_key_id = AK1\naws_secret_access_key = s3cr3t\n")
+    os.chmod(f, 0o600)
+    assert read_credentials(str(f)) == {"aws_access_key_id": "AK1", "aws_secret_access_key": "s3cr3t"}
+    os.chmod(f, 0o644)
+    with pytest.raises(Unavailable, match="readable by others .*chmod 600"):
+        read_credentials(str(f))
+    f.write_text("[default]\naws_access_key_id = AK1\n")
+    os.chmod(f, 0o600)
+    with pytest.raises(Unavailable, match="lacks aws_secret_access_key"):
+        read_credentials(str(f))
+    with pytest.raises(Unavailable, match="No such file"):
+        read_credentials(str(tmp_path / "missing"))
