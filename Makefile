@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test engine s3-packages bench soak clean
+.PHONY: demo test engine s3-packages bench bench-slots soak clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(BIN)/.installed engine s3-packages
 # Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some.
 bench: $(BIN)/.installed engine
 	$(BIN)/python bench/run.py $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
+
+# Several slots: the engine alone and autosessd in front of it, four flag sets side by side (~20 min).
+bench-slots: $(BIN)/.installed engine
+	$(BIN)/python bench/slots.py
 
 # 20 minutes of random switches with engine restarts and log rotation (SOAK_MINUTES to change).
 soak: $(BIN)/.installed engine
