@@ -175,7 +175,7 @@ class Slot:
     task_id: int | None = None  # the engine's id_task when we last looked: a new one means a request ran
     seen_cache_n: tuple[int, int] | None = None  # (task id, cache_n) read from GET /slots while it ran
     watcher: asyncio.Task | None = None
-    holds_launch: bool = False  # this slot's ticket holds Sessions._launch (engines that empty idle slots)
+    holds_launch: str | None = None  # "shared" | "exclusive": its ticket's hold on Sessions.launches
 
     @property
     def busy(self) -> bool:
@@ -185,6 +185,55 @@ class Slot:
         """The conversation is on this slot: held, restored, running, or just placed here."""
         v = self.view
         return self.placing == key or (v.key == key and v.phase in (Phase.HELD, Phase.RESTORED, Phase.SWITCHED))
+
+
+class LaunchGate:
+    """When the engine may be made to start a request, for an engine that empties every idle
+    slot whenever a request starts on any slot (a unified KV cache with --cache-idle-slots).
+
+    Starts are shared: many may be in flight at once (sent, not yet seen running). A restore
+    (until its own request has started) and the save of a conversation whose request just
+    ended are exclusive: a start in between would empty the slot they work on. Exclusive
+    waiters go first: no new start is sent while one waits."""
+
+    def __init__(self) -> None:
+        self.shared = 0
+        self.exclusive = False
+        self.exclusive_waiting = 0
+        self._waiters: list[asyncio.Future] = []
+
+    async def acquire(self, kind: str) -> None:
+        if kind == "shared":
+            while self.exclusive or self.exclusive_waiting:
+                await self._wait()
+            self.shared += 1
+            return
+        self.exclusive_waiting += 1
+        try:
+            while self.exclusive or self.shared:
+                await self._wait()
+        finally:
+            self.exclusive_waiting -= 1
+        self.exclusive = True
+
+    def release(self, kind: str) -> None:
+        if kind == "shared":
+            self.shared -= 1
+        else:
+            self.exclusive = False
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
+        self._waiters.clear()
+
+    async def _wait(self) -> None:
+        f = asyncio.get_running_loop().create_future()
+        self._waiters.append(f)
+        try:
+            await f
+        finally:
+            if f in self._waiters:
+                self._waiters.remove(f)
 
 
 class Ticket:
@@ -294,7 +343,7 @@ class Sessions:
         self.slots: dict[int, Slot] = {}
         self._waiters: list[_Waiter] = []  # for tickets, in arrival order
         self._idle_waiters: list[asyncio.Future] = []  # fifos_free
-        self._launch = asyncio.Lock()  # no request starts while held (see may_launch)
+        self.launches = LaunchGate()  # engines that empty idle slots: when a request may start
         self.last_not_reused: dict[str, Any] | None = None
         self.started_at = time.time()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
@@ -401,8 +450,8 @@ class Sessions:
     def _release(self, s: Slot, ticket: Ticket) -> None:
         if s.holder is ticket:
             if s.holds_launch:  # its request never got to start (not forwarded, cancelled)
-                s.holds_launch = False
-                self._launch.release()
+                self.launches.release(s.holds_launch)
+                s.holds_launch = None
             s.holder, s.placing = None, None
             for waiter in self._idle_waiters:
                 if not waiter.done():
@@ -493,9 +542,11 @@ class Sessions:
         if self.clears_idle_slots and s.view.phase is Phase.HELD and st is not None and st.n_tokens == 0:
             # Another request started between this one's end and our look, and the engine moved
             # this slot to its RAM cache: its latest state never reaches the disk.
-            self.counters.saves_missed += 1
-            log.warning("auto sessions: %s: another request started as it ended and the engine emptied its slot "
-                        "before it could be saved (--no-cache-idle-slots keeps idle slots)", auto_name(key or ""))
+            if n_tokens is not None and n_tokens >= max(1, self.cfg.auto_sessions_min_tokens):
+                self.counters.saves_missed += 1
+                log.warning("auto sessions: %s: another request started as it ended and the engine emptied its "
+                            "slot before it could be saved (--no-cache-idle-slots keeps idle slots)",
+                            auto_name(key or ""))
             self.lost(s.id, "the engine emptied the idle slot (moved to its RAM cache)")
             return
         if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and self.cfg.auto_sessions:
@@ -505,8 +556,11 @@ class Sessions:
             step = policy.plan_save(held, Occasion.BEHIND, self.cfg.auto_sessions_min_tokens,
                                     self._file_info(held.key) if held else None, self.model)
             if isinstance(step, Save) and held is not None:
-                async with self._launch:
+                await self.launches.acquire("exclusive")
+                try:
                     await self._save(s, held, None)
+                finally:
+                    self.launches.release("exclusive")
 
     def lost(self, slot_id: int | None, why: str) -> None:
         """The slot's contents changed behind our back: hold nothing named, so the next
@@ -621,13 +675,14 @@ class Sessions:
 
     async def may_launch(self, ticket: Ticket) -> None:
         """Before a request is sent to the engine: when the engine empties idle slots at every
-        request start, wait until no restore (or end save) elsewhere needs the engine to start
-        nothing else; then hold that until this request has started (launch_started)."""
+        request start, wait while a restore or an end save elsewhere needs the engine to start
+        nothing else (LaunchGate); this request's start is then "in flight" until
+        launch_started has seen it running. Requests start side by side otherwise."""
         s = self._slot_of(ticket)
         if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
             return
-        await self._launch.acquire()
-        s.holds_launch = True
+        await self.launches.acquire("shared")
+        s.holds_launch = "shared"
 
     async def launch_started(self, ticket: Ticket, bound_s: float = 2.0) -> None:
         """The request was sent: once the engine shows it running on its slot (a new task id),
@@ -645,8 +700,8 @@ class Sessions:
                 await asyncio.sleep(0.01)
         finally:
             if s.holds_launch:
-                s.holds_launch = False
-                self._launch.release()
+                self.launches.release(s.holds_launch)
+                s.holds_launch = None
 
     def watch_request(self, slot_id: int | None) -> None:
         """A request whose end we will not see with its timings (turn hook, tail) starts on a
@@ -730,8 +785,8 @@ class Sessions:
             if self.clears_idle_slots and len(self.slots) > 1:
                 # Another request starting between this restore and our own would empty the
                 # restored slot: no request starts until ours has (launch_started releases it).
-                await self._launch.acquire()
-                s.holds_launch = True
+                await self.launches.acquire("exclusive")
+                s.holds_launch = "exclusive"
             await self._restore(s, key, result)
         elif isinstance(step, Skip):
             self._skipped(step, result)

@@ -194,9 +194,14 @@ class Upstream:
             pool.users += 1
             try:
                 resp = await pool.session.request(method, self.url + path, allow_redirects=False, **kw)
-            except aiohttp.ServerDisconnectedError:
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 # A kept-alive connection the engine closed as we reused it (its idle timeout,
-                # or a restart): it never saw the request. Once more on fresh connections.
+                # or a restart): it never saw the request (whole). Once more on fresh connections.
+                # A connection that cannot be made at all is not retried here.
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    pool.users -= 1
+                    self._close_if_idle(pool)
+                    raise
                 pool.users -= 1
                 if self._pool is pool:
                     self.retire()

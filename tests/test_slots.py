@@ -139,3 +139,22 @@ async def test_stop_saves_every_slot(tmp_path):
         await s.save_held(sid, "stop")
     for key, n in ((A, 50), (B, 40), (C, 30)):
         assert file_tokens(tmp_path, key) == conv(key, n)
+
+
+async def test_launch_gate_lets_starts_run_side_by_side_and_keeps_them_out_of_exclusive_work():
+    from autosessd.sessions import LaunchGate
+
+    g = LaunchGate()
+    await g.acquire("shared")
+    await asyncio.wait_for(g.acquire("shared"), 1)  # two starts in flight at once
+    save = asyncio.ensure_future(g.acquire("exclusive"))
+    await asyncio.sleep(0.01)
+    assert not save.done()  # an end save waits for the starts in flight to be seen running
+    late = asyncio.ensure_future(g.acquire("shared"))
+    await asyncio.sleep(0.01)
+    g.release("shared")
+    g.release("shared")
+    await asyncio.wait_for(save, 1)
+    assert not late.done()  # no start is sent while the save runs, nor while it waited
+    g.release("exclusive")
+    await asyncio.wait_for(late, 1)
