@@ -225,7 +225,7 @@ class ControlServer:
         return await asyncio.get_running_loop().run_in_executor(None, self.sessions.status)
 
     async def cmd_ls(self, args: dict[str, Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, self.sessions.ls)
+        return await self.sessions.ls_words()
 
     async def cmd_park(self, args: dict[str, Any]) -> Any:
         return await self.sessions.park(args.get("slot"), args.get("name"))
@@ -265,7 +265,10 @@ class ControlServer:
         # The serving layer runs the request after our answer and does not report its end:
         # the next turn finds it ended (sessions: SWITCHED, end not seen).
         async with await self.sessions.admit(slot) as ticket:
-            result = await self.sessions.turn(ticket, key, sees_end=False)
+            # The messages are the request's chat body as far as the hook knows it: its tokens
+            # choose what to restore (a serving layer's tools or template options are not sent).
+            body = {"messages": args["messages"]} if "messages" in args else None
+            result = await self.sessions.turn(ticket, key, sees_end=False, body=body)
         return result.to_dict()
 
     async def cmd_events(self, args: dict[str, Any], reader: asyncio.StreamReader,

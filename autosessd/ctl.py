@@ -142,7 +142,13 @@ def show_status(st: dict[str, Any]) -> str:
     for s in st["slots"] or [{"id": 0, "held": None}]:
         held = (f"holds {s['held']}  {tokens(s['n_tokens'])} tokens  "
                 f"{'durable' if s['durable'] else 'provisional'}") if s.get("held") else "holds nothing known"
-        out.append(f"slot {s['id']}    {held}")
+        out.append(f"slot {s['id']}    {held}" + (f"  ({s['file']})" if s.get("file") else ""))
+        r = s.get("last_restore")
+        if r:
+            shared = f", sharing {tokens(r['shared'])} tokens with the request" if r.get("shared") is not None else ""
+            reused = (f", the engine reused {tokens(r['cache_n'])}" if r.get("cache_n") is not None
+                      else ", not verified yet")
+            out.append(f"          last restore {r['file']} (by {r.get('chosen_by', 'key')}){shared}{reused}")
     out.append(f"sessions  {store['path']}  {store['auto_files']} auto files, {gb(store['auto_bytes'])}, "
                f"{gb(store['free_bytes'])} free  (keep {store['keep']}, max {store['max_gb']:g} GB, "
                f"min {tokens(store['min_tokens'])} tokens)")
@@ -224,9 +230,10 @@ def ls(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
     def human(rows: list[dict[str, Any]]) -> str:
         if not rows:
             return "no sessions"
-        return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], tokens(r["n_tokens"]), gb(r["bytes"]),
-                       when(r["saved_at"]), {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]]]
-                      for r in rows], ["NAME", "KIND", "TOKENS", "SIZE", "SAVED", "THIS MODEL"])
+        return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], r.get("line") or "-",
+                       tokens(r["n_tokens"]), gb(r["bytes"]), when(r["saved_at"]),
+                       {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]], r.get("words") or ""]
+                      for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "SAVED", "THIS MODEL", "FIRST WORDS"])
 
     run(lambda: c.out(call(c.path, "ls", timeout=60), human))
 

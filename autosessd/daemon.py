@@ -253,6 +253,7 @@ class Daemon:
             log.info("auto sessions: removed %s", what)
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
                                  slots_visible=checked.slots_visible)
+        await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         self.sessions.engine_healthy = True
         try:
             self.inputs = self.build_inputs()
@@ -392,6 +393,8 @@ class Daemon:
             await self.sessions.save_held(sid, "stop")
         self._stopping = "the last session files being written (finalize, prune)"
         await self.sessions.drain()
+        self._stopping = "the index cache"
+        await self.sessions.close()
 
     def _start_watchdog(self) -> asyncio.Task | None:
         usec = os.environ.get("WATCHDOG_USEC")

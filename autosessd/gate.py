@@ -52,6 +52,7 @@ log = logging.getLogger("autosessd")
 SETTLE_S = 10.0  # at a stop, for the bookkeeping of requests the stop cut
 CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses",
                                 "/responses"})
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI chat: matched by tokens
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
 # slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
 # passes the slot's FIFO: unknown routes err on the safe side.
@@ -221,17 +222,23 @@ class Gate:
         response has been delivered, or the client went away and the engine stopped."""
         body = await request.read()
         key = None
+        chat = None
         if request.path in CONVERSATION_PATHS:
             try:
-                key = conversation_key(json.loads(body))
+                parsed = json.loads(body)
+                key = conversation_key(parsed)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 key = None  # the engine answers a bad body itself
+            else:
+                # Only an OpenAI chat body has its tokens from the engine's /apply-template;
+                # the other APIs' bodies keep the key rule.
+                chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None
         s = self.sessions
         ticket = await s.admit()
         rid = uuid.uuid4().hex[:12]
         # The turn is shielded: a client leaving mid-save must not leave the engine's slot
         # half-way between two conversations while the FIFO moves on.
-        turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key))
+        turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key, body=chat))
         forwarded = False
         watcher = SSEWatcher()
         try:
