@@ -792,8 +792,8 @@ class Sessions:
         result.prefix = {"file": sub.saved["file"], "n_tokens": n, "cache_n": pre.cache_n, "prompt_n": pre.prompt_n,
                          "prefill_ms": round(pre.ms, 2), "save_ms": sub.saved["ms"], "ms": round(ms, 2)}
         log.info("auto sessions: read the first %s tokens of %s (its system prompt and tools) on their own and "
-                 "saved them to %s: %.0f ms (%s tokens read, %s reused)", fmt_tokens(n), key, sub.saved["file"], ms,
-                 fmt_tokens(pre.prompt_n), fmt_tokens(pre.cache_n))
+                 "saved them to %s: %.0f ms (%s tokens read in %.0f ms, %s reused; save %.0f ms)", fmt_tokens(n), key,
+                 sub.saved["file"], ms, fmt_tokens(pre.prompt_n), pre.ms, fmt_tokens(pre.cache_n), sub.saved["ms"])
         self.events.emit("prefix_saved", slot=s.id, key=key, **result.prefix)
 
     async def _prefix_len(self, body: dict[str, Any], tokens: bytes) -> int:
