@@ -605,6 +605,10 @@ class Sessions:
         tokens = await self._request_tokens(body, result) if sig is not None and self.index is not None else None
         if same and tokens is None:
             return _Carry(v.tokens, sig, v.file)  # the key rule: the same conversation
+        if same and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
+            # Other messages (a client that rewrites what it sent before), the same tokens:
+            # the request still goes on from what the slot holds.
+            return _Carry(v.tokens, sig, v.file)
         # Same first message, but its tokens depart from the held ones (another system prompt,
         # an edited message): the engine keeps only what they share, so it is a switch too.
         occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
@@ -756,8 +760,10 @@ class Sessions:
         prefix alone would cut that back."""
         min_tokens = max(self.cfg.auto_sessions_min_tokens, 1)
         prefill = getattr(self.engine, "prefill", None)
-        if prefill is None or self.index is None:
+        if prefill is None or self.index is None or len(tokens) // 4 <= min_tokens:
             return
+        if result.restored is not None and result.restored.get("prefix"):
+            return  # a prefix file was just restored: it is the part
         n = await self._prefix_len(body, tokens)
         if n < min_tokens or shared > n:
             return

@@ -238,3 +238,17 @@ async def test_the_index_follows_forget_and_prune_and_is_cached_for_the_next_sta
     await s.close()
     s2 = await make(tmp_path)
     assert s2.index.names() == [n for n in names if n != f"auto-{K}.bin"]
+
+
+async def test_rewritten_messages_with_the_same_tokens_go_on_without_a_save(tmp_path):
+    """A client that resends an earlier message in another form (here a field the template
+    ignores): the signature differs, so the tokens are asked for, and they go on from the
+    held ones: no save, no restore."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    grown = {**X, "messages": [{**X["messages"][0], "name": "captain"}] + X["messages"][1:]
+             + [{"role": "assistant", "content": "Aye."}, {"role": "user", "content": "Which is fastest?"}]}
+    calls = s.engine.tokenize_calls
+    turn, cache_n, n_prompt = await chat(s, grown)
+    assert s.engine.tokenize_calls == calls + 1
+    assert turn.saved is None and turn.restored is None and cache_n == len(prompt(X)) + len("Aye.")
