@@ -602,7 +602,8 @@ class Sessions:
             # The same conversation going on: its count is updated when the request ends. No
             # tokens asked for: the request extends what the slot holds.
             return _Carry(v.tokens, sig, v.file)
-        tokens = await self._request_tokens(body, result) if sig is not None and self.index is not None else None
+        want = sig is not None and self.index is not None
+        tokens = await self._request_tokens(body, result) if want and same else None
         if same and tokens is None:
             return _Carry(v.tokens, sig, v.file)  # the key rule: the same conversation
         if same and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
@@ -612,14 +613,24 @@ class Sessions:
         # Same first message, but its tokens depart from the held ones (another system prompt,
         # an edited message): the engine keeps only what they share, so it is a switch too.
         occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
-        outcome = SaveOutcome.NOT_TRIED
-        step = policy.plan_save(held, occasion, self.cfg.auto_sessions_min_tokens, self._held_info(v), self.model,
-                                key)
-        if isinstance(step, Save):
-            assert held is not None
-            outcome = await self._save(s, held, result)
-        elif isinstance(step, Skip):
-            self._skipped(step, result)
+        # At a switch the engine tokenizes the request while it saves the held conversation
+        # (/tokenize does not wait for the slot): the save hides the tokens' cost.
+        asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
+            if want and not same else None
+        try:
+            outcome = SaveOutcome.NOT_TRIED
+            step = policy.plan_save(held, occasion, self.cfg.auto_sessions_min_tokens, self._held_info(v), self.model,
+                                    key)
+            if isinstance(step, Save):
+                assert held is not None
+                outcome = await self._save(s, held, result)
+            elif isinstance(step, Skip):
+                self._skipped(step, result)
+            if asking is not None:
+                tokens = await asking
+        finally:
+            if asking is not None and not asking.done():
+                asking.cancel()
         if key is None:
             return None
         if tokens is None:
