@@ -647,7 +647,6 @@ class Sessions:
         if isinstance(step, Restore):
             name = auto_name(key)
             if await self._restore(s, key, result, name):
-                self._set(s, dataclasses.replace(s.view, file=name))
                 meta = self.store.read_meta(key)
                 own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
                 self._record_restore(s, result, name, None, None, "key")
