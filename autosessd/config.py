@@ -44,6 +44,11 @@ class EngineConfig:
     api_key: str | None = None
     timeout_s: float = 120.0
     control: str | None = None  # control-stream address: unix:/path or tcp:host:port
+    # The model's sliding attention window in tokens (n_swa; Gemma 3: 512): after a restore the
+    # engine reuses a file only if it holds fewer tokens than this past the prefix it shares
+    # with the prompt. None: read it from the model file the engine names (/props model_path,
+    # GGUF `<arch>.attention.sliding_window`), none when that cannot be read; 0: no window.
+    swa_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,8 @@ def _validate(c: Config, source: str) -> None:
         bad("engine.url", f"has an invalid port: {e.url!r}")
     if e.slot < 0:
         bad("engine.slot", f"must be 0 or more, got {e.slot}")
+    if e.swa_window is not None and e.swa_window < 0:
+        bad("engine.swa_window", f"must be 0 (no sliding window) or more, got {e.swa_window}")
     if not e.timeout_s > 0:
         bad("engine.timeout_s", f"must be more than 0, got {e.timeout_s}")
     if e.kind == "control-stream" and not e.control:

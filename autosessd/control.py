@@ -225,7 +225,7 @@ class ControlServer:
         return await asyncio.get_running_loop().run_in_executor(None, self.sessions.status)
 
     async def cmd_ls(self, args: dict[str, Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, self.sessions.ls)
+        return await self.sessions.ls_words()
 
     async def cmd_park(self, args: dict[str, Any]) -> Any:
         return await self.sessions.park(self._slot_arg("park", args), args.get("name"))
@@ -264,7 +264,10 @@ class ControlServer:
         # autosessd places the conversation; the answer's "slot" is where to pin the request.
         ticket = await (self.sessions.admit(slot) if slot is not None else self.sessions.place(key))
         async with ticket:
-            result = await self.sessions.turn(ticket, key, sees_end=False)
+            # The messages are the request's chat body as far as the hook knows it: its tokens
+            # choose what to restore (a serving layer's tools or template options are not sent).
+            body = {"messages": args["messages"]} if "messages" in args else None
+            result = await self.sessions.turn(ticket, key, sees_end=False, body=body)
         return result.to_dict()
 
     def _slot_arg(self, cmd: str, args: dict[str, Any]) -> int | None:

@@ -156,7 +156,13 @@ def show_status(st: dict[str, Any]) -> str:
            f"{'on' if st['auto_sessions'] else 'off'}",
            f"engine    {e['kind']} {e['url']}  {'healthy' if e['healthy'] else 'NOT healthy'}  {e['model']}"]
     for s in st["slots"] or [{"id": 0, "state": "unknown"}]:
-        out.append(f"slot {s['id']}    {slot_line(s)}")
+        out.append(f"slot {s['id']}    {slot_line(s)}" + (f"  ({s['file']})" if s.get("file") else ""))
+        r = s.get("last_restore")
+        if r:
+            shared = f", sharing {tokens(r['shared'])} tokens with the request" if r.get("shared") is not None else ""
+            reused = (f", the engine reused {tokens(r['cache_n'])}" if r.get("cache_n") is not None
+                      else ", not verified yet")
+            out.append(f"          last restore {r['file']} (by {r.get('chosen_by', 'key')}){shared}{reused}")
     out.append(f"sessions  {store['path']}  {store['auto_files']} auto files, {gb(store['auto_bytes'])}, "
                f"{gb(store['free_bytes'])} free  (keep {store['keep']}, max {store['max_gb']:g} GB, "
                f"min {tokens(store['min_tokens'])} tokens)")
@@ -238,9 +244,10 @@ def ls(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
     def human(rows: list[dict[str, Any]]) -> str:
         if not rows:
             return "no sessions"
-        return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], tokens(r["n_tokens"]), gb(r["bytes"]),
-                       when(r["saved_at"]), {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]]]
-                      for r in rows], ["NAME", "KIND", "TOKENS", "SIZE", "SAVED", "THIS MODEL"])
+        return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], r.get("line") or "-",
+                       tokens(r["n_tokens"]), gb(r["bytes"]), when(r["saved_at"]),
+                       {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]], r.get("words") or ""]
+                      for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "SAVED", "THIS MODEL", "FIRST WORDS"])
 
     run(lambda: c.out(call(c.path, "ls", timeout=60), human))
 

@@ -305,6 +305,7 @@ class Daemon:
         self.sessions.add_slots(checked.total_slots)
         self.sessions.engine_layout = checked.layout
         self.sessions.clears_idle_slots = checked.clears_idle_slots
+        await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         self.sessions.engine_healthy = True
         try:
             self.inputs = self.build_inputs()
@@ -444,6 +445,8 @@ class Daemon:
             await self.sessions.save_held(sid, "stop")
         self._stopping = "the last session files being written (finalize, prune)"
         await self.sessions.drain()
+        self._stopping = "the index cache"
+        await self.sessions.close()
 
     def _start_watchdog(self) -> asyncio.Task | None:
         usec = os.environ.get("WATCHDOG_USEC")

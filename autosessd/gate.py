@@ -55,6 +55,7 @@ CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v
 # Requests llama-server lets a client pin to a slot with "id_slot" (b11434): with several slots
 # autosessd pins them where it placed them. Embeddings and rerank cannot be pinned.
 PINNABLE_PATHS = CONVERSATION_PATHS | {"/completion", "/completions", "/v1/completions", "/infill"}
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI chat: matched by tokens
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
 # slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
 # passes the slot's FIFO: unknown routes err on the safe side.
@@ -228,6 +229,9 @@ class Gate:
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # the engine answers a bad body itself
         key = conversation_key(parsed) if request.path in CONVERSATION_PATHS else None
+        # Only an OpenAI chat body has its tokens from the engine's /apply-template; the other
+        # APIs' bodies keep the key rule.
+        chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None
         s = self.sessions
         n_slots = len(s.slots)
         if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict)):
@@ -244,7 +248,7 @@ class Gate:
         rid = uuid.uuid4().hex[:12]
         # The turn is shielded: a client leaving mid-save must not leave the engine's slot
         # half-way between two conversations while the FIFO moves on.
-        turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key))
+        turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key, body=chat))
         forwarded = False
         watcher = SSEWatcher()
         try:

@@ -589,6 +589,13 @@ def branch_key(key: str, tokens: Sequence[int] | bytes) -> str:
     return hashlib.sha1(b"autosessd branch\0" + key.encode() + b"\0" + data).hexdigest()[:16]
 
 
+def prefix_key(tokens: Sequence[int] | bytes) -> str:
+    """The owned key of a file that holds exactly a shared prefix (a system prompt and its
+    tools, read on its own before a new conversation): the same tokens, the same name."""
+    data = tokens if isinstance(tokens, bytes) else encode(tokens)
+    return hashlib.sha1(b"autosessd prefix\0" + data).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class SavedFile:
     """What save_key needs of a file: its tokens and how many of them were the prompt it

@@ -9,6 +9,7 @@ text (tokenize, raw `prompt`, embeddings) has no key and is left alone.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Any
 
@@ -70,3 +71,46 @@ def _content_text(content: Any) -> str | None:
         ]
         return "\n".join(texts)
     return None
+
+
+# Fields of an OpenAI chat body that never change its prompt's text (sampling, output,
+# transport). Any other field (tools, template options, fields added later) may, so it is
+# part of the signature: an unknown field costs a tokenization, never a wrong match.
+_NOT_PROMPT = frozenset({"model", "temperature", "top_p", "top_k", "min_p", "typical_p", "max_tokens",
+                         "max_completion_tokens", "n_predict", "n", "seed", "stream", "stream_options", "stop",
+                         "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n", "logprobs",
+                         "top_logprobs", "logit_bias", "user", "id_slot", "cache_prompt", "timings_per_token",
+                         "return_progress", "samplers", "dry_multiplier", "mirostat", "grammar",
+                         "response_format", "metadata", "store", "service_tier"})
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha1(json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
+                        ).hexdigest()[:16]
+
+
+def chat_signature(body: Any) -> tuple[str, ...] | None:
+    """(digest of the fields that shape the prompt, digest of each message) of an OpenAI chat
+    body whose messages carry only text; None for anything else (images, audio, a malformed
+    body): those are matched by key, not by tokens. A request whose signature starts with
+    the held request's goes on from it: its prompt extends the held one's, no need to ask
+    the engine for its tokens."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+        return None
+    for m in body["messages"]:
+        if not isinstance(m, dict):
+            return None
+        c = m.get("content")
+        if isinstance(c, list) and any(not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS for p in c):
+            return None  # media: the engine's tokens for it are not text tokens
+    try:
+        options = {k: v for k, v in body.items() if k != "messages" and k not in _NOT_PROMPT}
+        return (_digest(options), *(_digest(m) for m in body["messages"]))
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def continues(held: tuple[str, ...] | None, new: tuple[str, ...] | None) -> bool:
+    """Does a request of signature `new` go on from the held request's (same options, its
+    messages first)?"""
+    return held is not None and new is not None and len(new) >= len(held) and new[:len(held)] == held

@@ -4,7 +4,12 @@ No I/O and no clock here; sessions.py performs what these functions decide. The
 turn has two decisions because the second depends on how the first went:
 
     plan_save(held, occasion, ..., key)          -> Save | Skip | None
-    plan_restore(held, key, save_outcome, ...)   -> Restore | Skip | None
+    plan_restore(held, key, save_outcome, ...)   -> Restore | Skip | None      (by the key)
+    plan_restore_by_tokens(held, key, ...)       -> RestoreFile | Skip         (by the tokens)
+
+A chat request whose tokens the engine gave (sessions.py) is matched by its tokens:
+plan_restore_by_tokens. Other requests (another API's body, an engine that cannot
+tokenize, the tail and a hook that send only a key) keep the key rule: plan_restore.
 
 plan_save is the one "save or not" decision: the turn (a switch, or a keyless
 request that will replace the slot's contents), the stop and the tail's save-behind
@@ -13,7 +18,9 @@ all ask it.
     key is None          no restore; the held conversation is saved as at a switch
                          (a keyless request replaces what the slot holds), and the
                          request itself is forwarded untouched
-    key == held.key      nothing; the token count is updated after the request
+    key == held.key      nothing; the token count is updated after the request —
+                         unless its tokens depart from the held conversation's
+                         (Occasion.BRANCH): then as at a switch
     otherwise            save the held conversation if it reached min_tokens
                          (and its file is not already up to date), then restore
                          auto-<key>.bin if it exists, fits this model and reached
@@ -89,6 +96,9 @@ class Occasion(Enum):
     with plan_save; only the occasion differs."""
 
     SWITCH = "switch"    # a request of another conversation is next on the slot
+    BRANCH = "branch"    # a request of the held conversation's first message that does not go on from it
+                         # (another system prompt, an edited message: its tokens depart from the held ones):
+                         # the engine keeps only what they share, so the rest is lost unless saved
     KEYLESS = "keyless"  # a request without a conversation (raw completion, embedding) is next:
                          # it replaces the slot's contents as surely as a switch does
     STOP = "stop"        # the daemon stops
@@ -136,6 +146,31 @@ def plan_restore(held: Held | None, key: str | None, outcome: SaveOutcome, file:
     if file.n_tokens < min_tokens or file.n_tokens == 0:
         return Skip("restore", key, BELOW_MIN)
     return Restore(key, file.n_tokens)
+
+
+@dataclass(frozen=True)
+class RestoreFile:
+    """Restore this file: of the session files, the one sharing the longest prefix with the
+    request's tokens (index.best), `shared` tokens of it."""
+
+    name: str
+    shared: int
+
+
+NO_MATCH = "no file shares enough tokens with the request"
+
+
+def plan_restore_by_tokens(held: Held | None, key: str, outcome: SaveOutcome, found: tuple[str, int] | None,
+                           shared_now: int, min_tokens: int) -> RestoreFile | Skip:
+    """Step 3 when the request's tokens are known (DESIGN §9): restore `found` (the index's
+    best file for them, (name, tokens shared)) only if it shares at least min_tokens more
+    than the slot already shares with the request (shared_now): a file is restored for its
+    tokens, never for its name. The rule of a failed save holds as in plan_restore."""
+    if outcome is SaveOutcome.FAILED and held is not None and held.durable:
+        return Skip("restore", key, SAVE_FAILED_DURABLE)
+    if found is None or found[1] < shared_now + max(min_tokens, 1):
+        return Skip("restore", key, NO_MATCH)
+    return RestoreFile(found[0], found[1])
 
 
 def restore_reused(n_restored: int, cache_n: int, n_prompt: int | None = None) -> bool:

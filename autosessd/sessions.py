@@ -16,8 +16,9 @@ the gate, the tail and the control socket report what they saw through the metho
 
 Transitions (method → new state):
 
-    turn(K)           save the held conversation if worth it, restore K if it has a file
-                      (RESTORED, or EMPTY when the restore failed), then switched_to(K)
+    turn(K)           save the held conversation if worth it, restore the file its tokens
+                      choose (RESTORED, or EMPTY when the restore failed), maybe read a
+                      shared prefix on its own (HELD: the prefix), then switched_to(K)
     switched_to(K)    → SWITCHED(K, prior = the state the request starts from)
     ended(ok)         → HELD(K, the engine's count, durable), and a RESTORED prior is verified
     ended(cancelled)  → HELD(K, provisional), or prior when the engine's slot did not change
@@ -40,7 +41,7 @@ counts to the responses and cannot show requests that bypass the gate.
 Ordering, per engine slot:
 
     ticket = await sessions.admit(slot)     # the slot's FIFO: one turn + request at a time
-    result = await sessions.turn(ticket, key)   # save held → restore key; never raises
+    result = await sessions.turn(ticket, key, body=chat)   # save held → restore; never raises
     ... the request runs on the engine ...
     await sessions.ended(ticket.slot_id, key, status, ...)
     ticket.release()                        # safe twice
@@ -52,6 +53,22 @@ waiters in FIFO order, so requests run in the order they arrived. A save returns
 turn as soon as the engine has written the temporary and its size and header checked
 out; the fsync/rename/metadata (store.finalize) runs in a worker thread off the
 request's path, and a later restore or save of the same key waits for it.
+
+Files by their tokens (DESIGN §9, issue 11). A turn with an OpenAI chat body asks the
+engine for the request's tokens unless the request goes on from the held one (same key,
+the held request's messages first: View.messages), and then
+
+    save      the held conversation, named by its header's tokens (index.save_key): its
+              line's file when it extends or replaces it, a branch name when another
+              conversation of the same opener holds that file, nothing when a file holds it
+              all already. Same key but tokens that depart (Occasion.BRANCH) is a switch too.
+    restore   index.best: the file sharing the longest prefix with the request, if it shares
+              min_tokens more than the slot already does (View.tokens); never by name
+    prefix    a new conversation whose system prompt and tools reach min_tokens and which no
+              file holds: read them on their own and save them as a prefix file (_split)
+
+Without tokens (other APIs, images, the tail, a hook sending a key, an engine that cannot
+tokenize) the key rule of DESIGN §1 decides, as before.
 
 Every failure is caught here, logged as `auto sessions: <what>: <why>`, counted, and
 turned into "do nothing": the request then runs exactly as it would without autosessd.
@@ -66,6 +83,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -75,11 +93,13 @@ from urllib.parse import urlsplit
 import psutil
 from typing import Any, Awaitable, Callable
 
-from . import __version__, policy, slotfile
+from . import __version__, gguf, policy, slotfile
 from .config import Config
 from .engines.base import Engine, EngineError, EngineRefused, SlotsHidden, SlotState
-from .policy import FileInfo, Held, Occasion, Restore, Save, SaveOutcome, Skip
-from .store import Meta, Store, StoreError, auto_name, manual_name, temp_name
+from .index import SavedFile, TokenIndex, common_prefix, comparable, decode, encode, prefix_key, save_key
+from .keys import chat_signature, continues
+from .policy import FileInfo, Held, Occasion, Restore, RestoreFile, Save, SaveOutcome, Skip
+from .store import AUTO_BIN, Meta, Store, StoreError, auto_name, manual_name, temp_name
 
 log = logging.getLogger("autosessd")
 
@@ -88,6 +108,19 @@ NOT_REUSED_CAUSE = ("the engine did not reuse the restored state: a sliding-wind
                     "run without --swa-full, or a prompt that no longer starts with the saved conversation")
 NO_KV_ROOM = "No available space in KV cache"  # llama-server's answer to a restore that does not fit
 WATCH_EVERY_S = 0.025  # GET /slots while a request whose restore awaits verification runs (hook, tail)
+
+
+_MARKERS = re.compile(r"<\|?[A-Za-z_][A-Za-z0-9_]*\|?>|\[/?INST\]|<<SYS>>|<</SYS>>")
+
+
+def first_words(text: str, max_chars: int = 72) -> str:
+    """A file's first tokens as a person reads them: the template's markers (`<bos>`,
+    `<start_of_turn>`, `<|im_start|>`) left out, whitespace folded, cut at a word."""
+    text = " ".join(_MARKERS.sub(" ", text).split())
+    if len(text) <= max_chars:
+        return text
+    cut = text[:max_chars].rsplit(" ", 1)[0] if " " in text[:max_chars] else text[:max_chars]
+    return cut + " …"
 
 
 def fmt_tokens(n: int | None) -> str:
@@ -128,6 +161,12 @@ class Counters:
     bad_log_lines: int = 0
     pruned_files: int = 0
     pruned_bytes: int = 0
+    tokenized: int = 0  # turns that asked the engine for the request's tokens
+    tokenize_failures: int = 0  # ... and got none (the key rule decided instead)
+    restores_by_tokens: int = 0  # restores chosen by the tokens a file shares with the request
+    saves_covered: int = 0  # saves dropped: a file already held the conversation and more
+    saves_branched: int = 0  # conversations saved under a branch name (their opener's file is another one's)
+    prefixes_saved: int = 0  # shared prefixes read on their own and saved (a new conversation's first request)
 
 
 class Phase(Enum):
@@ -146,9 +185,21 @@ class View:
     key: str | None = None
     n_tokens: int | None = 0  # the engine's count; None when it cannot be read
     durable: bool = True
-    restored: int | None = None  # RESTORED (and SWITCHED after it): tokens restored, not yet verified
+    restored: int | None = None  # RESTORED (and SWITCHED after it): tokens the engine should reuse, not yet verified
     prior: View | None = None  # SWITCHED: what the slot held when the request started
     why: str = ""  # UNKNOWN: how it came to be unknown
+    # What the tokens say (issue 11); carried from SWITCHED to HELD when the request ran:
+    # tokens    the start of what the slot holds, token for token (index.encode): all of it after
+    #           a save or a restore, the prompt of the request that made it otherwise (not its reply)
+    # messages  that request's chat signature (keys.chat_signature): a next request that goes on
+    #           from it needs no tokens
+    # file      the session file holding this conversation's latest saved state: what a save
+    #           compares with (up to date?). RESTORED: the file restored
+    # n_prompt  of n_tokens, the prompt of the last reply (a save records it: index.save_key)
+    tokens: bytes | None = None
+    messages: tuple[str, ...] | None = None
+    file: str | None = None
+    n_prompt: int | None = None
 
     def held(self) -> Held | None:
         """The conversation a save would write, when the slot holds one we can name."""
@@ -275,12 +326,27 @@ class _Waiter:
     key: str | None
 
 
+@dataclass(frozen=True)
+class _Carry:
+    """What a turn learned about the request it lets through (View.tokens, messages, file)."""
+
+    tokens: bytes | None
+    messages: tuple[str, ...] | None
+    file: str | None
+
+
+# Stands for the first user message's text when the template renders the part before it
+# (Sessions._prefix_len): letters only, so that no template trims or escapes it.
+SPLIT_MARK = "AutosessdPrefixEndsHere"
+
+
 @dataclass
 class TurnResult:
     key: str | None
     slot: int | None = None  # the slot the request runs on (pin it there when several)
     saved: dict[str, Any] | None = None
     restored: dict[str, Any] | None = None
+    prefix: dict[str, Any] | None = None  # a shared prefix read and saved before the request
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     ms: float = 0.0
@@ -345,6 +411,12 @@ class Sessions:
         self._idle_waiters: list[asyncio.Future] = []  # fifos_free
         self.launches = LaunchGate()  # engines that empty idle slots: when a request may start
         self.last_not_reused: dict[str, Any] | None = None
+        # The token index (index.py) over the session files, from prepare(); None: not loaded,
+        # and every restore follows the key rule. swa_window: the model's sliding window.
+        self.index: TokenIndex | None = None
+        self.swa_window: int | None = None
+        self.last_restores: dict[int, dict[str, Any]] = {}  # per slot: the last restore, and its cache_n
+        self._words: dict[str, tuple[Any, str]] = {}  # ls: a file's first words, by (inode, mtime, size)
         self.started_at = time.time()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
         self.engine_healthy: bool | None = None
@@ -553,8 +625,9 @@ class Sessions:
             # The next request to start on any other slot empties this one: save it now, before
             # its ticket goes (the caller holds it), with no request starting meanwhile.
             held = s.view.held()
+            await self._wait_files()
             step = policy.plan_save(held, Occasion.BEHIND, self.cfg.auto_sessions_min_tokens,
-                                    self._file_info(held.key) if held else None, self.model)
+                                    self._held_info(s.view), self.model)
             if isinstance(step, Save) and held is not None:
                 await self.launches.acquire("exclusive")
                 try:
@@ -592,8 +665,11 @@ class Sessions:
             new = View(Phase.UNKNOWN, n_tokens=None, why=f"a request of {v.key or 'no conversation'} failed part-way")
         elif v.key is None:
             new = View(Phase.UNKNOWN, n_tokens=None, why="a request without a conversation ran")
-        else:
-            new = View(Phase.HELD, v.key, n_tokens=n, durable=(status == "ok"))
+        elif status == "ok":
+            new = View(Phase.HELD, v.key, n_tokens=n, tokens=v.tokens, messages=v.messages, file=v.file,
+                       n_prompt=n_prompt if n_prompt is not None and (n is None or n_prompt <= n) else None)
+        else:  # cancelled part-way: how much of the prompt it holds is not known
+            new = View(Phase.HELD, v.key, n_tokens=n, durable=False, file=v.file)
         if v.restored is not None and v.key is not None and new.phase is Phase.HELD:
             if cache_n is None and s.seen_cache_n is not None:
                 cache_n = s.seen_cache_n[1]
@@ -609,10 +685,15 @@ class Sessions:
                 self.counters.restores_unverified += 1
                 log.info("auto sessions: could not see whether the engine reused %s (no cache_n)", auto_name(key))
             return
-        if policy.restore_reused(n_restored, cache_n, n_prompt):
+        reused = policy.restore_reused(n_restored, cache_n, n_prompt)
+        last = self.last_restores.get(s.id)
+        file = last["file"] if last is not None else auto_name(key)
+        if last is not None:
+            last.update(cache_n=cache_n, reused=reused)
+        if reused:
             self.counters.restores_reused += 1
             self.counters.prefill_tokens_avoided += cache_n
-            self.events.emit("restore_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
+            self.events.emit("restore_reused", slot=s.id, key=key, file=file, cache_n=cache_n, n_restored=n_restored)
             return
         self.counters.restores_not_reused += 1
         cause = NOT_REUSED_CAUSE
@@ -622,11 +703,11 @@ class Sessions:
             cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) is shorter than the restored conversation: "
                      f"the client cut it, and the engine read the prompt again instead of cutting its "
                      f"state back")
-        self.last_not_reused = {"key": key, "n_restored": n_restored, "cache_n": cache_n, "at": time.time(),
-                                "likely_cause": cause}
+        self.last_not_reused = {"key": key, "file": file, "n_restored": n_restored, "cache_n": cache_n,
+                                "at": time.time(), "likely_cause": cause}
         log.warning("auto sessions: restored %s tokens of %s but the engine reused %s (timings.cache_n): %s",
-                    fmt_tokens(n_restored), auto_name(key), fmt_tokens(cache_n), cause)
-        self.events.emit("restore_not_reused", slot=s.id, key=key, cache_n=cache_n, n_restored=n_restored)
+                    fmt_tokens(n_restored), file, fmt_tokens(cache_n), cause)
+        self.events.emit("restore_not_reused", slot=s.id, key=key, file=file, cache_n=cache_n, n_restored=n_restored)
 
     async def _observe(self, s: Slot, result: TurnResult | None = None) -> bool:
         """Bring the slot's view up to date with the engine before acting on it (the caller
@@ -728,20 +809,24 @@ class Sessions:
             await asyncio.sleep(WATCH_EVERY_S)
 
     # -- the turn --------------------------------------------------------------
-    async def turn(self, ticket: Ticket, key: str | None, sees_end: bool = True) -> TurnResult:
+    async def turn(self, ticket: Ticket, key: str | None, sees_end: bool = True,
+                   body: dict[str, Any] | None = None) -> TurnResult:
         """DESIGN §1 before a request of conversation `key` (None: a request without one,
         which skips the restore) on the ticket's slot. Never raises (cancellation aside): on
         any failure the request goes on. Ends with switched_to(key): the request runs next.
         sees_end=False (turn hook): its end will not be reported, so a restore is verified
-        by watching the engine's slot instead."""
+        by watching the engine's slot instead. body: the request's OpenAI chat body (the gate,
+        or the hook's messages), whose tokens choose what to restore (DESIGN §9); None: the
+        key rule."""
         s = self._slot_of(ticket)
         result = TurnResult(key=key, slot=s.id)
         t0 = time.monotonic()
+        carry: _Carry | None = None
         if key is not None and self.cfg.auto_sessions:
             self.counters.turns += 1
         try:
             if self.cfg.auto_sessions and await self._observe(s, result):
-                await self._turn(s, key, result)
+                carry = await self._turn(s, key, result, body)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug must not fail the request either
@@ -749,6 +834,9 @@ class Sessions:
             result.errors.append(f"internal error: {e}")
         finally:
             self.switched_to(s.id, key)
+            if carry is not None:
+                self._set(s, dataclasses.replace(s.view, tokens=carry.tokens, messages=carry.messages,
+                                                 file=carry.file))
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if self.cfg.auto_sessions and (key is not None or result.saved or result.errors):
                 self.events.emit("turn", **result.to_dict())
@@ -763,33 +851,255 @@ class Sessions:
         assert s.holder is ticket and ticket.held, "a turn needs the slot's ticket"
         return s
 
-    async def _turn(self, s: Slot, key: str | None, result: TurnResult) -> None:
-        held = s.view.held()
-        if key is not None and held is not None and held.key == key:
-            return  # the same conversation: its count is updated when the request ends
-        occasion = Occasion.SWITCH if key is not None else Occasion.KEYLESS
-        outcome = SaveOutcome.NOT_TRIED
-        step = policy.plan_save(held, occasion, self.cfg.auto_sessions_min_tokens,
-                                self._file_info(held.key) if held else None, self.model, key)
-        if isinstance(step, Save):
-            assert held is not None
-            outcome = await self._save(s, held, result)
-        elif isinstance(step, Skip):
-            self._skipped(step, result)
+    async def _turn(self, s: Slot, key: str | None, result: TurnResult, body: dict[str, Any] | None = None
+                    ) -> _Carry | None:
+        v = s.view
+        held = v.held()
+        sig = chat_signature(body) if key is not None and body is not None else None
+        same = key is not None and held is not None and held.key == key
+        if same and (sig is None or continues(v.messages, sig)):
+            # The same conversation going on: its count is updated when the request ends. No
+            # tokens asked for: the request extends what the slot holds.
+            return _Carry(v.tokens, sig, v.file)
+        want = sig is not None and self.index is not None
+        tokens = await self._request_tokens(body, result) if want and same else None
+        if same and tokens is None:
+            return _Carry(v.tokens, sig, v.file)  # the key rule: the same conversation
+        if same and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
+            # Other messages (a client that rewrites what it sent before), the same tokens:
+            # the request still goes on from what the slot holds.
+            return _Carry(v.tokens, sig, v.file)
+        # Same first message, but its tokens depart from the held ones (another system prompt,
+        # an edited message): the engine keeps only what they share, so it is a switch too.
+        occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
+        # At a switch the engine tokenizes the request while it saves the held conversation
+        # (/tokenize does not wait for the slot): the save hides the tokens' cost.
+        asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
+            if want and not same else None
+        try:
+            outcome = SaveOutcome.NOT_TRIED
+            # A save of this conversation may still be finalizing (an end save): decide on the
+            # file as it will be, not as it was, or the same state is saved twice.
+            await self._wait_files()
+            step = policy.plan_save(held, occasion, self.cfg.auto_sessions_min_tokens, self._held_info(v), self.model,
+                                    key)
+            if isinstance(step, Save):
+                assert held is not None
+                outcome = await self._save(s, held, result)
+            elif isinstance(step, Skip):
+                self._skipped(step, result)
+            if asking is not None:
+                tokens = await asking
+        finally:
+            if asking is not None and not asking.done():
+                asking.cancel()
         if key is None:
-            return
+            return None
+        if tokens is None:
+            return await self._restore_by_key(s, key, held, outcome, result, sig)
+        assert body is not None and sig is not None
+        return await self._restore_by_tokens(s, key, held, outcome, result, body, sig, tokens)
+
+    async def _restore_by_key(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome, result: TurnResult,
+                              sig: tuple[str, ...] | None) -> _Carry:
+        """DESIGN §1 step 3: auto-<key>.bin, for requests whose tokens are not known."""
         file = await self._wait_file(key)
         step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
                                    self.engine_layout)
+        own = None
         if isinstance(step, Restore):
-            if self.clears_idle_slots and len(self.slots) > 1:
-                # Another request starting between this restore and our own would empty the
-                # restored slot: no request starts until ours has (launch_started releases it).
-                await self.launches.acquire("exclusive")
-                s.holds_launch = "exclusive"
-            await self._restore(s, key, result)
+            name = auto_name(key)
+            if await self._restore(s, key, result, name):
+                meta = self.store.read_meta(key)
+                own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
+                self._record_restore(s, result, name, None, None, "key")
         elif isinstance(step, Skip):
             self._skipped(step, result)
+        return _Carry(None, sig, own)
+
+    async def _restore_by_tokens(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
+                                 result: TurnResult, body: dict[str, Any], sig: tuple[str, ...], tokens: bytes
+                                 ) -> _Carry:
+        """DESIGN §9: restore the file of this model sharing the longest prefix with the
+        request's tokens, when it shares at least min_tokens more than the slot already does
+        (the engine keeps that much of what the slot holds). Its name plays no part: a file
+        under the request's own key that shares less is not restored. Files being written
+        are left out (the slot holds them live); so are files the engine could not reuse
+        after their sliding-window layers (swa_window)."""
+        assert self.index is not None
+        min_tokens = self.cfg.auto_sessions_min_tokens
+        shared = self._shared(s.view, tokens)
+        found = self.index.best(tokens, self.model, exclude=self._writing(), prefer=auto_name(key),
+                                min_lcp=shared + max(min_tokens, 1), window=self.swa_window)
+        step = policy.plan_restore_by_tokens(held, key, outcome, found, shared, min_tokens)
+        own = None
+        if isinstance(step, RestoreFile) and not self._loadable(step.name):
+            step = Skip("restore", key, policy.LAYOUT_MISMATCH)
+        if isinstance(step, RestoreFile):
+            if await self._restore(s, key, result, step.name):
+                meta = self._meta_of(step.name)
+                entry = self.index.get(step.name)
+                # The engine should now reuse `shared` tokens of it: what the next response's
+                # cache_n is checked against.
+                self._set(s, dataclasses.replace(s.view, restored=step.shared, file=step.name,
+                                                 tokens=entry.tokens if entry is not None else None))
+                own = step.name if self._own(key, step, meta) else None
+                self.counters.restores_by_tokens += 1
+                self._record_restore(s, result, step.name, step.shared, shared, "tokens", meta, len(tokens) // 4)
+                shared = step.shared
+            else:
+                shared = 0  # llama-server cleared the slot
+        elif step.reason == policy.NO_MATCH:
+            msg = (f"no restore for {key}: no file of this model shares {shared + max(min_tokens, 1):,} tokens "
+                   f"with the request's {len(tokens) // 4:,} (the slot shares {shared:,})")
+            result.skipped.append(msg)
+            self.counters.skipped_no_file += 1
+            log.debug("auto sessions: %s", msg)
+        else:
+            self._skipped(step, result)
+        if not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
+            await self._split(s, key, body, tokens, shared, result)
+        return _Carry(tokens, sig, own)
+
+    async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
+        """The request's prompt tokens from the engine (/apply-template + /tokenize: neither
+        waits for the slot), or None: the key rule decides then."""
+        get = getattr(self.engine, "prompt_tokens", None)
+        if get is None or body is None:
+            return None
+        self.counters.tokenized += 1
+        try:
+            tokens = await get(body)
+            if not tokens:
+                raise ValueError("no tokens")
+            return encode(tokens)
+        except (EngineError, ValueError) as e:
+            self.counters.tokenize_failures += 1
+            log.info("auto sessions: no tokens for the request (%s): its key decides what to restore", e)
+            result.skipped.append(f"tokens: {e}")
+            return None
+
+    def _shared(self, v: View, tokens: bytes) -> int:
+        """Tokens the slot already shares with the request (the engine keeps them live). What
+        the slot is known to start with may be only its last prompt: then this is a floor."""
+        if v.phase not in (Phase.HELD, Phase.RESTORED):
+            return 0
+        known = v.tokens
+        if known is None and v.file is not None and self.index is not None:
+            e = self.index.get(v.file)
+            known = e.tokens if e is not None and e.n_tokens == v.n_tokens else None
+        return common_prefix(known, tokens) if known else 0
+
+    def _writing(self) -> set[str]:
+        return {auto_name(k) for k in self._finalizing}
+
+    def _meta_of(self, name: str) -> Meta | None:
+        m = AUTO_BIN.match(name)
+        return self.store.read_meta(m.group(1)) if m else None
+
+    @staticmethod
+    def _own(key: str, step: RestoreFile, meta: Meta | None) -> bool:
+        """Is the restored file this conversation's own (the request goes on from its prompt),
+        so that it stays the conversation's file after the request (the up-to-date check)?
+        Not a prefix, not another line's, not one the request departs from inside its prompt."""
+        if meta is None or meta.prefix or meta.line not in (key, None):
+            return False
+        if meta.line is None and meta.key != key:
+            return False
+        return step.shared >= (meta.n_prompt if meta.n_prompt is not None else meta.n_tokens)
+
+    def _record_restore(self, s: Slot, result: TurnResult, name: str, shared: int | None, slot_shared: int | None,
+                        by: str, meta: Meta | None = None, n_prompt: int | None = None) -> None:
+        """What status shows of the slot's last restore; _verify adds the engine's cache_n."""
+        info = {"file": name, "chosen_by": by, "shared": shared, "slot_shared": slot_shared,
+                "line": meta.line if meta is not None else None, "prefix": bool(meta is not None and meta.prefix)}
+        if result.restored is not None:
+            result.restored.update(info)
+        self.last_restores[s.id] = {**(result.restored or {}), **info, "n_prompt": n_prompt, "cache_n": None,
+                                    "reused": None, "at": round(time.time(), 3)}
+
+    # -- a shared prefix, read on its own -----------------------------------------------
+    async def _split(self, s: Slot, key: str, body: dict[str, Any], tokens: bytes, shared: int,
+                     result: TurnResult) -> None:
+        """A request that starts with a part before its first user message's text (a system
+        prompt, tools) of at least min_tokens, which no file holds for the engine to reuse:
+        read that part on its own first (POST /completion, n_predict 0) and save it as a
+        prefix file, then let the request go on (it reuses the part live: nothing is read
+        twice). A later conversation starting with it restores that file, also after an
+        engine restart. Why not the conversation's own file: after a restore, a sliding-window
+        model (Gemma 3) reuses a file only within its window of the file's end
+        (index.best), and a conversation soon runs past that; a file ending where the prefix
+        ends is reusable by every request that starts with it.
+
+        Not when the slot already shares more than the prefix with the request: reading the
+        prefix alone would cut that back."""
+        min_tokens = max(self.cfg.auto_sessions_min_tokens, 1)
+        prefill = getattr(self.engine, "prefill", None)
+        if prefill is None or self.index is None or len(tokens) // 4 <= min_tokens:
+            return
+        if result.restored is not None and result.restored.get("prefix"):
+            return  # a prefix file was just restored: it is the part
+        n = await self._prefix_len(body, tokens)
+        if n < min_tokens or shared > n:
+            return
+        head = tokens[:4 * n]
+        if self.index.best(head, self.model, min_lcp=n, window=self.swa_window) is not None:
+            return  # a file holds it
+        pkey = prefix_key(head)
+        if pkey in self._finalizing:
+            return
+        t0 = time.monotonic()
+        try:
+            pre = await prefill(s.id, decode(head))
+        except EngineError as e:
+            log.warning("auto sessions: reading the shared prefix (%s tokens) on its own: %s", fmt_tokens(n), e)
+            result.errors.append(f"prefix of {fmt_tokens(n)} tokens: {e}")
+            self._set(s, View(Phase.UNKNOWN, n_tokens=None, why="reading a shared prefix on its own failed"))
+            return
+        v = s.view
+        if v.phase is Phase.RESTORED and v.restored is not None and v.key is not None:
+            self._verify(s, v.key, v.restored, pre.cache_n, n, "ok")  # the prefill's timings show the reuse
+        # The slot holds exactly the prefix now. Under the request's key, so that a request
+        # that does not run leaves a state whose file is up to date (never saved again).
+        self._set(s, View(Phase.HELD, key, n_tokens=n, tokens=head, n_prompt=n))
+        sub = TurnResult(key=pkey)
+        outcome = await self._save(s, Held(pkey, n, True), sub, prefix=head)
+        result.errors += sub.errors
+        ms = (time.monotonic() - t0) * 1000
+        if outcome is not SaveOutcome.SAVED or sub.saved is None:
+            return
+        self._set(s, dataclasses.replace(s.view, file=sub.saved["file"]))
+        self.counters.prefixes_saved += 1
+        result.prefix = {"file": sub.saved["file"], "n_tokens": n, "cache_n": pre.cache_n, "prompt_n": pre.prompt_n,
+                         "prefill_ms": round(pre.ms, 2), "save_ms": sub.saved["ms"], "ms": round(ms, 2)}
+        log.info("auto sessions: read the first %s tokens of %s (its system prompt and tools) on their own and "
+                 "saved them to %s: %.0f ms (%s tokens read in %.0f ms, %s reused; save %.0f ms)", fmt_tokens(n), key,
+                 sub.saved["file"], ms, fmt_tokens(pre.prompt_n), pre.ms, fmt_tokens(pre.cache_n), sub.saved["ms"])
+        self.events.emit("prefix_saved", slot=s.id, key=key, **result.prefix)
+
+    async def _prefix_len(self, body: dict[str, Any], tokens: bytes) -> int:
+        """How many of the request's tokens come before its first user message's text (0
+        when nothing but the template's own few tokens does). The template renders the
+        messages up to that one with a marker for its text; the tokens of what precedes the
+        marker, as far as they agree with the request's, are the prefix."""
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return 0
+        i = next((k for k, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"), None)
+        if i is None or (i == 0 and not body.get("tools")):
+            return 0
+        probe = {k: v for k, v in body.items() if k not in ("messages", "stream")}
+        probe["messages"] = [*msgs[:i], {**msgs[i], "content": SPLIT_MARK}]
+        try:
+            text = await self.engine.apply_template(probe)  # type: ignore[attr-defined]
+            at = text.find(SPLIT_MARK)
+            if at <= 0:
+                return 0
+            head = encode(await self.engine.tokenize(text[:at]))  # type: ignore[attr-defined]
+        except (EngineError, ValueError) as e:
+            log.debug("auto sessions: cannot find where the request's system prompt ends: %s", e)
+            return 0
+        return common_prefix(head, tokens)
 
     def _skipped(self, step: Skip, result: TurnResult | None) -> None:
         name = auto_name(step.key)
@@ -810,6 +1120,19 @@ class Sessions:
         return FileInfo(meta.n_tokens, meta.model,
                         slotfile.KVLayout.from_fingerprint(meta.layout) if meta.layout else None)
 
+    def _loadable(self, name: str) -> bool:
+        """Whether this engine can load the file, by the KV layout its metadata records."""
+        meta = self._meta_of(name)
+        layout = slotfile.KVLayout.from_fingerprint(meta.layout) if meta is not None and meta.layout else None
+        return layout is None or self.engine_layout is None or layout.compatible(self.engine_layout)
+
+    def _held_info(self, v: View) -> FileInfo | None:
+        """The file holding the slot's conversation as last saved or restored (View.file), for
+        plan_save's up-to-date check; None when it has none (yet): it is saved, and the
+        file's tokens then decide its name."""
+        meta = self._meta_of(v.file) if v.file is not None else None
+        return FileInfo(meta.n_tokens, meta.model) if meta else None
+
     async def _wait_file(self, key: str) -> FileInfo | None:
         pending = self._finalizing.get(key)
         if pending is not None:
@@ -817,17 +1140,47 @@ class Sessions:
                 await asyncio.shield(pending)
         return self._file_info(key)
 
+    async def _wait_files(self) -> None:
+        """Every finalize in flight: a save's temporary is named by its line's key while its
+        final name is chosen by comparing with the files of that line."""
+        while self._finalizing:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(next(iter(self._finalizing.values())))
+
+    def _saved_file(self, key: str) -> SavedFile | None:
+        """auto-<key>.bin as index.save_key needs it: its tokens (the index's, else its header)
+        and the prompt count its metadata recorded."""
+        path = self.store.bin_path(key)
+        meta = self.store.read_meta(key)
+        e = self.index.get(auto_name(key)) if self.index is not None else None
+        if e is not None and meta is not None and e.n_tokens == meta.n_tokens:
+            return SavedFile(e.tokens, meta.n_prompt)
+        try:
+            header = slotfile.read_header(path)
+        except FileNotFoundError:
+            return None
+        except (slotfile.BadSlotFile, OSError):
+            return SavedFile(b"")  # not a state this engine wrote: ours to replace
+        return SavedFile(encode(comparable(header.tokens)), meta.n_prompt if meta else None)
+
     # -- save --------------------------------------------------------------------
     async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None = None,
-                    check: Callable[[], Awaitable[str | None]] | None = None) -> SaveOutcome:
-        """Save what slot s holds to auto-<held.key>.bin (or to the manual file `target`).
+                    check: Callable[[], Awaitable[str | None]] | None = None,
+                    prefix: bytes | None = None) -> SaveOutcome:
+        """Save what slot s holds: the conversation of first-message key held.key (or the
+        manual file `target`, or with `prefix` the shared prefix of key held.key, which must
+        hold exactly those tokens).
+
+        The engine writes a temporary named by held.key; its header (the tokens it holds)
+        then decides the file (index.save_key): auto-<held.key>.bin when it extends or
+        replaces what that file held, a branch name when it departs from another conversation
+        of the same opener, no file at all when one already holds it and more.
 
         `check`, when given, runs after the engine wrote the temporary: a reason it returns
         means the state may not be the held conversation's, and the temporary is dropped."""
         key = held.key
-        final = target or auto_name(key)
-        what = f"save to {final}"
-        await self._wait_file(key)
+        what = f"save to {target or auto_name(key)}"  # a conversation may then go to a branch name
+        await self._wait_files()
         short = self.store.check_space(held.n_tokens or 0)
         if short:
             # The prune after this turn evicts the oldest auto files until the next save fits.
@@ -837,70 +1190,107 @@ class Sessions:
             return self._save_failed(what, short, key, result)
         t0 = time.monotonic()
         tmp = temp_name(key)
-        self.events.emit("saving", slot=s.id, key=key, file=final, n_tokens=held.n_tokens)
-        self.store.acquire(final)
-        handed_off = False
+        self.events.emit("saving", slot=s.id, key=key, file=target, n_tokens=held.n_tokens)
         try:
-            try:
-                res = await self.engine.save(s.id, tmp)
-            except EngineError as e:
+            res = await self.engine.save(s.id, tmp)
+        except EngineError as e:
+            self.store.discard_temp(key)
+            self.counters.save_failures += 1
+            return self._save_failed(what, str(e), key, result)
+        try:
+            self.store.verify_temp(key, res.n_bytes, self.engine.magic)
+            header = self._check_header(key, res.n_tokens)
+        except StoreError as e:
+            self.store.discard_temp(key)
+            self.counters.save_failures += 1
+            return self._save_failed(what, str(e), key, result)
+        if res.n_tokens == 0:
+            # The slot holds nothing: not a failed save but a state that is gone (an engine that
+            # empties idle slots, a restart). Nothing held blocks the next restore.
+            self.store.discard_temp(key)
+            if result is not None:
+                result.skipped.append(f"{what}: the engine's slot was empty (0 tokens saved)")
+            log.info("auto sessions: %s: the engine's slot was empty (0 tokens saved)", what)
+            if target is None:
+                self.lost(s.id, "the engine's slot was empty when it was saved")
+            return SaveOutcome.NOT_TRIED
+        if held.n_tokens is None and target is None and res.n_tokens < self.cfg.auto_sessions_min_tokens:
+            # The count could not be read before (no GET /slots): the engine's answer decides.
+            self.store.discard_temp(key)
+            self._skipped(Skip("save", key, policy.BELOW_MIN), result)
+            return SaveOutcome.NOT_TRIED
+        why = await check() if check is not None else None
+        if why:
+            self.store.discard_temp(key)
+            self.counters.saves_discarded += 1
+            log.warning("auto sessions: %s discarded: %s", what, why)
+            self.events.emit("save_discarded", slot=s.id, key=key, why=why)
+            return SaveOutcome.FAILED
+        tokens = encode(comparable(header.tokens)) if header is not None else None
+        # Where it goes: the header's tokens against the files of its line.
+        line: str | None = key
+        how = "key"  # an engine whose files do not show their tokens: by the key, as before
+        file_key = key
+        if prefix is not None:
+            if tokens != prefix:
                 self.store.discard_temp(key)
                 self.counters.save_failures += 1
-                return self._save_failed(what, str(e), key, result)
-            try:
-                self.store.verify_temp(key, res.n_bytes, self.engine.magic)
-                self._check_header(key, res.n_tokens)
-            except StoreError as e:
+                return self._save_failed(what, f"the engine saved {res.n_tokens:,} tokens, not the prefix's "
+                                               f"{len(prefix) // 4:,}", key, result)
+            line, how = None, "prefix"
+        elif target is None and tokens is not None:
+            to = save_key(key, tokens, self._saved_file)
+            file_key, how = to.key, to.why
+            if to.why == "covered":
                 self.store.discard_temp(key)
-                self.counters.save_failures += 1
-                return self._save_failed(what, str(e), key, result)
-            if res.n_tokens == 0:
-                self.store.discard_temp(key)
-                self.counters.save_failures += 1
-                return self._save_failed(what, "the engine's slot was empty (0 tokens saved)", key, result)
-            if held.n_tokens is None and target is None and res.n_tokens < self.cfg.auto_sessions_min_tokens:
-                # The count could not be read before (no GET /slots): the engine's answer decides.
-                self.store.discard_temp(key)
-                self._skipped(Skip("save", key, policy.BELOW_MIN), result)
-                return SaveOutcome.NOT_TRIED
-            why = await check() if check is not None else None
-            if why:
-                self.store.discard_temp(key)
-                self.counters.saves_discarded += 1
-                log.warning("auto sessions: %s discarded: %s", what, why)
-                self.events.emit("save_discarded", slot=s.id, key=key, why=why)
-                return SaveOutcome.FAILED
-            ms = (time.monotonic() - t0) * 1000
-            layout = self._learn_layout(key)
-            meta = Meta(key=key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(),
-                        model=self.model, save_ms=round(res.ms, 2), layout=layout.fingerprint() if layout else None)
-            fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target)
-            self._finalizing[key] = fut
-            fut.add_done_callback(lambda f: self._finalized(key, final, f))
-            handed_off = True
-        finally:
-            if not handed_off:
-                self.store.release(final)
+                self.counters.saves_covered += 1
+                msg = (f"{what} not kept: {auto_name(to.key)} holds its {res.n_tokens:,} tokens and more")
+                log.info("auto sessions: %s", msg)
+                self.events.emit("save_covered", slot=s.id, key=key, file=auto_name(to.key), n_tokens=res.n_tokens)
+                if result is not None:
+                    result.skipped.append(msg)
+                return SaveOutcome.SAVED  # the conversation is in a file: as good as saved
+        final = target or auto_name(file_key)
+        ms = (time.monotonic() - t0) * 1000
         v = s.view
-        if target is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED):
-            # The engine's count is the truth (a client's usage may differ by one).
-            self._set(s, dataclasses.replace(v, n_tokens=res.n_tokens))
+        mine = target is None and prefix is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED)
+        n_prompt = v.n_prompt if mine and v.n_prompt is not None and v.n_prompt <= res.n_tokens else None
+        layout = self._learn_layout(key)
+        meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=self.model,
+                    save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
+                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None)
+        self.store.acquire(final)
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
+        except BaseException:
+            self.store.release(final)
+            raise
+        self._finalizing[file_key] = fut
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f))
+        if mine:
+            # The engine's count is the truth (a client's usage may differ by one), and the
+            # header says token for token what the slot holds.
+            self._set(s, dataclasses.replace(v, n_tokens=res.n_tokens, tokens=tokens, file=final))
         self.counters.saves += 1
+        if how == "branch":
+            self.counters.saves_branched += 1
         self.counters.bytes_saved += res.n_bytes
         self.counters.ms_saved += res.ms
-        log.info("auto sessions: saved %s tokens (%s) to %s in %.0f ms", fmt_tokens(res.n_tokens),
-                 fmt_bytes(res.n_bytes), final, ms)
+        log.info("auto sessions: saved %s tokens (%s) to %s in %.0f ms%s", fmt_tokens(res.n_tokens),
+                 fmt_bytes(res.n_bytes), final, ms,
+                 f" (conversation {key}: {how})" if how not in ("key", "new", "extends") else "")
         info = {"key": key, "file": final, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
-                "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
+                "engine_ms": round(res.ms, 2), "ms": round(ms, 2), "named": how}
         self.events.emit("saved", slot=s.id, **info)
         if result is not None:
             result.saved = info
         return SaveOutcome.SAVED
 
-    def _check_header(self, key: str, n_saved: int) -> None:
-        """The file's own header must agree with the engine's answer (llama-server files)."""
+    def _check_header(self, key: str, n_saved: int) -> slotfile.SlotHeader | None:
+        """The file's own header must agree with the engine's answer (llama-server files).
+        Returns it: the tokens the file holds (None for engines whose files we cannot read)."""
         if self.engine.magic != slotfile.MAGIC_BYTES:
-            return
+            return None
         path = self.store.temp_path(key)
         try:
             header = slotfile.read_header(path)
@@ -909,6 +1299,7 @@ class Sessions:
         if header.n_tokens != n_saved:
             raise StoreError(f"{path.name} holds {header.n_tokens:,} tokens by its header, the engine reported "
                              f"{n_saved:,}")
+        return header
 
     def _learn_layout(self, key: str) -> slotfile.KVLayout | None:
         """The KV layout of a state file this engine just wrote: it is the engine's layout."""
@@ -923,23 +1314,33 @@ class Sessions:
             self.engine_layout = layout
         return layout
 
-    def _finalize(self, key: str, meta: Meta, target: str | None) -> None:
+    def _finalize(self, key: str, meta: Meta, target: str | None, header: slotfile.SlotHeader | None) -> None:
+        """In a worker thread: make the temporary of `key` final, then index it."""
         if target is None:
             self.store.finalize(key, meta)
+            name, model = auto_name(meta.key), self.model
         else:
             self.store.finalize_manual(key, target)
+            name, model = target, self.model  # parked by us: its model is known
+        if self.index is not None and header is not None:
+            try:
+                self.index.add(name, header.tokens, model)
+            except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
+                log.warning("auto sessions: indexing %s: %s", name, e)
 
-    def _finalized(self, key: str, final: str, fut: asyncio.Future) -> None:
-        if self._finalizing.get(key) is fut:
-            del self._finalizing[key]
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future) -> None:
+        if self._finalizing.get(file_key) is fut:
+            del self._finalizing[file_key]
         self.store.release(final)
         exc = fut.exception() if not fut.cancelled() else None
         if exc is not None:
             self.counters.save_failures += 1
             self.store.discard_temp(key)
-            if final == auto_name(key) and self.store.read_meta(key) is None:
+            if final == auto_name(file_key) and self.store.read_meta(file_key) is None:
                 with contextlib.suppress(StoreError, OSError):
-                    self.store.remove(key)
+                    self.store.remove(file_key)
+                if self.index is not None:
+                    self.index.remove(final)
             log.error("auto sessions: finalize of %s: %s", final, exc)
             self.events.emit("save_failed", key=key, file=final, error=str(exc))
 
@@ -954,6 +1355,11 @@ class Sessions:
     async def _restore(self, s: Slot, key: str | None, result: TurnResult | None, name: str | None = None) -> bool:
         """Restore auto-<key>.bin (or a person's file `name`, key None) into slot s."""
         name = name or auto_name(key or "")
+        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and not s.holds_launch:
+            # Another request starting between this restore and its own would empty the
+            # restored slot: none starts until it has (launch_started, or the ticket's release).
+            await self.launches.acquire("exclusive")
+            s.holds_launch = "exclusive"
         t0 = time.monotonic()
         try:
             with self.store.using(name):
@@ -981,7 +1387,7 @@ class Sessions:
         self.counters.bytes_restored += res.n_bytes
         self.counters.ms_restored += res.ms
         if key is not None:
-            self._set(s, View(Phase.RESTORED, key, n_tokens=res.n_tokens, restored=res.n_tokens))
+            self._set(s, View(Phase.RESTORED, key, n_tokens=res.n_tokens, restored=res.n_tokens, file=name))
         else:
             # A person's file: what conversation it holds has no key, so it is never saved under one.
             self._set(s, View(Phase.UNKNOWN, n_tokens=res.n_tokens, why=f"{name} restored by hand"))
@@ -1003,8 +1409,9 @@ class Sessions:
                 continue
             try:
                 held = o.view.held()
+                await self._wait_files()
                 step = policy.plan_save(held, Occasion.KEYLESS, self.cfg.auto_sessions_min_tokens,
-                                        self._file_info(held.key) if held else None, self.model)
+                                        self._held_info(o.view), self.model)
                 if isinstance(step, Save) and held is not None:
                     await self._save(o, held, None)
                 n = await self.engine.erase(o.id)
@@ -1067,8 +1474,7 @@ class Sessions:
             # Like a switch: the held conversation is saved before the restore replaces it.
             held = s.view.held()
             step = policy.plan_save(held, Occasion.SWITCH if key else Occasion.KEYLESS,
-                                    self.cfg.auto_sessions_min_tokens, self._file_info(held.key) if held else None,
-                                    self.model, key)
+                                    self.cfg.auto_sessions_min_tokens, self._held_info(s.view), self.model, key)
             if isinstance(step, Save) and held is not None:
                 await self._save(s, held, res)
             if not await self._restore(s, key, res, name):
@@ -1079,6 +1485,8 @@ class Sessions:
         """Remove auto-<key>.bin. A slot still holding the conversation keeps it; it is
         saved again only if the conversation goes on (its file is gone, so not up to date)."""
         freed = self.store.remove(key)
+        if self.index is not None:
+            self.index.remove(auto_name(key))
         self.events.emit("forgot", key=key, bytes=freed)
         return freed
 
@@ -1095,7 +1503,7 @@ class Sessions:
             await self._observe(s)
             held = s.view.held()
             step = policy.plan_save(held, Occasion.STOP, self.cfg.auto_sessions_min_tokens,
-                                    self._file_info(held.key) if held else None, self.model)
+                                    self._held_info(s.view), self.model)
             if held is None:
                 log.info("auto sessions: %s: slot %d holds no conversation to save (%s)", why, s.id,
                          s.view.phase.value)
@@ -1119,7 +1527,7 @@ class Sessions:
                 return False
             held = s.view.held()
             step = policy.plan_save(held, Occasion.BEHIND, self.cfg.auto_sessions_min_tokens,
-                                    self._file_info(held.key) if held else None, self.model)
+                                    self._held_info(s.view), self.model)
             if not isinstance(step, Save) or held is None:
                 return False
             n_before = st.n_tokens if st is not None else None
@@ -1171,8 +1579,62 @@ class Sessions:
             self.counters.pruned_bytes += plan.freed
             for r in removed:
                 log.info("auto sessions: pruned %s (%s)", r["file"], fmt_bytes(r["bytes"]))
+                if self.index is not None:
+                    self.index.remove(r["file"])
             self.events.emit("pruned", files=[r["file"] for r in removed], bytes=plan.freed)
+            await self._save_index()
         return {"removed": removed, "freed": plan.freed, "dry_run": dry_run, "kept": len(plan.keep)}
+
+    # -- the token index -----------------------------------------------------------
+    async def prepare(self) -> None:
+        """At start, after store.cleanup(): index the session files (from the cache in the
+        state directory when their files did not change) and learn the model's sliding
+        window. Without an index every restore follows the key rule."""
+        loop = asyncio.get_running_loop()
+        index = TokenIndex(self.store.path, self.cfg.effective_state_dir() / "index.cache")
+        try:
+            rep = await loop.run_in_executor(None, index.scan)
+        except OSError as e:
+            log.warning("auto sessions: cannot index %s (%s): files are restored by their key only", self.store.path, e)
+            return
+        self.index = index
+        log.info("auto sessions: indexed %d session files in %.0f ms (cache: %s, %d from it, %d headers read)",
+                 rep.files, rep.seconds * 1000, rep.cache, rep.from_cache, rep.read)
+        for name, why in sorted(rep.skipped.items()):
+            log.warning("auto sessions: not indexed: %s: %s", name, why)
+        self.swa_window = await self._swa_window()
+
+    async def _swa_window(self) -> int | None:
+        """engine.swa_window when set (0: none), else the model file's sliding window."""
+        if self.cfg.engine.swa_window is not None:
+            return self.cfg.engine.swa_window or None
+        if self.engine.kind != "llama-server":
+            return None
+        try:
+            path = (await self.engine.info()).model_path
+            if not path:
+                raise ValueError("the engine does not say where its model file is (/props model_path)")
+            n = await asyncio.get_running_loop().run_in_executor(None, gguf.sliding_window, path)
+        except (EngineError, OSError, ValueError) as e:
+            log.info("auto sessions: the model's sliding window is not known (%s); set engine.swa_window if it has "
+                     "one (Gemma 2/3, ...), or restores of long files may not be reused", e)
+            return None
+        if n:
+            log.info("auto sessions: the model has a sliding window of %s tokens: a file is restored only when it "
+                     "holds fewer than that past what it shares with the request", fmt_tokens(n))
+        return n or None
+
+    async def _save_index(self) -> None:
+        if self.index is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.index.save_cache)
+        except OSError as e:
+            log.warning("auto sessions: cannot write the index cache %s: %s", self.index.cache_path, e)
+
+    async def close(self) -> None:
+        """At stop, after drain(): keep the index for the next start."""
+        await self._save_index()
 
     async def drain(self) -> None:
         """Wait for every background finalize and prune (at shutdown, and in tests)."""
@@ -1248,13 +1710,16 @@ class Sessions:
             "engine": {"kind": self.engine.kind, "url": self.engine.address, "healthy": self.engine_healthy,
                        "model": self.model_name, "model_fingerprint": self.model, "slots": len(self.slots) or 1,
                        "slots_visible": self.slots_visible},
-            "slots": [self._slot_status(s) for s in sorted(self.slots.values(), key=lambda x: x.id)],
+            "slots": [{**self._slot_status(s), "file": s.view.file, "last_restore": self.last_restores.get(s.id)}
+                      for s in sorted(self.slots.values(), key=lambda x: x.id)],
             "counters": asdict(self.counters),
             "last_not_reused": self.last_not_reused,
             "store": {"path": str(self.store.path), "auto_files": len(entries),
                       "auto_bytes": sum(e.bytes for e in entries), "free_bytes": free,
                       "min_tokens": self.cfg.auto_sessions_min_tokens, "keep": self.cfg.auto_sessions_keep,
                       "max_gb": self.cfg.auto_sessions_max_gb},
+            "index": None if self.index is None else {"files": len(self.index), "skipped": len(self.index.skipped),
+                                                      "swa_window": self.swa_window},
             "inputs": {name: describe() for name, describe in self.inputs.items()},
         }
 
@@ -1268,15 +1733,55 @@ class Sessions:
                 "awaiting_verification": v.restored is not None, "busy": s.busy, "why": v.why or None}
 
     def ls(self) -> list[dict[str, Any]]:
-        """Every session file: ours (auto) and people's (manual), newest first."""
-        held = {s.view.key for s in self.slots.values() if s.view.held()}
-        rows = [{"name": e.name, "kind": "auto", "key": e.key, "bytes": e.bytes, "saved_at": e.saved_at,
-                 "n_tokens": e.meta.n_tokens if e.meta else None, "model_ok": bool(e.meta and
-                                                                                    e.meta.model == self.model),
-                 "held": e.key in held} for e in self.store.scan()]
-        rows += [{"name": name, "kind": "manual", "key": None, "bytes": size, "saved_at": mtime, "n_tokens": None,
-                  "model_ok": None, "held": False} for name, size, mtime in self.store.manual_files()]
+        """Every session file: ours (auto: a conversation's, or a shared prefix) and people's
+        (manual), newest first. `line`: the first-message key of the conversation an auto
+        file holds; `words`: its first words, when ls_words() has read them. Blocking: rescans
+        the index (people's files come and go without us)."""
+        if self.index is not None:
+            self.index.scan()
+        held = {s.view.file for s in self.slots.values() if s.view.held() and s.view.file}
+        rows = [{"name": e.name, "kind": "prefix" if e.meta and e.meta.prefix else "auto", "key": e.key,
+                 "line": e.meta.line if e.meta else None, "bytes": e.bytes, "saved_at": e.saved_at,
+                 "n_tokens": e.meta.n_tokens if e.meta else None,
+                 "model_ok": bool(e.meta and e.meta.model == self.model), "held": e.name in held}
+                for e in self.store.scan()]
+        rows += [{"name": name, "kind": "manual", "key": None, "line": None, "bytes": size, "saved_at": mtime,
+                  "n_tokens": None, "model_ok": None, "held": name in held}
+                 for name, size, mtime in self.store.manual_files()]
+        for r in rows:
+            e = self.index.get(r["name"]) if self.index is not None else None
+            if e is not None and r["n_tokens"] is None:
+                r["n_tokens"] = e.n_tokens
+            if e is not None and r["model_ok"] is None and e.model is not None:
+                r["model_ok"] = e.model == self.model
+            hit = self._words.get(r["name"])
+            r["words"] = hit[1] if hit is not None and e is not None and hit[0] == e.ident else None
         return sorted(rows, key=lambda r: r["saved_at"], reverse=True)
+
+    async def ls_words(self, n_tokens: int = 40, max_chars: int = 72) -> list[dict[str, Any]]:
+        """ls() with each file's first words (its first tokens detokenized by the engine,
+        the template's markers left out), so a person can tell conversations apart. Read
+        once per file (by its inode, mtime and size) and kept; ls runs off the loop."""
+        rows = await asyncio.get_running_loop().run_in_executor(None, self.ls)
+        detokenize = getattr(self.engine, "detokenize", None)
+        if detokenize is None or self.index is None:
+            return rows
+        for r in rows:
+            e = self.index.get(r["name"])
+            if r["words"] is not None or e is None or not e.tokens:
+                continue
+            try:
+                text = await detokenize(decode(e.tokens[:4 * n_tokens]))
+            except EngineError as err:
+                log.debug("auto sessions: ls: cannot detokenize %s: %s", r["name"], err)
+                break  # the engine is not answering: the rest would not fare better
+            words = first_words(text, max_chars)
+            self._words[r["name"]] = (e.ident, words)
+            r["words"] = words
+        live = {r["name"] for r in rows}
+        for name in [n for n in self._words if n not in live]:
+            del self._words[name]
+        return rows
 
     # -- what was held at the last stop --------------------------------------------
     def state_file(self) -> Path:

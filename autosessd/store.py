@@ -8,8 +8,12 @@ How a save becomes visible (no torn `auto-*.bin`, ever):
 
     engine writes  .autosessd-<key>.partial           (a name no reader looks at)
     verify_temp    size == engine's n_written, header magic if the engine has one
-    finalize       chmod(temp) → fsync(temp) → rename to auto-<key>.bin → fsync(dir)
-                   → metadata to .autosessd-<key>.json.partial → fsync → rename → fsync(dir)
+    finalize       chmod(temp) → fsync(temp) → rename to auto-<target>.bin → fsync(dir)
+                   → metadata to .autosessd-<target>.json.partial → fsync → rename → fsync(dir)
+
+<key> is the conversation's first-message key; <target> is that key, or the branch key
+sessions.py chose from the file's tokens (index.save_key) when another conversation of
+the same first message holds auto-<key>.bin.
 
 Both files hold a conversation (the state file its tokens, the metadata its key), so
 every file autosessd makes visible is 0600, or 0640 with its group set to
@@ -85,21 +89,32 @@ def manual_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Meta:
-    key: str
+    key: str  # the file's: auto-<key>.bin
     n_tokens: int
     bytes: int
     saved_at: float
     model: str
     save_ms: float
     layout: str | None = None  # slotfile.KVLayout.fingerprint(): the KV streams, cache types, layers
+    # The conversation's line: the key of its first user message. It names the file too,
+    # unless the conversation departs from another one of the same line (index.save_key:
+    # the file is then a branch, auto-<branch key>.bin). None: a prefix, or older metadata.
+    line: str | None = None
+    # Of n_tokens, how many were the prompt the last reply was generated from (None: not known).
+    n_prompt: int | None = None
+    # A shared prefix (a system prompt and tools, read on its own before a new conversation):
+    # no conversation of its own, restored for any request that starts with it.
+    prefix: bool = False
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
         d = json.loads(data)
-        layout = d.get("layout")
+        layout, line, n_prompt = d.get("layout"), d.get("line"), d.get("n_prompt")
         return cls(key=str(d["key"]), n_tokens=int(d["n_tokens"]), bytes=int(d["bytes"]),
                    saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)),
-                   layout=layout if isinstance(layout, str) else None)
+                   layout=layout if isinstance(layout, str) else None,
+                   line=str(line) if line is not None else None,
+                   n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)))
 
 
 @dataclass(frozen=True)
@@ -277,8 +292,9 @@ class Store:
                 raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
 
     def finalize(self, key: str, meta: Meta) -> None:
-        """Make a verified temporary visible as auto-<key>.bin, then its metadata. Blocking."""
-        temp, final = self.temp_path(key), self.bin_path(key)
+        """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
+        or the name index.save_key chose for it), then its metadata. Blocking."""
+        temp, final = self.temp_path(key), self.bin_path(meta.key)
         self._seal(temp)
         os.replace(temp, final)
         _fsync_dir(self.path)

@@ -2,7 +2,7 @@
 """Issue 11's measurements: knowing session files by their tokens, and what it costs.
 
     python bench/index.py                    every part
-    python bench/index.py --only lookup,cost lookup | start | tokens | turns | cost | reuse | prefix
+    python bench/index.py --only lookup,cost lookup | start | tokens | turns | cost | reuse | prefix | turn | split
     BENCH_INDEX_FILES=10,100 BENCH_INDEX_TOKENS=1000,4000   a smaller grid
 
   lookup  the prefix lookup at 1k/4k/16k/32k tokens × 10/100/1,000 files, three ways:
@@ -19,6 +19,10 @@
           how much timings.cache_n reuses, with --swa-full and without
   prefix  (real engine) a shared system prompt: restoring another task's file vs a file that
           holds exactly the prefix
+  turn    (real engine) what a switching turn adds on the request's path: the request's tokens
+          + encode + lookup at 1k/4k/16k tokens × 10/100/1,000 files, and the prefix probe
+  split   (real engine, real daemon) a new conversation's system prompt read on its own and
+          saved (the split): its cost, and the next conversation's first request after a restart
 
 Prints Markdown tables; writes bench/results/index-<date>-<host>.json.
 """
@@ -33,6 +37,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import sys
@@ -573,6 +578,151 @@ def t_prefix(r: dict[str, Any]) -> str:
         f"{r['make_prefix']['s']:.1f} s) | {r['after_prefix']['cache_n']:,} | {r['after_prefix']['prompt_ms']:,.0f} |"])
 
 
+def part_turn(work: Path) -> dict[str, Any]:
+    """What a switching turn adds on the request's path before any save or restore: the
+    request's tokens from the engine (/apply-template + /tokenize), encoding them, and
+    index.best over N files of this model (each shares a random part of the request's first
+    half, as files of one agent's conversations do); and, for a new conversation with a
+    system prompt, finding where that prompt ends (the prefix probe: one more
+    /apply-template + /tokenize of the part before the first user message)."""
+    d = work / "turn"
+    d.mkdir()
+    e = engine(d, ctx=20000)
+    rows = []
+    rng = random.Random(12)
+
+    async def go():
+        from autosessd.sessions import SPLIT_MARK
+
+        eng = LlamaServer(e.url, timeout_s=120)
+        try:
+            for size in (1000, 4000, 16000):
+                system = "You are a careful assistant. Rules: " + facts(size // 4 // 18, "rule")
+                body = chat([{"role": "system", "content": system},
+                             {"role": "user", "content": facts(3 * size // 4 // 18) + "\nWhich box is red?"}])
+                probe = {**body, "messages": [body["messages"][0], {"role": "user", "content": SPLIT_MARK}]}
+                tokens = await eng.prompt_tokens(body)
+                tok_runs, probe_runs = [], []
+                for _ in range(7):
+                    t0 = time.perf_counter()
+                    q = encode(await eng.prompt_tokens(body))
+                    tok_runs.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    text = await eng.apply_template(probe)
+                    common_prefix(encode(await eng.tokenize(text[:text.find(SPLIT_MARK)])), q)
+                    probe_runs.append(time.perf_counter() - t0)
+                for n_files in FILES:
+                    fd = d / f"{size}-{n_files}"
+                    fd.mkdir()
+                    idx = TokenIndex(fd)
+                    for i in range(n_files):
+                        k = rng.randrange(len(tokens) // 2)
+                        t = tokens[:k] + [rng.randrange(VOCAB) for _ in range(len(tokens) - k)]
+                        (fd / f"f{i}.bin").write_bytes(build(t))
+                        idx.add(f"f{i}.bin", t, MODEL)
+                    q = encode(tokens)
+                    look = timed(lambda: idx.best(encode(tokens), MODEL, min_lcp=100, window=512), 50)
+                    assert idx.best(q, MODEL) is not None
+                    rows.append({"tokens": len(tokens), "files": n_files, "tokens_ms": 1e3 * med(tok_runs),
+                                 "lookup_ms": 1e3 * look, "probe_ms": 1e3 * med(probe_runs)})
+                    print(f"  turn {len(tokens):,} tokens × {n_files:,} files: tokens {rows[-1]['tokens_ms']:.1f} ms "
+                          f"+ lookup {rows[-1]['lookup_ms']:.2f} ms", flush=True)
+                    for p in fd.iterdir():
+                        p.unlink()
+                    fd.rmdir()
+        finally:
+            await eng.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        e.stop()
+    return {"rows": rows}
+
+
+def t_turn(r: dict[str, Any]) -> str:
+    lines = ["| prompt tokens | files | request's tokens from the engine (ms) | encode + lookup (ms) | "
+             "turn adds (ms) | prefix probe, new conversations (ms) |", "|---:|---:|---:|---:|---:|---:|"]
+    for x in r["rows"]:
+        lines.append(f"| {x['tokens']:,} | {x['files']:,} | {x['tokens_ms']:.1f} | {x['lookup_ms']:.2f} | "
+                     f"{x['tokens_ms'] + x['lookup_ms']:.1f} | {x['probe_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def part_split(work: Path) -> dict[str, Any]:
+    """The shared prefix through the real daemon (gate, min tokens 100), against the engine
+    alone, both --cache-ram 0. A new conversation C = S + task 1: its first request, where
+    autosessd reads S on its own and saves it before forwarding C (the split), vs the same
+    request to the engine alone. Then engine (and autosessd) restarted: D = S + task 2's
+    first request, where autosessd restores the prefix file. Times are whole requests with
+    max_tokens 1 (time to first token); S differs per repetition (no file holds it yet)."""
+    from harness import Daemon, Engine
+
+    reps = int(os.environ.get("BENCH_REPS", "3"))
+    rows = []
+    for size in (1500, 3000):
+        r: dict[str, list] = {"c_engine": [], "c_gate": [], "d_engine": [], "d_gate": [], "split": [],
+                              "split_total": [], "d_cache_n": [], "s_tokens": []}
+        for rep in range(reps):
+            system = f"Session {rep}. You are a careful clerk. Rules: " + facts(size // 18, "rule")
+            c = chat([{"role": "system", "content": system},
+                      {"role": "user", "content": "Task one: " + facts(40, "jar") + " Which jar is red?"}], 1)
+            dd = chat([{"role": "system", "content": system},
+                       {"role": "user", "content": "Task two: which rule holds the most marbles?"}], 1)
+            for who in ("engine", "gate"):
+                sd = work / f"split-{size}-{rep}-{who}"
+                sd.mkdir()
+                dtmp = work / f"d-{size}-{rep}"
+                dtmp.mkdir(exist_ok=True)
+                e = Engine(sd, log_path=work / f"engine-split-{size}-{rep}-{who}.log").start()
+                dmn = None
+                try:
+                    if who == "gate":
+                        dmn = Daemon(dtmp, sd, e.url).start()
+                    t0 = time.perf_counter()
+                    e.post("/v1/chat/completions", c, base=dmn.gate_url if dmn else None)
+                    r[f"c_{who}"].append(time.perf_counter() - t0)
+                    if dmn is not None:
+                        dmn.stop()
+                        line = next(x for x in dmn.logtext().splitlines() if "on their own and saved them" in x)
+                        m = re.search(r": (\d+) ms \(([\d,]+) tokens read in (\d+) ms", line)
+                        # What the split adds: all it took, less reading S (which C's request would do anyway).
+                        r["split"].append(float(m.group(1)) - float(m.group(3)))
+                        r["split_total"].append(float(m.group(1)))
+                    e.restart()
+                    if who == "gate":
+                        dmn = Daemon(dtmp, sd, e.url).start()  # the same state directory: the index cache
+                    t0 = time.perf_counter()
+                    out = e.post("/v1/chat/completions", dd, base=dmn.gate_url if dmn else None)
+                    r[f"d_{who}"].append(time.perf_counter() - t0)
+                    if dmn is not None:
+                        r["d_cache_n"].append(out["timings"]["cache_n"])
+                        last = dmn.status()["slots"][0]["last_restore"]
+                        assert last and last["prefix"], last
+                        r["s_tokens"].append(last["shared"])
+                finally:
+                    if dmn is not None:
+                        dmn.stop()
+                    e.stop()
+        row = {"size": size, **{k: med(v) for k, v in r.items() if v}, "n": reps}
+        rows.append(row)
+        print(f"  split S≈{size:,}: C engine {row['c_engine']:.2f} s, gate {row['c_gate']:.2f} s; D after restart "
+              f"engine {row['d_engine']:.2f} s, gate {row['d_gate']:.2f} s (cache_n {row['d_cache_n']:,.0f})",
+              flush=True)
+    return {"rows": rows}
+
+
+def t_split(r: dict[str, Any]) -> str:
+    lines = ["| S (tokens) | C's first request: engine alone / gate (s) | split: reading S + saving (ms) | "
+             "split adds (ms) | D's first request after a restart: engine alone / gate (s) | D reused (cache_n) |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for x in r["rows"]:
+        lines.append(f"| {x['s_tokens']:,.0f} | {x['c_engine']:.2f} / {x['c_gate']:.2f} | "
+                     f"{x.get('split_total', float('nan')):,.0f} | {x['split']:,.0f} | "
+                     f"{x['d_engine']:.2f} / {x['d_gate']:.2f} | {x['d_cache_n']:,.0f} |")
+    return "\n".join(lines)
+
+
 PARTS = {
     "lookup": ("Prefix lookup: one lookup's time and the memory held", part_lookup, t_lookup),
     "start": ("Index at start: headers vs cache", part_start, t_start),
@@ -582,6 +732,9 @@ PARTS = {
     "reuse": ("Restore, then a prompt that departs in the middle", part_reuse, t_reuse),
     "prefix": ("A shared system prompt after a restart: the task's file vs a file of the prefix", part_prefix,
                t_prefix),
+    "turn": ("What a switching turn adds: the request's tokens and the lookup", part_turn, t_turn),
+    "split": ("A shared system prompt through autosessd: the split's cost, and after a restart", part_split,
+              t_split),
 }
 
 

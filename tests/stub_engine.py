@@ -4,11 +4,37 @@ in llama-server's layout (autosessd/slotfile.py), the token ids standing for a c
 Like llama-server: GET /slots shows each slot's token count and the id of the last task that
 ran on it (ids from one counter across slots); a failed restore clears the slot; with
 `clears_idle` (a unified KV cache with --cache-idle-slots) a request starting on one slot
-empties every idle slot. Unlike it: slot actions never wait for a request (tests call ran()
-between them), and `no_room` makes restores fail for lack of KV room until a slot is erased."""
+empties every idle slot; a chat body's tokens come from a template then a tokenizer, and a
+request keeps what the slot shares with its prompt (chat(), prefill()). Unlike it: slot
+actions never wait for a request (tests call ran() or chat() between them); `no_room` makes
+restores fail for lack of KV room until a slot is erased; the template is a toy
+(`<role>text<end>` per message) and a token is one character (BOS = 2), so a test can say
+how many tokens a text is; there is no sliding window."""
 
 from autosessd import slotfile
-from autosessd.engines.base import EngineInfo, EngineRefused, RestoreResult, SaveResult, SlotState, SlotsHidden
+from autosessd.engines.base import (EngineInfo, EngineRefused, PrefillResult, RestoreResult, SaveResult, SlotState,
+                                    SlotsHidden)
+
+BOS = 2
+
+
+def template(body: dict) -> str:
+    """The toy chat template: tools first, then each message, then the turn the model writes."""
+    tools = "".join(f"<tool>{t}<end>" for t in body.get("tools") or [])
+    return tools + "".join(f"<{m['role']}>{m['content']}<end>" for m in body["messages"]) + "<assistant>"
+
+
+def tokenize(text: str) -> list[int]:
+    return [BOS] + [ord(c) for c in text]
+
+
+def lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class StubEngine:
@@ -76,6 +102,43 @@ class StubEngine:
         self.erased.append(slot)
         self.no_room = False
         return n
+
+    # -- the chat side (issue 11) --------------------------------------------------------
+    tokenize_calls = 0
+    tokenize_fails = False
+
+    async def apply_template(self, body, timeout_s=None):
+        if not isinstance(body.get("messages"), list):
+            raise EngineRefused("POST /apply-template answered 400: messages must be a list")
+        return template(body)
+
+    async def tokenize(self, text, timeout_s=None):
+        self.tokenize_calls += 1
+        if self.tokenize_fails:
+            raise EngineRefused("POST /tokenize answered 500: stub told to fail")
+        return tokenize(text)
+
+    async def prompt_tokens(self, body, timeout_s=None):
+        return await self.tokenize(await self.apply_template(body))
+
+    async def detokenize(self, tokens, timeout_s=None):
+        return ("<bos>" if tokens and tokens[0] == BOS else "") + "".join(chr(t) for t in tokens if t > BOS)
+
+    def chat(self, body: dict, reply: str) -> tuple[int, int]:
+        """A chat request runs: the slot keeps what it shares with the prompt, reads the rest,
+        then holds the prompt and the reply. Returns (cache_n, n_prompt) as the response says."""
+        prompt = tokenize(template(body))
+        cache_n = min(lcp(self.tokens, prompt), len(prompt) - 1)
+        self.ran(prompt + [ord(c) for c in reply])
+        return cache_n, len(prompt)
+
+    prefills: list = []
+
+    async def prefill(self, slot, tokens):
+        cache_n = min(lcp(self.held[slot], tokens), len(tokens) - 1)
+        self.ran(list(tokens), slot)
+        self.prefills = [*self.prefills, list(tokens)]
+        return PrefillResult(cache_n, len(tokens) - cache_n, 1.0)
 
     async def slots(self):
         if not self.slots_visible:

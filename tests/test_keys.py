@@ -2,7 +2,7 @@
 
 import pytest
 
-from autosessd.keys import conversation_key, messages_key
+from autosessd.keys import chat_signature, continues, conversation_key, messages_key
 
 
 @pytest.mark.parametrize(
@@ -61,3 +61,26 @@ def test_messages_key_matches_request_key():
     msgs = [{"role": "user", "content": "Hello"}]
     assert messages_key(msgs) == conversation_key({"messages": msgs}) == "f7ff9e8b7bb2e09b"
     assert messages_key("nope") is None
+
+
+def test_chat_signature_goes_on_only_with_the_same_options_and_earlier_messages_first():
+    a = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "stream": True}
+    grown = {**a, "messages": a["messages"] + [{"role": "assistant", "content": "Yo"}, {"role": "user", "content": "?"}],
+             "temperature": 0.7, "max_tokens": 5, "seed": 3}
+    assert continues(chat_signature(a), chat_signature(grown))  # sampling fields do not shape the prompt
+    assert continues(chat_signature(a), chat_signature(a))
+    assert not continues(chat_signature(grown), chat_signature(a))
+    assert not continues(chat_signature(a), chat_signature({**grown, "tools": [{"type": "function"}]}))
+    assert not continues(chat_signature(a), chat_signature({**grown, "chat_template_kwargs": {"x": 1}}))
+    edited = {**grown, "messages": [{"role": "user", "content": "Hi!"}] + grown["messages"][1:]}
+    assert not continues(chat_signature(a), chat_signature(edited))
+    assert not continues(None, chat_signature(a))
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+    {"messages": []}, {"messages": "x"}, {"messages": [3]}, None, [], {"input": "Hello"},
+])
+def test_chat_signature_is_none_for_media_and_bodies_that_are_not_openai_chat(body):
+    assert chat_signature(body) is None

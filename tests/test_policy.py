@@ -2,17 +2,17 @@
 
 import pytest
 
+from autosessd.policy import (BELOW_MIN, LAYOUT_MISMATCH, MODEL_MISMATCH, NO_FILE, NO_MATCH, PROVISIONAL,
+                              SAVE_FAILED_DURABLE, UP_TO_DATE, FileInfo, Held, Occasion, Restore, RestoreFile, Save,
+                              SaveOutcome, Skip, plan_restore, plan_restore_by_tokens, plan_save, restore_reused)
 from autosessd.slotfile import KVLayout
-from autosessd.policy import (BELOW_MIN, LAYOUT_MISMATCH, MODEL_MISMATCH, NO_FILE, PROVISIONAL, SAVE_FAILED_DURABLE, UP_TO_DATE,
-                              FileInfo, Held, Occasion, Restore, Save, SaveOutcome, Skip, plan_restore, plan_save,
-                              restore_reused)
 
 MIN = 1000
 M = "model-a"
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 
 
-SW, KL, ST, BH = Occasion.SWITCH, Occasion.KEYLESS, Occasion.STOP, Occasion.BEHIND
+SW, KL, ST, BH, BR = Occasion.SWITCH, Occasion.KEYLESS, Occasion.STOP, Occasion.BEHIND, Occasion.BRANCH
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,10 @@ SW, KL, ST, BH = Occasion.SWITCH, Occasion.KEYLESS, Occasion.STOP, Occasion.BEHI
     [
         ("nothing held: nothing to save", None, SW, B, None, None),
         ("same key: nothing", Held(A, 5000, True), SW, A, None, None),
+        ("same key, tokens depart (a branch): save", Held(A, 5000, True), BR, A, None, Save(A, 5000)),
+        ("same key, tokens depart, up to date", Held(A, 5000, True), BR, A, FileInfo(5000, M),
+         Skip("save", A, UP_TO_DATE)),
+        ("same key, tokens depart, below min", Held(A, 10, True), BR, A, None, Skip("save", A, BELOW_MIN)),
         ("held reached min: save", Held(A, 5000, True), SW, B, None, Save(A, 5000)),
         ("held exactly at min: save", Held(A, MIN, True), SW, B, None, Save(A, MIN)),
         ("held below min: no save", Held(A, 999, True), SW, B, None, Skip("save", A, BELOW_MIN)),
@@ -105,3 +109,28 @@ def test_empty_held_is_never_saved_even_with_min_zero():
 ])
 def test_restore_reused(n_restored, cache_n, n_prompt, reused):
     assert restore_reused(n_restored, cache_n, n_prompt) is reused
+
+
+@pytest.mark.parametrize(
+    "name, held, outcome, found, shared_now, expect",
+    [
+        ("nothing shares enough: no restore", None, SaveOutcome.NOT_TRIED, None, 0, Skip("restore", B, NO_MATCH)),
+        ("a file shares min more than the slot: restore", None, SaveOutcome.NOT_TRIED, ("f.bin", MIN), 0,
+         RestoreFile("f.bin", MIN)),
+        ("a file shares less than min more than the slot: no restore", Held(A, 5000, True), SaveOutcome.SAVED,
+         ("f.bin", 3000), 2500, Skip("restore", B, NO_MATCH)),
+        ("a file shares min more than the slot does live: restore", Held(A, 5000, True), SaveOutcome.SAVED,
+         ("f.bin", 3500), 2500, RestoreFile("f.bin", 3500)),
+        ("save failed, durable held: no restore", Held(A, 5000, True), SaveOutcome.FAILED, ("f.bin", 3000), 0,
+         Skip("restore", B, SAVE_FAILED_DURABLE)),
+        ("save failed, provisional held: restore", Held(A, 5000, False), SaveOutcome.FAILED, ("f.bin", 3000), 0,
+         RestoreFile("f.bin", 3000)),
+    ],
+)
+def test_plan_restore_by_tokens(name, held, outcome, found, shared_now, expect):
+    assert plan_restore_by_tokens(held, B, outcome, found, shared_now, MIN) == expect, name
+
+
+def test_restore_by_tokens_with_min_tokens_zero_still_needs_one_more_token():
+    assert plan_restore_by_tokens(None, B, SaveOutcome.NOT_TRIED, ("f.bin", 7), 7, 0) == Skip("restore", B, NO_MATCH)
+    assert plan_restore_by_tokens(None, B, SaveOutcome.NOT_TRIED, ("f.bin", 8), 7, 0) == RestoreFile("f.bin", 8)

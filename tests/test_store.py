@@ -38,10 +38,25 @@ def test_finalize_makes_bin_and_metadata(tmp_path):
     assert s.bin_path(K[0]).read_bytes()[:4] == b"qsgg"
     meta = json.loads(s.meta_path(K[0]).read_text())
     assert meta == {"key": K[0], "n_tokens": 77, "bytes": 200, "saved_at": 1.0, "model": MODEL, "save_ms": 1.0,
-                    "layout": None}
+                    "layout": None, "line": None, "n_prompt": None, "prefix": False}
     assert s.read_meta(K[0]).n_tokens == 77
     [e] = s.scan()
     assert e.key == K[0] and e.bytes == 200 and e.meta.n_tokens == 77
+
+
+def test_finalize_under_another_key_and_metadata_written_before_line_and_n_prompt(tmp_path):
+    """A branch: the temporary of its line's key K[0] becomes auto-K[1].bin, whose metadata
+    names the line. Metadata from before these fields still reads (as line and n_prompt unknown)."""
+    s = Store(tmp_path)
+    write_temp(s, K[0], 100)
+    s.finalize(K[0], Meta(K[1], 50, 100, 1.0, MODEL, 1.0, line=K[0], n_prompt=40))
+    assert not s.temp_path(K[0]).exists() and not s.bin_path(K[0]).exists()
+    m = s.read_meta(K[1])
+    assert (m.key, m.line, m.n_prompt, m.prefix) == (K[1], K[0], 40, False)
+    s.meta_path(K[1]).write_text(json.dumps({"key": K[1], "n_tokens": 50, "bytes": 100, "saved_at": 1.0,
+                                             "model": MODEL, "save_ms": 1.0}))
+    m = s.read_meta(K[1])
+    assert (m.line, m.n_prompt, m.prefix) == (None, None, False)
 
 
 def test_verify_temp_refuses_size_mismatch_missing_and_bad_magic(tmp_path):

@@ -27,6 +27,13 @@ class RestoreResult:
 
 
 @dataclass(frozen=True)
+class PrefillResult:
+    cache_n: int  # tokens the slot already held
+    prompt_n: int  # tokens read
+    ms: float
+
+
+@dataclass(frozen=True)
 class SlotState:
     id: int
     is_processing: bool
@@ -40,6 +47,7 @@ class EngineInfo:
     model: str  # fingerprint: equal for the same model file, different otherwise
     model_name: str
     total_slots: int
+    model_path: str = ""  # where the engine loaded its model from (llama-server /props), when it says
 
 
 class EngineError(Exception):

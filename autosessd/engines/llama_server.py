@@ -4,6 +4,9 @@
     GET  /slots   GET /props   GET /v1/models   GET /health (503 while loading)
     POST /apply-template  a chat body → {"prompt": the templated text}
     POST /tokenize        {"content", "add_special", "parse_special"} → {"tokens": [...]}
+    POST /detokenize      {"tokens": [...]} → {"content": text}
+    POST /completion      {"prompt": [token ids], "n_predict": 0, "id_slot", "cache_prompt"}:
+                          reads a prompt into a slot without generating (a prefix, then saved)
 
 501 on /slots means the engine runs without --slot-save-path. A slot action on a busy
 slot is deferred by the engine until the slot is free, so it can take as long as the
@@ -21,8 +24,8 @@ from typing import Any
 import aiohttp
 
 from ..upstream import Upstream
-from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, RestoreResult,
-                   SaveResult, SlotSavingOff, SlotsHidden, SlotState)
+from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, PrefillResult,
+                   RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
 
 class LlamaServer:
@@ -137,6 +140,28 @@ class LlamaServer:
         except (KeyError, TypeError, ValueError):
             raise EngineBadAnswer(f"erase answered without n_erased: {d!r:.200}") from None
 
+    async def detokenize(self, tokens: list[int], timeout_s: float | None = None) -> str:
+        """The text of token ids (special tokens as their text, e.g. `<bos>`)."""
+        d = await self._call("POST", "/detokenize", {"tokens": tokens}, timeout_s)
+        content = d.get("content") if isinstance(d, dict) else None
+        if not isinstance(content, str):
+            raise EngineBadAnswer(f"/detokenize answered without a content string: {d!r:.200}")
+        return content
+
+    async def prefill(self, slot: int, tokens: list[int]) -> PrefillResult:
+        """Read `tokens` into the slot and stop there: afterwards the slot holds exactly these
+        tokens (n_predict 0 samples one token but never evaluates it; measured on b11434:
+        a save right after holds the prompt, token for token). cache_prompt keeps what the
+        slot already shares with them. Waits for the slot like any request."""
+        d = await self._call("POST", "/completion", {"prompt": tokens, "n_predict": 0, "id_slot": slot,
+                                                      "cache_prompt": True, "temperature": 0})
+        try:
+            t = d["timings"]
+            return PrefillResult(cache_n=int(t["cache_n"]), prompt_n=int(t["prompt_n"]), ms=float(t["prompt_ms"]))
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"/completion answered without timings.cache_n/prompt_n/prompt_ms: "
+                                  f"{d!r:.200}") from None
+
     async def slots(self) -> list[SlotState]:
         d = await self._call("GET", "/slots")
         if not isinstance(d, list):
@@ -172,7 +197,8 @@ class LlamaServer:
         # own numbers (size in bytes, parameter count, vocabulary).
         ident = {"name": name, **{k: meta.get(k) for k in ("size", "n_params", "n_vocab", "n_embd")}}
         fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-        return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1))
+        return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1),
+                          model_path=str(props.get("model_path") or ""))
 
 
 def _error_message(data: Any, text: str) -> str:

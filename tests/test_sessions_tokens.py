@@ -1,0 +1,254 @@
+"""Sessions knowing files by their tokens (issue 11), on the stub engine: what is restored,
+under which name a conversation is saved, the shared prefix read on its own.
+
+The stub tokenizes a toy template one character per token (tests/stub_engine.py) and writes
+real slot files, so every check reads a file's header, not autosessd's records. Where it
+differs from llama-server: no sliding window unless engine.swa_window is set (the index then
+passes over files as it would for Gemma 3), and a request's cache_n is the plain common
+prefix with what the slot held."""
+
+import json
+
+from autosessd import slotfile
+from autosessd.config import parse
+from autosessd.index import branch_key, prefix_key
+from autosessd.keys import conversation_key
+from autosessd.sessions import Phase, Sessions
+from autosessd.store import Store
+from stub_engine import StubEngine, template, tokenize
+
+MIN = 60
+LONG_1 = "Arr, the sea is wide and the ships are many. " * 6
+LONG_2 = "Objection sustained; the contract is void for vagueness. " * 6
+
+
+async def make(tmp_path, min_tokens=MIN, swa=0, engine=None):
+    d = tmp_path / "sessions"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\nstate_dir = "{tmp_path / "state"}"\n'
+                f'[engine]\nswa_window = {swa}\n'.encode())
+    s = Sessions(cfg, engine or StubEngine(d), Store(d), "stub-model")
+    await s.prepare()
+    return s
+
+
+def body(*messages, tools=None):
+    b = {"messages": [{"role": r, "content": c} for r, c in messages], "temperature": 0}
+    if tools:
+        b["tools"] = tools
+    return b
+
+
+async def chat(s, b, reply="Aye."):
+    """What the gate does with a chat body: FIFO, turn with the body, the request, ended."""
+    key = conversation_key(b)
+    async with await s.admit() as t:
+        turn = await s.turn(t, key, body=b)
+        cache_n, n_prompt = s.engine.chat(b, reply)
+        await s.ended(t.slot_id, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
+    await s.drain()
+    return turn, cache_n, n_prompt
+
+
+def header(s, name):
+    return list(slotfile.read_header(s.store.path / name).tokens)
+
+
+def prompt(b):
+    return tokenize(template(b))
+
+
+def conversation_files(s):
+    return sorted(r["name"] for r in s.ls() if r["kind"] == "auto")
+
+
+X = body(("system", "You are a pirate."), ("user", "Hello"), ("assistant", LONG_1), ("user", "And the ships?"))
+Y = body(("system", "You are a lawyer."), ("user", "Hello"), ("assistant", LONG_2), ("user", "And the contract?"))
+K = conversation_key(X)
+
+
+async def test_same_opener_two_conversations_two_files_each_return_restores_its_own(tmp_path):
+    assert conversation_key(Y) == K
+    s = await make(tmp_path)
+    await chat(s, X)
+    await chat(s, Y)  # same key, other tokens: X is saved before Y replaces it
+    assert conversation_files(s) == [f"auto-{K}.bin"]
+    turn, cache_n, n_prompt = await chat(s, X)
+    assert turn.restored["file"] == f"auto-{K}.bin" and cache_n >= 0.9 * n_prompt
+    turn, cache_n, n_prompt = await chat(s, Y)
+    d = next(i for i, (a, c) in enumerate(zip(prompt(X), prompt(Y))) if a != c)  # in the system prompt
+    b = f"auto-{branch_key(K, prompt(Y)[:d + 1])}.bin"
+    assert turn.restored["file"] == b and cache_n >= 0.9 * n_prompt
+    assert sorted(conversation_files(s)) == sorted([f"auto-{K}.bin", b])
+    assert header(s, f"auto-{K}.bin")[:len(prompt(X))] == prompt(X)
+    assert header(s, b)[:len(prompt(Y))] == prompt(Y)
+    assert s.store.read_meta(b[5:21]).line == K
+    assert s.counters.restores_reused == 2 and s.counters.saves_branched == 1
+    st = s.status()["slots"][0]["last_restore"]
+    assert (st["file"], st["chosen_by"], st["cache_n"], st["reused"]) == (b, "tokens", cache_n, True)
+
+
+async def test_an_edited_message_is_saved_as_a_branch_and_the_parent_stays_whole(tmp_path):
+    p = [("system", "Be brief."), ("user", "Facts: " + LONG_1), ("assistant", "Noted."), ("user", "More: " + LONG_2),
+         ("assistant", "Noted again."), ("user", "Sum it up.")]
+    parent = body(*p)
+    edited = body(*p[:2], ("assistant", "Understood, captain."), *p[3:])
+    s = await make(tmp_path)
+    await chat(s, parent)
+    await chat(s, edited)
+    parent_file = f"auto-{conversation_key(parent)}.bin"
+    before = header(s, parent_file)
+    assert before[:len(prompt(parent))] == prompt(parent)
+    turn, cache_n, n_prompt = await chat(s, parent)  # the return: the branch is saved elsewhere
+    assert turn.saved["named"] == "branch" and turn.saved["file"] != parent_file
+    assert turn.restored["file"] == parent_file and cache_n >= 0.9 * n_prompt
+    assert header(s, parent_file) == before
+    assert header(s, turn.saved["file"])[:len(prompt(edited))] == prompt(edited)
+
+
+async def test_a_file_under_the_requests_own_key_that_shares_too_little_is_not_restored(tmp_path):
+    """No wrong restore: the name says it is this conversation, its tokens say otherwise."""
+    s = await make(tmp_path)
+    b = body(("user", "Hello there, " + LONG_1))
+    key = conversation_key(b)
+    fake = tokenize("<user>Hello there, ") + [ord(c) for c in "something else entirely " * 10]
+    assert 0 < len(fake) and sum(1 for x, y in zip(fake, prompt(b)) if x == y) < MIN
+    data = slotfile.build(fake, b"\0" * 100)
+    (s.store.path / f"auto-{key}.bin").write_bytes(data)
+    (s.store.path / f"auto-{key}.json").write_text(json.dumps(
+        {"key": key, "n_tokens": len(fake), "bytes": len(data), "saved_at": 1.0, "model": "stub-model",
+         "save_ms": 1.0}))
+    s.index.scan()
+    restores = []
+    real = s.engine.restore
+    s.engine.restore = lambda slot, name: restores.append(name) or real(slot, name)
+    turn, cache_n, _ = await chat(s, b)
+    assert turn.restored is None and restores == [] and cache_n == 0
+    assert any("no file of this model shares" in m for m in turn.skipped)
+    # The same file, had its tokens been the conversation's, is restored: the test can fail.
+    s2 = await make(tmp_path / "2")
+    await chat(s2, b)
+    await chat(s2, X)
+    turn, cache_n, n_prompt = await chat(s2, b)
+    assert turn.restored["file"] == f"auto-{key}.bin" and cache_n >= 0.9 * n_prompt
+
+
+async def test_without_tokens_the_key_decides(tmp_path):
+    """The engine cannot tokenize, or the body is not OpenAI chat (Anthropic, images): the
+    file under the request's key is restored, as before issue 11."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    await chat(s, body(("user", "Something else: " + LONG_2)))
+    s.engine.tokenize_fails = True
+    turn, _, _ = await chat(s, X)
+    assert turn.restored["file"] == f"auto-{K}.bin" and turn.restored["chosen_by"] == "key"
+    assert s.counters.tokenize_failures == 1
+    s.engine.tokenize_fails = False
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Something else: " + LONG_2},
+                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    calls = s.engine.tokenize_calls
+    async with await s.admit() as t:
+        turn = await s.turn(t, conversation_key(image), body=image)
+        await s.ended(t.slot_id, conversation_key(image), "not_run")
+    assert s.engine.tokenize_calls == calls and turn.restored["chosen_by"] == "key"
+
+
+async def test_a_request_that_goes_on_from_the_held_one_asks_for_no_tokens(tmp_path):
+    s = await make(tmp_path)
+    await chat(s, X)
+    calls = s.engine.tokenize_calls
+    grown = {**X, "messages": X["messages"] + [{"role": "assistant", "content": "Aye."},
+                                               {"role": "user", "content": "Which is fastest?"}]}
+    turn, _, _ = await chat(s, grown)
+    assert s.engine.tokenize_calls == calls and turn.saved is None and turn.restored is None
+    # Other tools: the prompt changes though the messages go on.
+    turn, _, _ = await chat(s, {**grown, "tools": [{"type": "function", "function": {"name": "sail"}}]})
+    assert s.engine.tokenize_calls > calls
+
+
+SYSTEM = "You are a careful assistant. Follow these rules. " * 8  # ~400 tokens
+TASK_1 = "Task one: summarise these facts. " + LONG_1
+TASK_2 = "Task two: list the ships. " + LONG_2
+
+
+async def test_a_shared_system_prompt_is_saved_on_its_own_and_restored_after_a_restart(tmp_path):
+    s = await make(tmp_path, swa=50)
+    c = body(("system", SYSTEM), ("user", TASK_1))
+    turn, cache_n, n_prompt = await chat(s, c)
+    head = tokenize(f"<system>{SYSTEM}<end><user>")
+    assert s.engine.prefills == [head]
+    pname = f"auto-{prefix_key(head)}.bin"
+    assert turn.prefix["file"] == pname and header(s, pname) == head
+    meta = s.store.read_meta(pname[5:21])
+    assert meta.prefix and meta.line is None and meta.n_prompt == len(head)
+    assert cache_n == len(head)  # the request read only its task: the prefix was read live
+    assert s.view().phase is Phase.HELD and s.view().file is None
+    await s.save_held()
+    await s.close()
+    # Engine and autosessd restarted: the slot is empty; C's file is past the window.
+    s2 = await make(tmp_path, swa=50, engine=StubEngine(tmp_path / "sessions"))
+    assert s2.index.get(f"auto-{conversation_key(c)}.bin") is not None
+    d = body(("system", SYSTEM), ("user", TASK_2))
+    turn, cache_n, n_prompt = await chat(s2, d)
+    assert turn.restored["file"] == pname and turn.restored["prefix"] and turn.prefix is None
+    assert cache_n == len(head) and s2.engine.prefills == []
+    # C's own file shares more ("Task " too): only the window rule passes over it.
+    assert s2.index.lcp(f"auto-{conversation_key(c)}.bin", prompt(d)) > len(head)
+
+
+async def test_no_prefix_read_when_the_slot_shares_more_or_the_part_is_short(tmp_path):
+    s = await make(tmp_path)
+    await chat(s, body(("system", "Short."), ("user", TASK_1)))
+    assert s.engine.prefills == []  # the system prompt is under min tokens
+    first = body(("system", SYSTEM), ("user", TASK_1), ("assistant", "Done."), ("user", "Again."))
+    await chat(s, first)
+    assert len(s.engine.prefills) == 1
+    pname = next(r["name"] for r in s.ls() if r["kind"] == "prefix")
+    s.forget(pname[5:21])
+    # An edited reply: same opener, tokens depart after the first user message, so the slot
+    # shares more than the prefix; reading the prefix alone would throw that away.
+    edited = body(("system", SYSTEM), ("user", TASK_1), ("assistant", "Done, boss."), ("user", "Again."))
+    turn, cache_n, _ = await chat(s, edited)
+    assert len(s.engine.prefills) == 1 and turn.prefix is None
+    assert cache_n > len(tokenize(f"<system>{SYSTEM}<end><user>{TASK_1}"))
+
+
+async def test_ls_shows_first_words_and_the_line(tmp_path):
+    s = await make(tmp_path)
+    await chat(s, X)
+    await chat(s, Y)
+    await chat(s, X)
+    rows = {r["name"]: r for r in await s.ls_words()}
+    assert rows[f"auto-{K}.bin"]["words"].startswith("You are a pirate. Hel")  # 40 tokens: one a character
+    branch = next(n for n in rows if n != f"auto-{K}.bin")
+    assert rows[branch]["words"].startswith("You are a lawyer.") and rows[branch]["line"] == K
+    assert rows[f"auto-{K}.bin"]["held"] and not rows[branch]["held"]
+
+
+async def test_the_index_follows_forget_and_prune_and_is_cached_for_the_next_start(tmp_path):
+    s = await make(tmp_path)
+    await chat(s, X)
+    await chat(s, body(("user", "Other: " + LONG_2)))
+    await chat(s, X)
+    names = conversation_files(s)
+    assert len(names) == 2 and sorted(s.index.names()) == names
+    s.forget(K)
+    assert f"auto-{K}.bin" not in s.index
+    await s.prune(keep=1, max_gb=1)  # nothing to remove: one file left
+    await s.close()
+    s2 = await make(tmp_path)
+    assert s2.index.names() == [n for n in names if n != f"auto-{K}.bin"]
+
+
+async def test_rewritten_messages_with_the_same_tokens_go_on_without_a_save(tmp_path):
+    """A client that resends an earlier message in another form (here a field the template
+    ignores): the signature differs, so the tokens are asked for, and they go on from the
+    held ones: no save, no restore."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    grown = {**X, "messages": [{**X["messages"][0], "name": "captain"}] + X["messages"][1:]
+             + [{"role": "assistant", "content": "Aye."}, {"role": "user", "content": "Which is fastest?"}]}
+    calls = s.engine.tokenize_calls
+    turn, cache_n, n_prompt = await chat(s, grown)
+    assert s.engine.tokenize_calls == calls + 1
+    assert turn.saved is None and turn.restored is None and cache_n == len(prompt(X)) + len("Aye.")
