@@ -3,10 +3,16 @@
 with engine restarts and request-log rotation, against the real llama-server.
 
 Reports turns, saves, restores and failures, and autosessd's resident memory and open
-file descriptors after a warm-up and at the end; checks the session directory for torn or
-disagreeing files, and for `.partial` temporaries left once the daemon has stopped. Exits 1
-when a request failed, a file is corrupt or left half-made, or memory or descriptors grew
-more than 10%.
+file descriptors, sampled every minute from the end of a warm-up; checks the session
+directory for torn or disagreeing files, and for `.partial` temporaries left once the daemon
+has stopped. Exits 1 when a request failed, a file is corrupt or left half-made, or memory or
+descriptors grew.
+
+What counts as growth. A leak stays, so the soak compares the last three samples' lowest
+value with the first sample: memory may not grow by more than 10%; descriptors other than
+TCP connections to the engine or from clients may not grow at all. Those connections come
+and go with requests (the gate keeps idle ones to the engine for a few seconds), so one
+sample's count says nothing about a leak; they must only stay few (at most MAX_CONNS).
 """
 
 from __future__ import annotations
@@ -37,9 +43,30 @@ def status(port: int) -> dict:
     return json.loads(c.getresponse().read())
 
 
-def footprint(pid: int) -> tuple[int, int]:
+MAX_CONNS = 16  # the soak sends one request at a time: a few connections, never hundreds
+SAMPLE_S = 60.0
+
+
+def footprint(pid: int, ports: tuple[int, int]) -> tuple[int, int, int]:
+    """Resident bytes, descriptors other than TCP connections to the engine or from the
+    gate's clients, and those connections."""
     p = psutil.Process(pid)
-    return p.memory_info().rss, p.num_fds()
+    listing = getattr(p, "net_connections", None) or p.connections  # psutil < 6
+    conns = sum(1 for c in listing(kind="tcp")
+                if c.raddr and (c.raddr.port == ports[0] or c.laddr.port == ports[1]))
+    return p.memory_info().rss, p.num_fds() - conns, conns
+
+
+def open_fds(pid: int) -> list[str]:
+    """What the daemon's descriptors point at, for the report when they grew."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    out = []
+    for fd in fd_dir.iterdir() if fd_dir.is_dir() else ():
+        try:
+            out.append(os.readlink(fd))
+        except OSError:
+            pass
+    return sorted(out)
 
 
 def check_files(directory: Path) -> list[str]:
@@ -84,7 +111,10 @@ def main() -> int:
             pid = stack.daemon.pid
             t0 = time.monotonic()
             next_restart, next_rotate = t0 + ENGINE_RESTART_S, t0 + ROTATE_S
-            warm = None
+            samples: list[tuple[int, int, int]] = []
+            ports = (stack.engine_port, stack.gate_port)
+            next_sample = t0 + WARMUP_S
+            first_fds: list[str] = []
             while time.monotonic() - t0 < MINUTES * 60:
                 i = rng.randrange(len(convs))
                 try:
@@ -98,9 +128,13 @@ def main() -> int:
                     print(f"soak: request failed: {e}", flush=True)
                 requests += 1
                 now = time.monotonic()
-                if warm is None and now - t0 >= WARMUP_S:
-                    warm = footprint(pid)
-                    print(f"soak: after warm-up: rss {warm[0] / 1e6:.1f} MB, {warm[1]} fds", flush=True)
+                if now >= next_sample:
+                    samples.append(footprint(pid, ports))
+                    first_fds = first_fds or open_fds(pid)
+                    rss, fds, conns = samples[-1]
+                    print(f"soak: {(now - t0) / 60:4.1f} min: rss {rss / 1e6:.1f} MB, {fds} fds + {conns} "
+                          "connections", flush=True)
+                    next_sample = now + SAMPLE_S
                 if now >= next_rotate:
                     log.rename(log.with_name(f"requests.jsonl.{rotations}"))
                     rotations += 1
@@ -110,7 +144,8 @@ def main() -> int:
                     stack.start_engine()
                     restarts += 1
                     next_restart = time.monotonic() + ENGINE_RESTART_S
-            end = footprint(pid)
+            samples.append(footprint(pid, ports))
+            last_fds = open_fds(pid)
             st = status(stack.gate_port)
         finally:
             stack.stop_all()
@@ -118,12 +153,16 @@ def main() -> int:
         notes = [line.split(" ", 2)[2] for line in (work / "autosessd.log").read_text().splitlines()
                  if "WARNING" in line or "ERROR" in line]
         c = st["counters"]
-        warm = warm or end
+        warm, last = samples[0], samples[-3:]
+        end = tuple(min(s[k] for s in last) for k in range(3))
         print()
-        print("| | after warm-up | end |")
-        print("|---|---:|---:|")
-        print(f"| resident memory | {warm[0] / 1e6:.1f} MB | {end[0] / 1e6:.1f} MB |")
-        print(f"| open file descriptors | {warm[1]} | {end[1]} |")
+        print(f"| | after warm-up | end (lowest of the last {len(last)} samples) | most |")
+        print("|---|---:|---:|---:|")
+        print(f"| resident memory | {warm[0] / 1e6:.1f} MB | {end[0] / 1e6:.1f} MB | "
+              f"{max(s[0] for s in samples) / 1e6:.1f} MB |")
+        print(f"| file descriptors, without connections | {warm[1]} | {end[1]} | {max(s[1] for s in samples)} |")
+        print(f"| connections to the engine and from clients | {warm[2]} | {end[2]} | "
+              f"{max(s[2] for s in samples)} |")
         print()
         print(f"{MINUTES:g} min: {requests} requests ({failed} failed), turns {c['turns']}, saves {c['saves']}, "
               f"restores {c['restores']} (reused {c['restores_reused']}, not reused {c['restores_not_reused']}), "
@@ -134,9 +173,12 @@ def main() -> int:
             print(f"autosessd warnings ({len(notes)}), the first ones:")
             for line in notes[:8]:
                 print("   ", line[:300])
-        grew = end[0] > warm[0] * 1.10 or end[1] > warm[1] * 1.10
+        grew = end[0] > warm[0] * 1.10 or end[1] > warm[1] or max(s[2] for s in samples) > MAX_CONNS
+        if end[1] > warm[1]:
+            gone, new = sorted(set(first_fds) - set(last_fds)), sorted(set(last_fds) - set(first_fds))
+            print(f"descriptors after the warm-up: {first_fds}\nat the end, new: {new}; gone: {gone}")
         ok = not failed and not bad and not grew
-        print("soak:", "PASS" if ok else "FAIL" + (" (memory or descriptors grew over 10%)" if grew else ""))
+        print("soak:", "PASS" if ok else "FAIL" + (" (memory grew over 10%, descriptors grew, or connections piled up)" if grew else ""))
         return 0 if ok else 1
 
 
