@@ -306,6 +306,8 @@ class Gate:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
             await self.sessions.ended(ticket.slot_id, key, status, n_tokens, cache_n, n_prompt)
+            if status == "ok":
+                self.sessions.prefill_seen(*watcher.prefill())
             if self.request_log and status != "not_run":
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
                                        status="ok" if status == "ok" else "error",
