@@ -201,7 +201,7 @@ def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothi
     stopping(e2)
     (tmp_path / "h1").mkdir()
     (tmp_path / "h2").mkdir()
-    kw = {"part_mb": 8}
+    kw = {"part_mb": 8, "prune_every_s": 10}
     d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1", **kw))
     d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2", **kw))
     stopping(d1)
@@ -250,3 +250,41 @@ def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothi
         assert "the request re-reads its prompt instead" in d2.logtext()
     finally:
         s3_gateway.up()
+    # Beside the turns, the bucket prune runs by itself (prune_every_s), one host at a time.
+    wait_until(lambda: any((shared(d)["last_prune"] or {}).get("done") for d in (d1, d2)), 60,
+               what="a periodic bucket prune")
+
+
+@pytest.mark.s3
+def test_a_download_past_download_timeout_s_is_given_up_and_the_request_re_reads(s3_gateway, s3_bucket, aws_env,
+                                                                                tmp_path, stopping):
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    s1.mkdir()
+    s2.mkdir()
+    e1, e2 = FakeEngine(s1, bytes_per_token=20_000).start(), FakeEngine(s2, bytes_per_token=20_000).start()
+    stopping(e1)
+    stopping(e2)
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h2").mkdir()
+    d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1"))
+    # A link that cannot bring ~25 MB in a millisecond: every download runs past its limit.
+    d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2",
+                                                                     download_timeout_s=0.001))
+    stopping(d1)
+    stopping(d2)
+    d1.start()
+    d2.start()
+    a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")
+    post(d1.gate_url, a)
+    post(d1.gate_url, chat_body("a short other conversation " * 40))
+    wait_until(lambda: shared(d1)["uploads_done"] >= 1, 60, what="host 1's upload of A")
+    wait_until(lambda: shared(d2)["catalog"]["saves"] >= 1, 30, what="host 2 to see A's save")
+    a2 = {**a, "messages": a["messages"] + [{"role": "assistant", "content": "x"},
+                                            {"role": "user", "content": "And box 7?"}]}
+    r = post(d2.gate_url, a2)
+    assert r["choices"] and r["timings"]["cache_n"] == 0  # it ran, re-reading its prompt
+    st = shared(d2)
+    assert st["download_failures"] == 1 and st["downloads"] == 0, st
+    assert "past its time limit (download_timeout_s)" in d2.logtext()
+    whole_local_files(s2)
+    assert not (s2 / auto_name(conversation_key(a))).exists()
