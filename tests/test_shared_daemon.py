@@ -154,6 +154,8 @@ def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")  # ~1,250 tokens
     b = chat_body(long_text(20, "jar") + "\nWhich jar is red?")
     first = post(d1.gate_url, a)
+    # The engine's prompt rate, which the estimate weighs a download against, is measured.
+    wait_until(lambda: shared(d1)["prefill_tokens_s"], 30, what="host 1's prompt rate")
     post(d1.gate_url, b)  # the switch saves A on host 1 and queues its upload
     wait_until(lambda: shared(d1)["uploads_done"] >= 1, 60, what="host 1's upload of A")
     # Host 2 reads the bucket every list_every_s: A's save and its tokens are in its catalog.
