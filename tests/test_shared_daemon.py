@@ -225,6 +225,8 @@ def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothi
     finally:
         s3_gateway.up()
     wait_until(lambda: shared(d1)["uploads_done"] >= 1, 120, what="the upload to resume")
+    # B's save (the switch back to A during the outage) goes up too; then nothing is in flight.
+    wait_until(lambda: shared(d1)["uploads_pending"] == 0, 120, what="host 1's uploads to finish")
     size = (s1 / auto_name(conversation_key(a))).stat().st_size
     # Only whole saves in the bucket (S3 shows an object once complete); the cut multipart
     # upload was aborted when the retry began.
