@@ -36,6 +36,7 @@ from typing import Any, Callable
 from .config import SharedConfig
 from .index import TokenRun, comparable, encode
 from .shared import RemoteSession, SharedError, SharedStore
+from .store import AUTO_BIN
 
 log = logging.getLogger("autosessd")
 
@@ -116,6 +117,10 @@ class Remote:
                             "its last reading, and the local directory as always", e)
             return self.catalog
         self.list_ms = (time.perf_counter() - t0) * 1000
+        # Only auto files: a turn downloads under the save's own name, and a name a person parked
+        # here must never be replaced by a file of that name from another host (autosessd
+        # uploads no parked names; anything else under the prefix is not ours to bring in).
+        saves = [s for s in saves if AUTO_BIN.match(s.name)]
         if self._failing:
             self._failing = False
             self.last_list_error = None

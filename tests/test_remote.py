@@ -80,3 +80,28 @@ def test_the_prompt_rate_is_a_moving_average_of_real_readings(remote):
     assert remote.prefill_tokens_s == pytest.approx(400)
     remote.saw_prefill(1000, 1_000.0)  # one fast reading moves it, does not replace it
     assert 400 < remote.prefill_tokens_s < 1000
+
+
+class _Bucket:
+    """What Remote.refresh asks of SharedStore (a LIST, the header's tokens), from a list: the
+    real calls are tested against a real S3 server in test_shared_s3.py."""
+
+    def __init__(self, *saves):
+        self.saves = saves
+
+    def find(self, model):
+        return [s for s, _ in self.saves]
+
+    def tokens(self, s):
+        return next(tuple(range(len(t) // 4)) for r, t in self.saves if r is s)
+
+
+def test_the_catalog_offers_only_auto_files_never_a_parked_name():
+    a = save("auto-00000000000000a1", BASE)
+    parked = save("keepme", BASE + [1] * 50)  # someone else's parked file under the prefix
+    r = Remote(shared=_Bucket(a, parked), cfg=CFG, model="m")
+    try:
+        cat = r.refresh()
+        assert list(cat.saves) == ["auto-00000000000000a1.bin"] and r.newest("keepme.bin") is None
+    finally:
+        r.pool.shutdown()
