@@ -292,3 +292,32 @@ def test_a_download_past_download_timeout_s_is_given_up_and_the_request_re_reads
     assert "past its time limit (download_timeout_s)" in d2.logtext()
     whole_local_files(s2)
     assert not (s2 / auto_name(conversation_key(a))).exists()
+
+
+@pytest.mark.s3
+def test_sigterm_gives_an_upload_waiting_out_its_backoff_its_try_before_the_exit(s3_gateway, s3_bucket, aws_env,
+                                                                                 tmp_path, stopping):
+    s1 = tmp_path / "s1"
+    s1.mkdir()
+    eng = FakeEngine(s1).start()
+    stopping(eng)
+    d = Daemon(tmp_path, s1, eng.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1",
+                                                            retry_max_s=600))
+    stopping(d)
+    d.start()
+    a = chat_body(long_text(30) + "\nBox 5?")
+    s3_gateway.down()
+    try:
+        post(d.gate_url, a)
+        post(d.gate_url, chat_body(long_text(30, "jar") + "\nJar 2?"))  # the switch saves A
+        # Six failed tries: the next waits 16-32 s (doubling from 1 s), longer than what follows.
+        wait_until(lambda: shared(d)["upload_failures"] >= 6, 90, what="A's upload to back off")
+    finally:
+        s3_gateway.up()
+    assert shared(d)["uploads_done"] == 0
+    assert d.stop(signal.SIGTERM) == 0
+    # A (waiting out its backoff) and B (the stop save) went up before the exit.
+    assert "upload(s) not done" not in d.logtext()
+    names = sorted(k.split("/")[3] for k in objects(s3_gateway, s3_bucket))
+    assert names == sorted([auto_name(conversation_key(a))[:-4],
+                            auto_name(conversation_key(chat_body(long_text(30, "jar") + "\nJar 2?")))[:-4]])
