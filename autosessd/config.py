@@ -96,6 +96,16 @@ class SharedConfig:
     lease_s: float = 600.0  # a bucket prune's lease: another host takes over after this long unrenewed
     grace_s: float = 600.0  # a superseded save stays this long (another host may be downloading it)
     retry_max_s: float = 300.0  # longest wait between two attempts of a failed upload
+    # A download runs on the request's path (the turn waits for it): past this the turn gives
+    # it up and the request re-reads its prompt. The estimate already skips downloads slower
+    # than re-reading; this bounds a link that stalls.
+    download_timeout_s: float = 120.0
+    # How often the bucket's list (and the token lists of saves new to it) is read again, off
+    # the request's path: a save another host uploaded is found by turns here after at most this.
+    list_every_s: float = 5.0
+    # How often this host tries the bucket prune (under the lease: one host at a time); 0: only
+    # `autosessctl prune --shared`.
+    prune_every_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -373,7 +383,7 @@ def _validate_shared(s: SharedConfig, bad) -> None:
         bad("shared.credentials_file", f"must be an absolute path, got {s.credentials_file!r}")
     if s.host is not None and not _HOST_ID.match(s.host):
         bad("shared.host", f"must be 1-63 of letters, digits, . and -, got {s.host!r}")
-    for key in ("connect_timeout_s", "read_timeout_s", "max_gb", "retry_max_s"):
+    for key in ("connect_timeout_s", "read_timeout_s", "max_gb", "retry_max_s", "download_timeout_s"):
         if not getattr(s, key) > 0:
             bad(f"shared.{key}", f"must be more than 0, got {getattr(s, key)}")
     if not 5 <= s.part_mb <= 5120:
@@ -384,6 +394,10 @@ def _validate_shared(s: SharedConfig, bad) -> None:
         bad("shared.lease_s", f"must be 10 or more (seconds), got {s.lease_s}")
     if s.grace_s < 0:
         bad("shared.grace_s", f"must be 0 or more, got {s.grace_s}")
+    if s.list_every_s < 0.5:
+        bad("shared.list_every_s", f"must be 0.5 or more (seconds), got {s.list_every_s}")
+    if s.prune_every_s < 0 or 0 < s.prune_every_s < 10:
+        bad("shared.prune_every_s", f"must be 0 (never by itself) or 10 or more (seconds), got {s.prune_every_s}")
 
 
 def parse_hostport(s: str) -> tuple[str, int]:

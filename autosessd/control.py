@@ -33,6 +33,7 @@ from .config import Config
 from .keys import is_key, messages_key
 from .protocol import Code, ProtocolError
 from .sessions import Sessions
+from .shared import SharedError
 from .store import StoreError
 
 log = logging.getLogger("autosessd")
@@ -239,6 +240,15 @@ class ControlServer:
             raise ProtocolError(Code.BAD_ARGS, f"prune: keep must be 0 or more, got {keep}")
         if max_gb is not None and max_gb < 0:
             raise ProtocolError(Code.BAD_ARGS, f"prune: max_gb must be 0 or more, got {max_gb}")
+        if args.get("shared"):
+            remote = self.sessions.remote
+            if remote is None:
+                raise ProtocolError(Code.FAILED, "prune --shared: this daemon has no shared bucket (no [shared] "
+                                                 "table in its config)")
+            try:
+                return {"shared": True, **await remote.prune(bool(args.get("dry_run")), keep, max_gb)}
+            except SharedError as e:
+                raise ProtocolError(Code.FAILED, str(e)) from None
         return await self.sessions.prune(keep, max_gb, bool(args.get("dry_run")))
 
     async def cmd_forget(self, args: dict[str, Any]) -> Any:

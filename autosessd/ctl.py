@@ -167,6 +167,8 @@ def show_status(st: dict[str, Any]) -> str:
                f"{gb(store['free_bytes'])} free  (keep {store['keep']}, max {store['max_gb']:g} GB, "
                f"min {tokens(store['min_tokens'])} tokens)")
     out.append("inputs    " + (", ".join(st["inputs"]) or "none"))
+    if st.get("shared"):
+        out += shared_lines(st["shared"])
     out.append("counters  " + "  ".join(f"{k} {tokens(v) if isinstance(v, int) else f'{v:,.0f}'}"
                                         for k, v in c.items() if v))
     if st.get("last_not_reused"):
@@ -174,6 +176,27 @@ def show_status(st: dict[str, Any]) -> str:
         out.append(f"warning   restored {tokens(n['n_restored'])} tokens of {n['key']} but the engine reused "
                    f"{tokens(n['cache_n'])}: {n['likely_cause']}")
     return "\n".join(out)
+
+
+def shared_lines(sh: dict[str, Any]) -> list[str]:
+    """The shared bucket in status: where, what waits to go up, what came down."""
+    cat = sh.get("catalog") or {}
+    listed = (f"{cat.get('saves', 0):,} saves of this model, read {when(cat.get('listed_at'))}"
+              if cat.get("listed_at") else "not read yet")
+    rate = f", {sh['download_mb_s']:,.0f} MB/s" if sh.get("download_mb_s") else ""
+    out = [f"shared    s3 {sh['bucket']}/{sh['prefix']} at {sh['endpoint']} as {sh['host']}: {listed}",
+           f"          uploads {sh['uploads_pending']:,} pending ({sh['uploads_retrying']:,} retrying), "
+           f"{sh['uploads_done']:,} done, {sh['upload_failures']:,} failed attempts, {gb(sh['bytes_up'])} up",
+           f"          downloads {sh['downloads']:,} hits, {sh['download_failures']:,} failed, "
+           f"{sh['downloads_skipped_slower']:,} skipped as slower than re-reading, {gb(sh['bytes_down'])} down "
+           f"in {sh['download_ms_total'] / 1000:,.1f} s{rate}"]
+    if sh.get("uploads_retrying") and sh.get("last_upload_error"):
+        out.append(f"warning   uploads are failing: {sh['last_upload_error']}")
+    if sh.get("last_download_error"):
+        out.append(f"          last failed download: {sh['last_download_error']}")
+    if cat.get("last_list_error") and cat.get("list_failures"):
+        out.append(f"warning   reading the bucket: {cat['last_list_error']}")
+    return out
 
 
 def show_event(ev: dict[str, Any]) -> str:
@@ -277,21 +300,38 @@ def restore(ctx: click.Context, what: str, slot: int | None, sock: str | None, a
 
 @cli.command()
 @click.option("--dry-run", is_flag=True, help="only say what would be removed")
-@click.option("--keep", type=click.IntRange(min=0), help="keep this many (default: auto_sessions_keep)")
-@click.option("--max-gb", type=click.FloatRange(min=0), help="at most this much (default: auto_sessions_max_gb)")
+@click.option("--keep", type=click.IntRange(min=0), help="keep this many (default: auto_sessions_keep, "
+              "with --shared: shared.keep)")
+@click.option("--max-gb", type=click.FloatRange(min=0), help="at most this much (default: auto_sessions_max_gb, "
+              "with --shared: shared.max_gb)")
+@click.option("--shared", is_flag=True, help="prune the shared bucket instead of the local directory (one host "
+              "at a time, under its lease)")
 @common
-def prune(ctx: click.Context, dry_run: bool, keep: int | None, max_gb: float | None, sock: str | None,
-          as_json: bool | None) -> None:
+def prune(ctx: click.Context, dry_run: bool, keep: int | None, max_gb: float | None, shared: bool,
+          sock: str | None, as_json: bool | None) -> None:
     """Remove old auto sessions (never a manual file, never one in use)."""
     c = ctx.obj.merged(sock, as_json)
 
     def human(r: dict[str, Any]) -> str:
+        if r.get("shared"):
+            return show_bucket_prune(r)
         verb = "would remove" if r["dry_run"] else "removed"
         out = [f"{verb} {x['file']} ({gb(x['bytes'])})" for x in r["removed"]]
         out.append(f"{'would free' if r['dry_run'] else 'freed'} {gb(r['freed'])}; {r['kept']} auto files kept")
         return "\n".join(out)
 
-    run(lambda: c.out(call(c.path, "prune", dry_run=dry_run or None, keep=keep, max_gb=max_gb), human))
+    run(lambda: c.out(call(c.path, "prune", timeout=None if shared else 600, dry_run=dry_run or None, keep=keep,
+                           max_gb=max_gb, shared=shared or None), human))
+
+
+def show_bucket_prune(r: dict[str, Any]) -> str:
+    if not r.get("done"):
+        return f"bucket prune not done: {r.get('why', '?')}"
+    if r.get("dry_run"):
+        return (f"would remove {r['remove']:,} of {r['saves']:,} saves in the bucket ({r['superseded']:,} of them "
+                f"superseded by a newer save), {gb(r['freed_bytes'])}")
+    return (f"removed {r.get('removed', 0):,} of {r['saves']:,} saves in the bucket ({r['superseded']:,} planned as "
+            f"superseded), freed {gb(r['freed_bytes'])}; {r.get('aborted_uploads', 0):,} abandoned uploads aborted")
 
 
 @cli.command()

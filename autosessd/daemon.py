@@ -2,15 +2,18 @@
 
 Life of the daemon:
 
-    start    check the session directory, the engine (reachable, loaded, one slot,
-             slot saving on, saving into our directory: a probe save while idle),
-             clean up after a crash, start the inputs, READY=1
+    start    check the session directory, the shared bucket's setup ([shared]: boto3 and
+             credentials present, else the start is refused; an unreachable bucket is only
+             a warning), the engine (reachable, loaded, one slot, slot saving on, saving
+             into our directory: a probe save while idle), clean up after a crash, start
+             the bucket's upload worker and catalog, start the inputs, READY=1
     run      inputs feed sessions; SIGHUP reloads the config
     stop     (SIGTERM or SIGINT) STOPPING=1, inputs stop taking
              requests and get a bounded time to finish, the held conversation is saved
-             if the engine is idle, what was held is recorded, exit 0 -- all within one
-             deadline (stop_timeout_s); what it cuts is named in the log. A stop during
-             the start ends the start. A second SIGINT exits at once.
+             if the engine is idle, what was held is recorded, the uploads still queued
+             get their try (they are queued again at the next start otherwise), exit 0 --
+             all within one deadline (stop_timeout_s); what it cuts is named in the log.
+             A stop during the start ends the start. A second SIGINT exits at once.
 
 Signal handlers only set state (initiate_shutdown); the work happens in run().
 """
@@ -35,6 +38,7 @@ from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
 from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
+from .remote import Remote
 from .requestlog import RequestLogError
 from .sessions import Sessions, fmt_bytes
 from .control import SocketInUse
@@ -277,6 +281,8 @@ class Daemon:
         self._sigints = 0
         self._watcher: asyncio.Task | None = None
         self._stopping = ""  # what the stop is doing now: said if the deadline cuts it
+        self.shared: Any = None  # shared.SharedStore when [shared] is set
+        self.remote: Remote | None = None
 
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
@@ -296,6 +302,8 @@ class Daemon:
 
     async def start(self) -> None:
         self.store = check_store(self.cfg)
+        if self.cfg.shared is not None:
+            await self._open_shared()
         checked = await check_engine(self.cfg, self.engine, self.store)
         model_name = checked.model_name
         for what in self.store.cleanup():
@@ -307,6 +315,13 @@ class Daemon:
         self.sessions.clears_idle_slots = checked.clears_idle_slots
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         self.sessions.engine_healthy = True
+        if self.shared is not None:
+            # After cleanup (only whole saves are queued) and once the model is known: the
+            # worker first queues local saves of this model that the bucket lacks.
+            self.shared.start(self.store, checked.model)
+            self.remote = Remote(self.shared, self.cfg.shared, checked.model)
+            self.remote.start()
+            self.sessions.remote = self.remote
         try:
             self.inputs = self.build_inputs()
         except RequestLogError as e:
@@ -327,6 +342,25 @@ class Daemon:
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
                  self.store.path, ", ".join(self.sessions.inputs) or "none")
 
+    async def _open_shared(self) -> None:
+        """The shared bucket: a setup that cannot work (boto3 or credentials missing) refuses
+        the start, as a wrong config does; a bucket that does not answer now is only a warning
+        (the local tier works alone, uploads wait and retry)."""
+        from .shared import SharedStore, Unavailable
+
+        assert self.cfg.shared is not None
+        try:
+            self.shared = SharedStore(self.cfg.shared)
+        except Unavailable as e:
+            raise StartupError(f"[shared] in {self.cfg.source}: {e}") from None
+        why = await asyncio.get_running_loop().run_in_executor(None, self.shared.check)
+        if why:
+            log.warning("auto sessions: shared: %s; autosessd runs with its local directory, and uploads are "
+                        "retried until the bucket answers", why)
+        else:
+            log.info("auto sessions: shared: bucket %s at %s, under %r, as host %s", self.shared.bucket,
+                     self.cfg.shared.endpoint_url, self.shared.prefix, self.shared.host)
+
     def initiate_shutdown(self, reason: str) -> None:
         if not self._stop.is_set():
             self._stop_reason = reason
@@ -345,7 +379,7 @@ class Daemon:
         except ConfigError as e:
             log.error("reload refused, keeping the running config: %s", e)
             return
-        needs_restart = [k for k in ("slot_save_path", "engine", "gate", "tail", "control")
+        needs_restart = [k for k in ("slot_save_path", "engine", "gate", "tail", "control", "shared")
                          if getattr(new, k) != getattr(self.cfg, k)]
         if needs_restart:
             log.warning("reload: %s changed and take effect at the next start", ", ".join(needs_restart))
@@ -426,8 +460,31 @@ class Daemon:
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
             self.sessions.record_held()
+        if self.shared is not None:
+            await self._stop_shared(left)
         await self.engine.close()
         await self.pool.close()
+
+    async def _stop_shared(self, left: Any) -> None:
+        """After the last saves were finalized (and queued): what is still queued gets its try
+        within the stop's deadline; then the worker stops. What is not uploaded is found
+        again at the next start (the bucket lacks it)."""
+        assert self.shared is not None
+        if self.remote is not None:
+            await self.remote.close()
+        loop = asyncio.get_running_loop()
+        self._stopping = "the uploads to the shared bucket"
+        try:
+            n = self.shared.pending()
+            if n:
+                log.info("auto sessions: shared: stop: %d upload(s) to finish (at most %.0f s)", n, left())
+            not_done = await loop.run_in_executor(None, self.shared.drain, left())
+            if not_done:
+                log.warning("auto sessions: shared: stop: %d upload(s) not done (%s); they are queued again at "
+                            "the next start", not_done, self.shared.status()["last_upload_error"] or "out of time")
+            await loop.run_in_executor(None, self.shared.stop, min(5.0, left()))
+        except Exception as e:  # the tier never fails a stop
+            log.error("auto sessions: shared: stop: %s", e)
 
     async def _stop_input(self, inp: Input, grace: float, left: Any) -> None:
         try:

@@ -306,6 +306,8 @@ class Gate:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
             await self.sessions.ended(ticket.slot_id, key, status, n_tokens, cache_n, n_prompt)
+            if status == "ok":
+                self.sessions.prefill_seen(*watcher.prefill())
             if self.request_log and status != "not_run":
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
                                        status="ok" if status == "ok" else "error",
@@ -370,6 +372,32 @@ class Gate:
              self.pool.errors_502),
             ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
         ]
+        sh = self.sessions.remote.status() if self.sessions.remote is not None else None
+        if sh is not None:
+            # The shared bucket ([shared]): only when it is configured, so a scraper sees no zeros
+            # for a tier that is not there.
+            rows += [
+                ("shared_uploads_pending", "gauge", "Saves waiting to be uploaded to the shared bucket",
+                 sh["uploads_pending"]),
+                ("shared_uploads_retrying", "gauge", "Of those, uploads that failed and wait to be tried again",
+                 sh["uploads_retrying"]),
+                ("shared_uploads_total", "counter", "Saves uploaded to the shared bucket", sh["uploads_done"]),
+                ("shared_upload_failures_total", "counter", "Upload attempts that failed (each is retried)",
+                 sh["upload_failures"]),
+                ("shared_uploaded_bytes_total", "counter", "Bytes sent to the shared bucket", sh["bytes_up"]),
+                ("shared_downloads_total", "counter", "Saves downloaded from the shared bucket (hits)",
+                 sh["downloads"]),
+                ("shared_download_failures_total", "counter", "Downloads that failed (the request re-read)",
+                 sh["download_failures"]),
+                ("shared_downloads_skipped_total", "counter", "Downloads skipped: re-reading was estimated faster",
+                 sh["downloads_skipped_slower"]),
+                ("shared_downloaded_bytes_total", "counter", "Bytes received from the shared bucket",
+                 sh["bytes_down"]),
+                ("shared_download_milliseconds_total", "counter", "Time spent downloading from the shared bucket",
+                 float(sh["download_ms_total"])),
+                ("shared_catalog_saves", "gauge", "Saves of this model in the shared bucket, as last read",
+                 sh["catalog"]["saves"]),
+            ]
         out = []
         for name, kind, help_, value in rows:
             out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}",

@@ -221,6 +221,11 @@ class _Run:
         yield from self.side(q, floor, +1)
 
 
+# The sorted run on its own, for token lists that are not files in the directory (the
+# shared bucket's saves: autosessd/remote.py).
+TokenRun = _Run
+
+
 class TokenIndex:
     def __init__(self, directory: str | Path, cache_path: str | Path | None = None):
         self.directory = Path(directory)

@@ -6,6 +6,7 @@ turn has two decisions because the second depends on how the first went:
     plan_save(held, occasion, ..., key)          -> Save | Skip | None
     plan_restore(held, key, save_outcome, ...)   -> Restore | Skip | None      (by the key)
     plan_restore_by_tokens(held, key, ...)       -> RestoreFile | Skip         (by the tokens)
+    plan_fetch_by_tokens / plan_fetch_by_key     -> Fetch | None   (first download from the bucket)
 
 A chat request whose tokens the engine gave (sessions.py) is matched by its tokens:
 plan_restore_by_tokens. Other requests (another API's body, an engine that cannot
@@ -171,6 +172,59 @@ def plan_restore_by_tokens(held: Held | None, key: str, outcome: SaveOutcome, fo
     if found is None or found[1] < shared_now + max(min_tokens, 1):
         return Skip("restore", key, NO_MATCH)
     return RestoreFile(found[0], found[1])
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Download this save from the shared bucket (autosessd/shared.py), then restore it: it
+    would give the request `shared` tokens, `gain` more than the slot or a local file would."""
+
+    name: str
+    shared: int
+    gain: int
+
+
+def plan_fetch_by_tokens(held: Held | None, outcome: SaveOutcome, local: tuple[str, int] | None,
+                         remote: tuple[str, int] | None, shared_now: int, min_tokens: int) -> Fetch | None:
+    """When the request's tokens are known: the bucket's best save (remote: (name, tokens shared),
+    from the saves of this model only) is fetched when it shares at least min_tokens more
+    than the slot already does and than the best local file (local: index.best) — the same
+    rule that lets a restore replace what the slot holds; a download is never made for a
+    handful of tokens. Whether the download then beats re-reading is the estimate's call
+    (SharedStore.decide), made with `gain`. The rule of a failed save holds as for a restore."""
+    if outcome is SaveOutcome.FAILED and held is not None and held.durable:
+        return None
+    if remote is None:
+        return None
+    have = max(shared_now, local[1] if local is not None else 0)
+    if remote[1] < have + max(min_tokens, 1):
+        return None
+    return Fetch(remote[0], remote[1], remote[1] - have)
+
+
+def plan_fetch_by_key(held: Held | None, key: str, outcome: SaveOutcome, local: FileInfo | None,
+                      local_saved_at: float | None, remote_n_tokens: int | None, remote_saved_at: float | None,
+                      model: str | None, min_tokens: int, layout: KVLayout | None = None) -> Fetch | None:
+    """The key rule (DESIGN §1, requests without tokens) with a bucket: the bucket's current
+    save of auto-<key>.bin (remote_*: None when it has none) is fetched when it reaches
+    min_tokens and the local file is missing, of another model or KV layout, or older and at
+    least min_tokens shorter (a local file about as long is restored as it is)."""
+    if key is None or (held is not None and held.key == key) or remote_n_tokens is None:
+        return None
+    if outcome is SaveOutcome.FAILED and held is not None and held.durable:
+        return None
+    if remote_n_tokens < max(min_tokens, 1):
+        return None
+    usable = local is not None and local.model == model and not (
+        local.layout is not None and layout is not None and not local.layout.compatible(layout))
+    if not usable:
+        return Fetch(f"auto-{key}.bin", remote_n_tokens, remote_n_tokens)
+    assert local is not None
+    if local_saved_at is not None and remote_saved_at is not None and local_saved_at >= remote_saved_at:
+        return None  # the local save is the newer one
+    if remote_n_tokens < local.n_tokens + max(min_tokens, 1):
+        return None
+    return Fetch(f"auto-{key}.bin", remote_n_tokens, remote_n_tokens - local.n_tokens)
 
 
 def restore_reused(n_restored: int, cache_n: int, n_prompt: int | None = None) -> bool:

@@ -53,7 +53,9 @@ COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "ls": {},
     "park": {"name": ((str,), False), "slot": ((int,), False)},
     "restore": {"what": ((str,), True), "slot": ((int,), False)},
-    "prune": {"dry_run": ((bool,), False), "keep": ((int,), False), "max_gb": ((int, float), False)},
+    # shared: prune the shared bucket (its own keep / max_gb), not the local directory
+    "prune": {"dry_run": ((bool,), False), "keep": ((int,), False), "max_gb": ((int, float), False),
+              "shared": ((bool,), False)},
     "forget": {"key": ((str,), True)},
     "turn": {"key": ((str,), False), "messages": ((list,), False), "slot": ((int,), False)},
     "events": {"follow": ((bool,), False), "limit": ((int,), False)},

@@ -70,6 +70,23 @@ the held request's messages first: View.messages), and then
 Without tokens (other APIs, images, the tail, a hook sending a key, an engine that cannot
 tokenize) the key rule of DESIGN §1 decides, as before.
 
+The shared bucket ([shared], DESIGN §9: shared.py is the tier, remote.py its catalog). An auto
+file whose finalize succeeded (a conversation, a branch, a prefix; never a person's parked
+name) is queued for upload, under its final name. At a restore, when nothing local is good
+enough, the catalog is asked — no request to the bucket on the turn's path:
+
+    by tokens the bucket's save sharing min_tokens more than the slot and the best local
+              file (policy.plan_fetch_by_tokens); a save whose local copy is as new is skipped
+    by key    its save of auto-<key>.bin when the local one is missing, unusable, or older
+              and min_tokens shorter (policy.plan_fetch_by_key)
+
+then the estimate (the measured download rate against the engine's prompt rate, a moving
+average of timings.prompt_per_second) decides whether the download beats re-reading what
+it adds. A download is claimed in Store.in_use from before it starts until the restore has
+read the file (no prune removes it, no other download replaces it), indexed, and restored
+as a local file is, verified by cache_n. One that fails or runs past download_timeout_s
+leaves nothing under its name, and the turn goes on as if there were no bucket.
+
 Every failure is caught here, logged as `auto sessions: <what>: <why>`, counted, and
 turned into "do nothing": the request then runs exactly as it would without autosessd.
 """
@@ -98,7 +115,9 @@ from .config import Config
 from .engines.base import Engine, EngineError, EngineRefused, SlotsHidden, SlotState
 from .index import SavedFile, TokenIndex, common_prefix, comparable, decode, encode, prefix_key, save_key
 from .keys import chat_signature, continues
-from .policy import FileInfo, Held, Occasion, Restore, RestoreFile, Save, SaveOutcome, Skip
+from .policy import Fetch, FileInfo, Held, Occasion, Restore, RestoreFile, Save, SaveOutcome, Skip
+from .remote import Remote
+from .shared import RemoteSession, SharedError
 from .store import AUTO_BIN, Meta, Store, StoreError, auto_name, manual_name, temp_name
 
 log = logging.getLogger("autosessd")
@@ -167,6 +186,8 @@ class Counters:
     saves_covered: int = 0  # saves dropped: a file already held the conversation and more
     saves_branched: int = 0  # conversations saved under a branch name (their opener's file is another one's)
     prefixes_saved: int = 0  # shared prefixes read on their own and saved (a new conversation's first request)
+    fetched: int = 0  # saves downloaded from the shared bucket for a turn's restore
+    fetch_failures: int = 0  # ... that failed or ran out of time (the request re-read its prompt)
 
 
 class Phase(Enum):
@@ -391,6 +412,32 @@ class Events:
 
 
 
+class _Claim:
+    """A downloaded file's name held in Store.in_use from before its download until the
+    restore that follows has read it. A download given up on (its time limit) keeps the name
+    until its thread has ended: until then it may still rename a whole file into place."""
+
+    def __init__(self, store: Store, name: str):
+        self.store, self.name = store, name
+        self.fut: asyncio.Future | None = None
+        self._released = False
+        store.acquire(name)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self.fut is not None and not self.fut.done():
+            self.fut.add_done_callback(self._later)
+        else:
+            self.store.release(self.name)
+
+    def _later(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled():
+            fut.exception()  # already logged as given up; retrieved so asyncio does not say it again
+        self.store.release(self.name)
+
+
 class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True):
@@ -425,6 +472,9 @@ class Sessions:
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
+        # The shared bucket ([shared]; the daemon sets it): saves are uploaded after their
+        # finalize, and a turn that finds nothing good enough locally asks its catalog.
+        self.remote: Remote | None = None
         self.slot()  # the configured slot; add_slots() adds the engine's others
 
     # -- slots and their FIFOs ---------------------------------------------------
@@ -902,19 +952,27 @@ class Sessions:
 
     async def _restore_by_key(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome, result: TurnResult,
                               sig: tuple[str, ...] | None) -> _Carry:
-        """DESIGN §1 step 3: auto-<key>.bin, for requests whose tokens are not known."""
+        """DESIGN §1 step 3: auto-<key>.bin, for requests whose tokens are not known; with a
+        shared bucket, its save of that name first when the local one is missing or older."""
         file = await self._wait_file(key)
+        claim = await self._from_bucket_by_key(key, held, outcome, file, result) if self.remote else None
+        if claim is not None:
+            file = self._file_info(key)
         step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
                                    self.engine_layout)
         own = None
-        if isinstance(step, Restore):
-            name = auto_name(key)
-            if await self._restore(s, key, result, name):
-                meta = self.store.read_meta(key)
-                own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
-                self._record_restore(s, result, name, None, None, "key")
-        elif isinstance(step, Skip):
-            self._skipped(step, result)
+        try:
+            if isinstance(step, Restore):
+                name = auto_name(key)
+                if await self._restore(s, key, result, name):
+                    meta = self.store.read_meta(key)
+                    own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
+                    self._record_restore(s, result, name, None, None, "key" if claim is None else "key, downloaded")
+            elif isinstance(step, Skip):
+                self._skipped(step, result)
+        finally:
+            if claim is not None:
+                claim.release()
         return _Carry(None, sig, own)
 
     async def _restore_by_tokens(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
@@ -931,12 +989,20 @@ class Sessions:
         shared = self._shared(s.view, tokens)
         found = self.index.best(tokens, self.model, exclude=self._writing(), prefer=auto_name(key),
                                 min_lcp=shared + max(min_tokens, 1), window=self.swa_window)
+        claim = None
+        if self.remote is not None:
+            found, claim = await self._from_bucket_by_tokens(key, held, outcome, tokens, shared, found, result)
         step = policy.plan_restore_by_tokens(held, key, outcome, found, shared, min_tokens)
         own = None
         if isinstance(step, RestoreFile) and not self._loadable(step.name):
             step = Skip("restore", key, policy.LAYOUT_MISMATCH)
         if isinstance(step, RestoreFile):
-            if await self._restore(s, key, result, step.name):
+            try:
+                restored = await self._restore(s, key, result, step.name)
+            finally:
+                if claim is not None:
+                    claim.release()  # read by the engine (or failed): prune may have it now
+            if restored:
                 meta = self._meta_of(step.name)
                 entry = self.index.get(step.name)
                 # The engine should now reuse `shared` tokens of it: what the next response's
@@ -945,21 +1011,137 @@ class Sessions:
                                                  tokens=entry.tokens if entry is not None else None))
                 own = step.name if self._own(key, step, meta) else None
                 self.counters.restores_by_tokens += 1
-                self._record_restore(s, result, step.name, step.shared, shared, "tokens", meta, len(tokens) // 4)
+                self._record_restore(s, result, step.name, step.shared, shared,
+                                     "tokens" if claim is None else "tokens, downloaded", meta, len(tokens) // 4)
                 shared = step.shared
             else:
                 shared = 0  # llama-server cleared the slot
-        elif step.reason == policy.NO_MATCH:
-            msg = (f"no restore for {key}: no file of this model shares {shared + max(min_tokens, 1):,} tokens "
-                   f"with the request's {len(tokens) // 4:,} (the slot shares {shared:,})")
-            result.skipped.append(msg)
-            self.counters.skipped_no_file += 1
-            log.debug("auto sessions: %s", msg)
         else:
-            self._skipped(step, result)
+            if claim is not None:
+                claim.release()
+            if step.reason == policy.NO_MATCH:
+                msg = (f"no restore for {key}: no file of this model shares {shared + max(min_tokens, 1):,} "
+                       f"tokens with the request's {len(tokens) // 4:,} (the slot shares {shared:,})")
+                result.skipped.append(msg)
+                self.counters.skipped_no_file += 1
+                log.debug("auto sessions: %s", msg)
+            else:
+                self._skipped(step, result)
         if not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
             await self._split(s, key, body, tokens, shared, result)
         return _Carry(tokens, sig, own)
+
+    # -- the shared bucket: a download before the restore (autosessd/remote.py) ----------------
+    async def _from_bucket_by_tokens(self, key: str, held: Held | None, outcome: SaveOutcome, tokens: bytes,
+                                     shared: int, found: tuple[str, int] | None, result: TurnResult
+                                     ) -> tuple[tuple[str, int] | None, _Claim | None]:
+        """The bucket's save sharing the longest prefix with the request, when it shares
+        min_tokens more than the slot and the best local file (policy.plan_fetch_by_tokens) and
+        its download beats re-reading: downloaded and indexed. → (what to restore, the claim
+        on it), or (found, None): the local choice stands."""
+        assert self.remote is not None and self.index is not None
+        min_tokens = self.cfg.auto_sessions_min_tokens
+        have = max(shared, found[1] if found is not None else 0)
+        writing = self._writing()
+        hit = self.remote.best(tokens, have + max(min_tokens, 1), self.swa_window, prefer=auto_name(key),
+                               skip=lambda r: r.name in writing or self._have_locally(r))
+        fetch = policy.plan_fetch_by_tokens(held, outcome, found, (hit[0].name, hit[1]) if hit else None, shared,
+                                            min_tokens)
+        if fetch is None or hit is None:
+            return found, None
+        claim = await self._fetch(hit[0], fetch, result)
+        if claim is None:
+            return found, None
+        # The file's own tokens, now in the local index, decide (they are the object's).
+        lcp = self.index.lcp(fetch.name, tokens)
+        if lcp is None or lcp < have + max(min_tokens, 1):
+            claim.release()
+            return found, None
+        return (fetch.name, lcp), claim
+
+    async def _from_bucket_by_key(self, key: str, held: Held | None, outcome: SaveOutcome, file: FileInfo | None,
+                                  result: TurnResult) -> _Claim | None:
+        """The key rule with a bucket: its current save of auto-<key>.bin, downloaded when the
+        local one is missing, unusable, or older and shorter (policy.plan_fetch_by_key) and
+        the download beats re-reading. → the claim on the file, or None."""
+        assert self.remote is not None
+        save = self.remote.newest(auto_name(key))
+        meta = self.store.read_meta(key) if file is not None else None
+        fetch = policy.plan_fetch_by_key(held, key, outcome, file, meta.saved_at if meta else None,
+                                         save.n_tokens if save else None, save.saved_at if save else None,
+                                         self.model, self.cfg.auto_sessions_min_tokens, self.engine_layout)
+        if fetch is None or save is None or save.name in self._writing():
+            return None
+        return await self._fetch(save, fetch, result)
+
+    def _have_locally(self, r: RemoteSession) -> bool:
+        """A local file of that name is as new as the bucket's save (the local index already
+        weighed it): nothing to download."""
+        m = AUTO_BIN.match(r.name)
+        meta = self.store.read_meta(m.group(1)) if m else None
+        return meta is not None and meta.saved_at >= r.saved_at
+
+    async def _fetch(self, save: RemoteSession, fetch: Fetch, result: TurnResult) -> _Claim | None:
+        """Download `save` for this turn's restore if the estimate says it beats re-reading
+        the fetch.gain tokens it adds (logged either way). The request waits for it, at most
+        download_timeout_s. → the claim on its name (held until the restore that follows has
+        read it: no prune removes it, no other download replaces it), or None: the turn goes
+        on without it, as if there were no bucket."""
+        remote = self.remote
+        assert remote is not None
+        est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate())
+        if not est.worth:
+            result.skipped.append(f"shared: {save.name} not downloaded: re-reading its {fetch.gain:,} tokens is "
+                                  f"faster")
+            return None
+        limit = remote.cfg.download_timeout_s
+        claim = _Claim(self.store, save.name)
+        t0 = time.monotonic()
+        try:
+            claim.fut = asyncio.get_running_loop().run_in_executor(remote.pool, self._download, save, t0 + limit)
+            # The thread stops itself at the limit, between two chunks; one read can take up
+            # to read_timeout_s beyond it.
+            await asyncio.wait_for(asyncio.shield(claim.fut), limit + remote.cfg.read_timeout_s)
+        except (SharedError, OSError, asyncio.TimeoutError) as e:
+            claim.release()
+            why = str(e) or f"no answer within {limit:g} s (download_timeout_s)"
+            self.counters.fetch_failures += 1
+            log.warning("auto sessions: shared: %s from %s: %s; the request re-reads its prompt instead", save.name,
+                        save.host, why)
+            result.errors.append(f"shared: download of {save.name}: {why}")
+            self.events.emit("download_failed", file=save.name, host=save.host, error=why)
+            return None
+        except BaseException:
+            claim.release()
+            raise
+        self.counters.fetched += 1
+        ms = (time.monotonic() - t0) * 1000
+        self.events.emit("downloaded", file=save.name, host=save.host, n_tokens=save.n_tokens, bytes=save.bytes,
+                         ms=round(ms, 2))
+        result.skipped.append(f"shared: downloaded {save.name} ({fmt_bytes(save.bytes)}) from {save.host} in "
+                              f"{ms:,.0f} ms")
+        return claim
+
+    def _download(self, save: RemoteSession, deadline: float) -> None:
+        """In a bucket thread: the download (the name claimed by the caller), then the index."""
+        assert self.remote is not None
+        self.remote.shared.download(save, self.store, claimed=True, deadline=deadline)
+        if self.index is not None:
+            try:
+                self.index.add_file(save.name, self.model)
+            except (OSError, ValueError, slotfile.BadSlotFile) as e:
+                raise SharedError(f"indexing the downloaded {save.name}: {e}") from None
+
+    def _restore_rate(self) -> float | None:
+        """Bytes per second of this engine's restores so far (the estimate adds the restore)."""
+        c = self.counters
+        return c.bytes_restored / (c.ms_restored / 1000) if c.ms_restored > 0 else None
+
+    def prefill_seen(self, n_tokens: int | None, ms: float | None) -> None:
+        """A response read n_tokens of prompt in ms (timings.prompt_n, prompt_ms): the
+        engine's prompt rate, which the bucket's estimate weighs a download against."""
+        if self.remote is not None:
+            self.remote.saw_prefill(n_tokens, ms)
 
     async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither
@@ -1056,6 +1238,7 @@ class Sessions:
             result.errors.append(f"prefix of {fmt_tokens(n)} tokens: {e}")
             self._set(s, View(Phase.UNKNOWN, n_tokens=None, why="reading a shared prefix on its own failed"))
             return
+        self.prefill_seen(pre.prompt_n, pre.ms)
         v = s.view
         if v.phase is Phase.RESTORED and v.restored is not None and v.key is not None:
             self._verify(s, v.key, v.restored, pre.cache_n, n, "ok")  # the prefill's timings show the reuse
@@ -1266,7 +1449,7 @@ class Sessions:
             self.store.release(final)
             raise
         self._finalizing[file_key] = fut
-        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f))
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, meta if target is None else None))
         if mine:
             # The engine's count is the truth (a client's usage may differ by one), and the
             # header says token for token what the slot holds.
@@ -1328,11 +1511,19 @@ class Sessions:
             except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
                 log.warning("auto sessions: indexing %s: %s", name, e)
 
-    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future) -> None:
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, meta: Meta | None = None) -> None:
+        """meta: an auto file's (a conversation, a branch, a prefix): uploaded to the shared
+        bucket once final. People's parked names stay local."""
         if self._finalizing.get(file_key) is fut:
             del self._finalizing[file_key]
         self.store.release(final)
         exc = fut.exception() if not fut.cancelled() else None
+        if exc is None and not fut.cancelled() and meta is not None and self.remote is not None:
+            try:
+                # Queued only: the worker thread uploads it (a newer save of the name replaces it).
+                self.remote.shared.upload_later(self.store.bin_path(meta.key), meta)
+            except SharedError as e:
+                log.warning("auto sessions: shared: not uploading %s: %s", final, e)
         if exc is not None:
             self.counters.save_failures += 1
             self.store.discard_temp(key)
@@ -1721,6 +1912,7 @@ class Sessions:
             "index": None if self.index is None else {"files": len(self.index), "skipped": len(self.index.skipped),
                                                       "swa_window": self.swa_window},
             "inputs": {name: describe() for name, describe in self.inputs.items()},
+            "shared": None if self.remote is None else self.remote.status(),
         }
 
     @staticmethod

@@ -517,6 +517,36 @@ class SharedStore:
             log.info("auto sessions: shared: stopped with %d upload(s) not done; they are queued again at start",
                      pending)
 
+    def drain(self, timeout: float) -> int:
+        """At a stop, before stop(): give every queued upload a try now (one waiting out its
+        backoff too), and wait until the queue is empty, or every upload left has failed again
+        since the drain began (the bucket does not take them: waiting longer would only hold
+        the stop; start(store, model) queues them again at the next start), or `timeout`.
+        Returns how many uploads are not done."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._thread is None:
+                return len(self._jobs) + (1 if self._running else 0)
+            now = time.monotonic()
+            for j in self._jobs.values():
+                j.due = min(j.due, now)
+            # Attempts so far, per name: a job with more has failed again during the drain.
+            marks = {stem: j.attempts for stem, j in self._jobs.items()}
+            if self._running is not None:
+                marks[self._running.stem] = self._running.attempts
+            self._cond.notify_all()
+            while True:
+                left = len(self._jobs) + (1 if self._running else 0)
+                if not left:
+                    return 0
+                if self._running is None and all(j.attempts > marks.get(j.stem, 0) for j in self._jobs.values()):
+                    return left
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return left
+                # The worker does not notify every change: look again at least every 0.1 s.
+                self._cond.wait(min(0.1, remaining))
+
     def check(self) -> str | None:
         """None when the bucket answers; otherwise why not (for a start-up log line)."""
         try:
@@ -636,6 +666,17 @@ class SharedStore:
             md = {"autosessd-format": FORMAT, "key": meta.key, "model": quote(meta.model, safe="")[:512],
                   "n-tokens": str(meta.n_tokens), "saved-at": repr(meta.saved_at), "save-ms": str(meta.save_ms),
                   "bytes": str(meta.bytes), "host": self.host}
+            # What the turn on another host reads from the metadata a download writes: the
+            # conversation's line and prompt length (is the file its own?), a shared prefix,
+            # the KV layout (can that engine load it?).
+            if meta.line is not None:
+                md["line"] = meta.line
+            if meta.n_prompt is not None:
+                md["n-prompt"] = str(meta.n_prompt)
+            if meta.prefix:
+                md["prefix"] = "1"
+            if meta.layout is not None:
+                md["layout"] = meta.layout
             try:
                 self._client.upload_fileobj(f, self.bucket, key, ExtraArgs={"Metadata": md,
                                                                              "ContentType": "application/octet-stream"},
@@ -757,9 +798,14 @@ class SharedStore:
     def download_bytes_per_s(self) -> float | None:
         return self._down_rate
 
-    def download(self, s: RemoteSession, store: Store, claimed: bool = False) -> Path:
+    def download(self, s: RemoteSession, store: Store, claimed: bool = False, deadline: float | None = None
+                 ) -> Path:
         """Bring save `s` into the session directory as s.name; → its path. SharedError when
         it cannot; then nothing under that name changed. Blocking: run it in a thread.
+
+        deadline (time.monotonic()): past it the download stops between two chunks and fails
+        (a turn waits for it: a stalled link must not hold the request; one read is bounded by
+        read_timeout_s).
 
         The name is held in Store.in_use for the download (prune leaves it alone) and a name
         someone else holds is never replaced. claimed=True: the caller acquired the name
@@ -792,6 +838,10 @@ class SharedStore:
                     r = self._client.get_object(Bucket=self.bucket, Key=s.key)
                     body = r["Body"]
                     while chunk := body.read(CHUNK):
+                        if deadline is not None and time.monotonic() > deadline:
+                            body.close()
+                            raise SharedError(f"download of {s.key}: stopped after {got:,} of {s.bytes:,} bytes: "
+                                              f"past its time limit (download_timeout_s)")
                         out.write(chunk)
                         got += len(chunk)
                         with self._lock:
@@ -817,9 +867,7 @@ class SharedStore:
             os.replace(temp, final)
             _fsync_dir(store.path)
             if conv:
-                md = self._head_meta(s)
-                store.write_meta(Meta(key=conv, n_tokens=s.n_tokens, bytes=s.bytes, saved_at=s.saved_at,
-                                      model=md.get("model", s.model), save_ms=float(md.get("save-ms", 0) or 0)))
+                store.write_meta(self._local_meta(s, conv))
         except BaseException as e:
             with self._lock:
                 self.counters.download_failures += 1
@@ -843,6 +891,25 @@ class SharedStore:
         log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
                  f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
         return final
+
+    def _local_meta(self, s: RemoteSession, conv: str) -> Meta:
+        """The local metadata of a downloaded save: what its name says, and what the saving
+        host recorded in the object's metadata (older objects lack the last four: None)."""
+        md = self._head_meta(s)
+
+        def num(k: str, kind: type) -> Any:
+            try:
+                return kind(md[k]) if k in md else None
+            except ValueError:
+                return None
+
+        line = md.get("line")
+        layout = md.get("layout")
+        return Meta(key=conv, n_tokens=s.n_tokens, bytes=s.bytes, saved_at=s.saved_at,
+                    model=md.get("model", s.model), save_ms=num("save-ms", float) or 0.0,
+                    line=line if line and AUTO_BIN.match(f"auto-{line}.bin") else None,
+                    n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
+                    layout=layout if layout and slotfile.KVLayout.from_fingerprint(layout) else None)
 
     def _head_meta(self, s: RemoteSession) -> dict[str, str]:
         try:

@@ -90,6 +90,14 @@ class SSEWatcher:
         return cache_n, n_prompt, total
 
 
+    def prefill(self) -> tuple[int | None, float | None]:
+        """(prompt tokens read, in ms): timings.prompt_n and prompt_ms, the engine's prompt rate."""
+        t = self.timings or {}
+        ms = t.get("prompt_ms")
+        ok = isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms == ms and ms > 0
+        return _count(t.get("prompt_n")), float(ms) if ok else None
+
+
 def _count(v: Any) -> int | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v != int(v):
         return None

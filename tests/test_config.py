@@ -102,6 +102,12 @@ def test_flags_override_the_file():
         (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nkeep = 0\n", "shared.keep", "1 or more"),
         (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nlease_s = 1\n", "shared.lease_s", "10 or more"),
         (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nbogus = 1\n", "shared.bogus", "unknown key"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\ndownload_timeout_s = 0\n",
+         "shared.download_timeout_s", "more than 0"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nlist_every_s = 0\n", "shared.list_every_s",
+         "0.5 or more"),
+        (b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nprune_every_s = 5\n", "shared.prune_every_s",
+         "10 or more"),
     ],
 )
 def test_bad_values_name_the_key(text, key, reason):
@@ -119,6 +125,9 @@ def test_shared_absent_means_no_remote_tier_and_present_means_its_values():
     assert (c.shared.endpoint_url, c.shared.bucket, c.shared.prefix) == ("https://s3.example.com", "team-sessions",
                                                                          "llm/prod/")
     assert (c.shared.keep, c.shared.max_gb, c.shared.region) == (50, 20.0, "us-east-1")
+    assert (c.shared.download_timeout_s, c.shared.list_every_s, c.shared.prune_every_s) == (120.0, 5.0, 600.0)
+    assert parse(BASE + b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nprune_every_s = 0\n"
+                 ).shared.prune_every_s == 0
     assert parse(BASE + b"[shared]\nendpoint_url = 'http://s3'\nbucket = 'b01'\nprefix = ''\n").shared.prefix == ""
 
 

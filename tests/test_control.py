@@ -215,3 +215,34 @@ def test_peer_check():
     assert not srv.allowed(os.getuid() + 12345, 12345) and not srv.allowed(None, None)
     srv.gid = 4242
     assert srv.allowed(54321, 4242)
+
+
+class _Uploads:
+    """Stands in for remote.Remote where only the calls matter: which saves were queued for
+    the shared bucket (the real tier is tested against a real S3 server: test_shared_s3.py,
+    test_shared_daemon.py)."""
+
+    def __init__(self):
+        self.shared = self
+        self.queued: list[str] = []
+
+    def upload_later(self, path, meta):
+        self.queued.append(os.path.basename(path))
+
+    def status(self):
+        return {}
+
+
+async def test_auto_saves_are_queued_for_the_bucket_and_parked_names_stay_local(server, session_dir):
+    s = server.sessions
+    s.remote = up = _Uploads()
+    await hold(s, "0123456789abcdef", 50)
+    assert (await ask(server, protocol.request("park", name="keepme")))["ok"]
+    assert (await ask(server, protocol.request("park")))["ok"]
+    await s.drain()  # the finalize's callback queues the upload
+    assert up.queued == ["auto-0123456789abcdef.bin"] and (session_dir / "keepme.bin").exists()
+
+
+async def test_prune_shared_on_a_daemon_without_a_bucket_says_so(server):
+    r = await ask(server, protocol.request("prune", shared=True, dry_run=True))
+    assert r["ok"] is False and "no shared bucket" in r["error"]["message"] and "[shared]" in r["error"]["message"]

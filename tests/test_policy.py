@@ -4,7 +4,8 @@ import pytest
 
 from autosessd.policy import (BELOW_MIN, LAYOUT_MISMATCH, MODEL_MISMATCH, NO_FILE, NO_MATCH, PROVISIONAL,
                               SAVE_FAILED_DURABLE, UP_TO_DATE, FileInfo, Held, Occasion, Restore, RestoreFile, Save,
-                              SaveOutcome, Skip, plan_restore, plan_restore_by_tokens, plan_save, restore_reused)
+                              SaveOutcome, Skip, plan_restore, plan_restore_by_tokens, plan_save, restore_reused,
+                              Fetch, plan_fetch_by_key, plan_fetch_by_tokens)
 from autosessd.slotfile import KVLayout
 
 MIN = 1000
@@ -134,3 +135,61 @@ def test_plan_restore_by_tokens(name, held, outcome, found, shared_now, expect):
 def test_restore_by_tokens_with_min_tokens_zero_still_needs_one_more_token():
     assert plan_restore_by_tokens(None, B, SaveOutcome.NOT_TRIED, ("f.bin", 7), 7, 0) == Skip("restore", B, NO_MATCH)
     assert plan_restore_by_tokens(None, B, SaveOutcome.NOT_TRIED, ("f.bin", 8), 7, 0) == RestoreFile("f.bin", 8)
+
+
+# -- the shared bucket: when a turn downloads first (plan_fetch_*) ---------------------------------
+FAILED, SAVED, NOT = SaveOutcome.FAILED, SaveOutcome.SAVED, SaveOutcome.NOT_TRIED
+
+
+@pytest.mark.parametrize(
+    "name, held, outcome, local, remote, shared_now, expect",
+    [
+        ("nothing local, the bucket shares enough: fetch", None, NOT, None, ("auto-r.bin", 3000), 0,
+         Fetch("auto-r.bin", 3000, 3000)),
+        ("nothing in the bucket", None, NOT, ("auto-l.bin", 3000), None, 0, None),
+        ("the bucket shares less than min_tokens", None, NOT, None, ("auto-r.bin", 999), 0, None),
+        ("the bucket shares exactly min_tokens", None, NOT, None, ("auto-r.bin", MIN), 0, Fetch("auto-r.bin", MIN, MIN)),
+        ("a local file as good: restore it, no download", None, NOT, ("auto-l.bin", 3000), ("auto-r.bin", 3000), 0,
+         None),
+        ("a local file almost as good: no download for a few tokens", None, NOT, ("auto-l.bin", 3000),
+         ("auto-r.bin", 3999), 0, None),
+        ("the bucket's save shares min_tokens more than the local file", None, NOT, ("auto-l.bin", 3000),
+         ("auto-r.bin", 4000), 0, Fetch("auto-r.bin", 4000, 1000)),
+        ("the slot already shares most of it", Held(A, 5000, True), SAVED, None, ("auto-r.bin", 5500), 5000, None),
+        ("the slot shares some, the bucket much more", Held(A, 5000, True), SAVED, None, ("auto-r.bin", 9000), 5000,
+         Fetch("auto-r.bin", 9000, 4000)),
+        ("the held conversation's save failed while durable: nothing replaces it", Held(A, 5000, True), FAILED, None,
+         ("auto-r.bin", 9000), 0, None),
+        ("a failed save of a provisional state does not block it", Held(A, 5000, False), FAILED, None,
+         ("auto-r.bin", 9000), 0, Fetch("auto-r.bin", 9000, 9000)),
+    ],
+)
+def test_plan_fetch_by_tokens(name, held, outcome, local, remote, shared_now, expect):
+    assert plan_fetch_by_tokens(held, outcome, local, remote, shared_now, MIN) == expect, name
+
+
+L2 = KVLayout(2)
+
+
+@pytest.mark.parametrize(
+    "name, held, outcome, local, local_at, remote_n, remote_at, expect",
+    [
+        ("no local file, the bucket has one: fetch", None, NOT, None, None, 3000, 20.0, Fetch(f"auto-{B}.bin", 3000,
+                                                                                              3000)),
+        ("the bucket has none", None, NOT, None, None, None, None, None),
+        ("the bucket's is below min", None, NOT, None, None, 999, 20.0, None),
+        ("the local file is newer", None, NOT, FileInfo(3000, M), 30.0, 9000, 20.0, None),
+        ("the local file is older but as long", None, NOT, FileInfo(3000, M), 10.0, 3500, 20.0, None),
+        ("the local file is older and shorter by min_tokens", None, NOT, FileInfo(3000, M), 10.0, 4000, 20.0,
+         Fetch(f"auto-{B}.bin", 4000, 1000)),
+        ("the local file is another model's", None, NOT, FileInfo(3000, "other"), 30.0, 2000, 20.0,
+         Fetch(f"auto-{B}.bin", 2000, 2000)),
+        ("the local file has a layout this engine cannot load", None, NOT, FileInfo(3000, M, KVLayout(1)), 30.0, 2000,
+         20.0, Fetch(f"auto-{B}.bin", 2000, 2000)),
+        ("the slot holds the conversation already", Held(B, 100, True), NOT, None, None, 3000, 20.0, None),
+        ("the held conversation's save failed while durable", Held(A, 5000, True), FAILED, None, None, 3000, 20.0,
+         None),
+    ],
+)
+def test_plan_fetch_by_key(name, held, outcome, local, local_at, remote_n, remote_at, expect):
+    assert plan_fetch_by_key(held, B, outcome, local, local_at, remote_n, remote_at, M, MIN, L2) == expect, name

@@ -6,6 +6,7 @@ pointed at one bucket, as two machines behind a load balancer would be.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -16,7 +17,9 @@ import pytest
 from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.engines.llama_server import LlamaServer
+from autosessd.index import encode
 from autosessd.keys import conversation_key
+from autosessd.remote import Remote
 from autosessd.shared import Lease, SharedError, SharedStore, Unavailable
 from autosessd.store import Meta, Store, temp_name
 from harness import chat_body, long_text, wait_until
@@ -29,10 +32,10 @@ NAME = f"auto-{KEY}.bin"
 
 
 def shared_cfg(gw, bucket, **kw):
+    kw = {"prefix": "team/", "read_timeout_s": 10, "connect_timeout_s": 2, "retry_max_s": 2, **kw}
     extra = "".join(f"{k} = {v!r}\n" if isinstance(v, str) else f"{k} = {v}\n" for k, v in kw.items())
     return parse((f'slot_save_path = "/srv/x"\n[shared]\nendpoint_url = "{gw.endpoint}"\nbucket = "{bucket}"\n'
-                  f'prefix = "team/"\nread_timeout_s = 10\nconnect_timeout_s = 2\nretry_max_s = 2\n{extra}').encode(),
-                 "test.toml").shared
+                  f'{extra}').encode(), "test.toml").shared
 
 
 @pytest.fixture
@@ -244,6 +247,91 @@ def test_a_download_never_replaces_a_file_in_use_or_a_newer_local_save(hosts):
     newest = save(s2, KEY, [3] * 30, b"local, newest", saved_at=3000.0)
     assert h2.download(found, s2) == s2.bin_path(KEY)
     assert s2.read_meta(KEY) == newest and h2.status()["downloads_kept_local"] == 1
+
+
+@pytest.mark.parametrize("meta_fields", [
+    {"line": "fedcba9876543210", "n_prompt": 30, "layout": "s1-v0-l18-k1"},  # a branch of another line
+    {"prefix": True, "n_prompt": 40, "layout": "s1"},  # a shared prefix
+    {},  # what older metadata had: none of them
+])
+def test_a_download_carries_what_the_turn_reads_of_a_save(hosts, meta_fields):
+    """The turn on the other host tells from the metadata whether a file is the conversation's
+    own (line, n_prompt), a shared prefix, and whether its engine can load it (layout)."""
+    (h1, s1), (h2, s2) = hosts(2)
+    data = slotfile.build([1] * 40, b"x" * 1000)
+    s1.temp_path(KEY).write_bytes(data)
+    meta = Meta(key=KEY, n_tokens=40, bytes=len(data), saved_at=time.time(), model=MODEL, save_ms=2.5, **meta_fields)
+    s1.finalize(KEY, meta)
+    assert h1.upload_now(s1.bin_path(KEY), meta) == "done"
+    [found] = h2.find(MODEL)
+    h2.download(found, s2)
+    got = s2.read_meta(KEY)
+    assert abs(got.saved_at - meta.saved_at) < 1e-6
+    assert dataclasses.replace(got, saved_at=meta.saved_at) == meta
+
+
+def test_a_download_past_its_time_limit_stops_and_leaves_nothing(hosts):
+    (h1, s1), (h2, s2) = hosts(2)
+    meta = save(s1, KEY, list(range(100)), os.urandom(3 * 1024 * 1024))
+    h1.upload_now(s1.bin_path(KEY), meta)
+    [found] = h2.find(MODEL)
+    with pytest.raises(SharedError, match="past its time limit"):
+        h2.download(found, s2, deadline=time.monotonic() - 1)
+    assert list(s2.path.iterdir()) == [] and h2.status()["download_failures"] == 1
+    h2.download(found, s2, deadline=time.monotonic() + 60)
+    assert sha(s2.bin_path(KEY)) == sha(s1.bin_path(KEY))
+
+
+def test_a_stop_gives_queued_uploads_a_try_and_does_not_wait_on_a_bucket_that_is_down(hosts, s3_gateway, s3_bucket):
+    """drain(): what the daemon's stop calls after its last save. A large timeout: the drain
+    must end by itself once every upload left has failed again (pytest's timeout guards it)."""
+    [(h1, s1)] = hosts(1, retry_max_s=3600)
+    h1.start()
+    first = save(s1, KEY, [1] * 10, b"first" * 100)
+    h1.upload_later(s1.bin_path(KEY), first)
+    assert h1.drain(60) == 0 and len(objects(s3_gateway, s3_bucket)) == 1
+    s3_gateway.down()
+    try:
+        other = "00000000000000aa"
+        h1.upload_later(s1.bin_path(other), save(s1, other, [2] * 10, b"second" * 100))
+        assert h1.drain(3600) == 1
+        st = h1.status()
+        assert st["uploads_retrying"] == 1 and st["upload_failures"] >= 1
+    finally:
+        s3_gateway.up()
+    # Its next try is an hour away (retry_max_s); the drain at a stop tries it now.
+    assert h1.drain(3600) == 0 and h1.status()["uploads_done"] == 2
+    assert len(objects(s3_gateway, s3_bucket)) == 2
+
+
+def test_the_catalog_reads_each_save_s_tokens_once_and_follows_newer_saves(hosts):
+    (h1, s1), (h2, _) = hosts(2)
+    base = list(range(1000, 1100))
+    a, b = "00000000000000a1", "00000000000000b1"
+    h1.upload_now(s1.bin_path(a), save(s1, a, base + [1] * 50, b"a" * 500, saved_at=1000.0))
+    h1.upload_now(s1.bin_path(b), save(s1, b, base[:60] + [2] * 20, b"b" * 500, saved_at=1000.0))
+    other = Meta(key=KEY, n_tokens=10, bytes=0, saved_at=1000.0, model="another-model", save_ms=1.0)
+    data = slotfile.build(base, b"o" * 10)
+    s1.temp_path(KEY).write_bytes(data)
+    s1.finalize(KEY, other := dataclasses.replace(other, n_tokens=len(base), bytes=len(data)))
+    h1.upload_now(s1.bin_path(KEY), other)
+    remote = Remote(h2, h2.cfg, MODEL)
+    try:
+        cat = remote.refresh()
+        assert sorted(cat.saves) == [f"auto-{a}.bin", f"auto-{b}.bin"]  # this model's only
+        q = encode(base + [1] * 50 + [7])
+        hit, n = remote.best(q, 1)
+        assert (hit.name, n) == (f"auto-{a}.bin", 150)
+        ranged = h2._tokens_cache.copy()
+        assert remote.refresh().tokens == cat.tokens and h2._tokens_cache == ranged  # nothing read again
+        # Host 1 saves a again, departing earlier: the catalog follows the newer save.
+        h1.upload_now(s1.bin_path(a), save(s1, a, base[:80] + [3] * 10, b"a2" * 500, saved_at=2000.0))
+        remote.refresh()
+        hit, n = remote.best(q, 1)
+        assert (hit.name, hit.saved_at, n) == (f"auto-{a}.bin", 2000.0, 80)
+        assert remote.status()["catalog"]["saves"] == 2 and remote.status()["catalog"]["list_ms"] > 0
+    finally:
+        remote.pool.shutdown()
 
 
 def test_two_hosts_saving_one_key_100_times_the_object_is_always_one_whole_save(hosts, s3_gateway, s3_bucket,

@@ -1,0 +1,213 @@
+"""The shared bucket as the daemon runs it: what a turn asks of it, and what runs beside.
+
+autosessd/shared.py is the tier itself (layout, uploads, downloads, the bucket prune); this
+module keeps the part of it a turn reads fast, and the periodic work, off the request's path.
+
+Why a catalog. A turn cannot afford to ask the bucket: one LIST costs 44 ms on loopback RGW
+for one conversation's folder and 73 ms for 1,000 saves (bench: measured with boto3, RGW 16.2)
+— ten restores' worth — and a remote save's tokens cost one ranged GET more. So:
+
+    catalog    the current save of every conversation of this engine's model, each with its
+               token list (read once: an object never changes), read again every list_every_s
+               in a thread; a save another host uploaded is found here within that long
+    best()     the catalog's save sharing the longest prefix with a request's tokens: one
+               bisect in a sorted run (index.TokenRun), on the loop, no I/O
+    newest()   the catalog's save of one name: the key rule for requests without tokens
+    prefill    a moving average of the engine's prompt rate (timings.prompt_per_second of
+               responses that read PREFILL_MIN tokens or more): the estimate weighs a download
+               against re-reading with it
+    prune      the bucket prune, every prune_every_s (shared.prune_bucket: under the lease,
+               one host at a time)
+
+Everything blocking (LIST, GET, the prune) runs on this module's own threads, so bucket I/O
+never delays a finalize on the default executor. A failure is logged when it starts and when
+it ends, not at every try; the local tier works the same meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .config import SharedConfig
+from .index import TokenRun, comparable, encode
+from .shared import RemoteSession, SharedError, SharedStore
+from .store import AUTO_BIN
+
+log = logging.getLogger("autosessd")
+
+PREFILL_MIN = 256  # a prompt rate read from fewer tokens says more about overhead than about prefill
+PREFILL_WEIGHT = 0.3  # of a new sample in the moving average
+HEADERS_AT_ONCE = 4  # ranged GETs of new saves' token lists in parallel
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """One reading of the bucket: swapped whole, so a turn on the loop reads one consistent
+    catalog while a thread builds the next."""
+
+    saves: dict[str, RemoteSession] = field(default_factory=dict)  # by local file name
+    tokens: dict[str, bytes] = field(default_factory=dict)  # by object key: encoded, comparable part
+    run: TokenRun = field(default_factory=TokenRun)  # (tokens, name) of the saves whose tokens are read
+    listed_at: float = 0.0  # time.time() of the LIST; 0: never listed
+
+
+class Remote:
+    def __init__(self, shared: SharedStore, cfg: SharedConfig, model: str):
+        self.shared = shared
+        self.cfg = cfg
+        self.model = model
+        self.catalog = Catalog()
+        self.prefill_tokens_s: float | None = None
+        self.list_ms: float | None = None  # the last LIST of this model's saves
+        self.list_failures = 0
+        self.last_list_error: str | None = None
+        self.header_failures = 0
+        self._failing = False
+        self._tasks: list[asyncio.Task] = []
+        # Bucket I/O on threads of its own: a download of gigabytes or a slow LIST never
+        # holds up a finalize or a status on the default executor.
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="autosessd-bucket")
+
+    # -- life ----------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._refresh_loop()))
+        if self.cfg.prune_every_s > 0:
+            self._tasks.append(loop.create_task(self._prune_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        # A thread in a LIST or a prune ends on its own (bounded by the client's timeouts).
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the bucket's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # -- the catalog -----------------------------------------------------------------
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                await self.run(self.refresh)
+            except Exception as e:  # a bug must not end the loop: the next reading may work
+                log.exception("auto sessions: shared: reading the bucket: %s", e)
+            await asyncio.sleep(self.cfg.list_every_s)
+
+    def refresh(self) -> Catalog:
+        """Read the bucket's saves of this model, and the token lists of saves new since the
+        last reading; swap the catalog in. Blocking. Never raises SharedError: a failed LIST
+        keeps the catalog as it was (its saves stay where they are or a download says so)."""
+        t0 = time.perf_counter()
+        try:
+            saves = self.shared.find(self.model)
+        except SharedError as e:
+            self.list_failures += 1
+            self.last_list_error = str(e)
+            if not self._failing:
+                self._failing = True
+                log.warning("auto sessions: shared: cannot read the bucket (%s); turns use the saves known from "
+                            "its last reading, and the local directory as always", e)
+            return self.catalog
+        self.list_ms = (time.perf_counter() - t0) * 1000
+        # Only auto files: a turn downloads under the save's own name, and a name a person parked
+        # here must never be replaced by a file of that name from another host (autosessd
+        # uploads no parked names; anything else under the prefix is not ours to bring in).
+        saves = [s for s in saves if AUTO_BIN.match(s.name)]
+        if self._failing:
+            self._failing = False
+            self.last_list_error = None
+            log.info("auto sessions: shared: the bucket answers again")
+        old = self.catalog
+        tokens = {s.key: old.tokens[s.key] for s in saves if s.key in old.tokens}
+        new = [s for s in saves if s.key not in tokens]
+        if new:
+            with concurrent.futures.ThreadPoolExecutor(HEADERS_AT_ONCE) as ex:
+                for s, got in zip(new, ex.map(self._tokens_of, new)):
+                    if got is not None:
+                        tokens[s.key] = got
+        by_name = {s.name: s for s in saves}
+        if tokens.keys() == old.tokens.keys() and by_name.keys() == old.saves.keys():
+            run = old.run  # nothing came or went: the sorted run stays
+        else:
+            run = TokenRun([(tokens[s.key], s.name) for s in saves if s.key in tokens])
+        self.catalog = Catalog(by_name, tokens, run, time.time())
+        return self.catalog
+
+    def _tokens_of(self, s: RemoteSession) -> bytes | None:
+        try:
+            return encode(comparable(self.shared.tokens(s)))
+        except SharedError as e:
+            # Another reading tries again (the object may be gone: pruned, superseded).
+            self.header_failures += 1
+            log.debug("auto sessions: shared: %s", e)
+            return None
+
+    def newest(self, name: str) -> RemoteSession | None:
+        """The bucket's current save of `name`, as of the last reading."""
+        return self.catalog.saves.get(name)
+
+    def best(self, tokens: bytes, min_lcp: int, window: int | None = None,
+             skip: Callable[[RemoteSession], bool] | None = None, prefer: str | None = None
+             ) -> tuple[RemoteSession, int] | None:
+        """The save sharing the longest prefix with `tokens` (encoded), at least min_lcp: (save,
+        tokens shared), or None. window: the model's sliding window (index.TokenIndex.best:
+        the engine keeps the prefix only when the file holds fewer than that past it). skip:
+        saves not to offer (a local copy as new). Among equals: `prefer`, then the smaller."""
+        cat = self.catalog
+        top, tied = 0, []
+        for step in (-1, 1):
+            for n, name in cat.run.side(tokens, max(1, min_lcp), step):
+                s = cat.saves.get(name)
+                if s is None or (window is not None and s.n_tokens - n >= window) or (skip and skip(s)):
+                    continue
+                if n > top:
+                    top, tied = n, [s]
+                elif n == top:
+                    tied.append(s)
+                else:
+                    break  # further out shares less
+        if not tied:
+            return None
+        return min(tied, key=lambda s: (s.name != prefer, s.n_tokens, s.name)), top
+
+    # -- the prompt rate -------------------------------------------------------------------
+    def saw_prefill(self, n_tokens: int | None, ms: float | None) -> None:
+        """A response's prompt reading: n_tokens read (timings.prompt_n) in ms."""
+        if not n_tokens or not ms or n_tokens < PREFILL_MIN or ms <= 0:
+            return
+        rate = n_tokens / (ms / 1000)
+        prev = self.prefill_tokens_s
+        self.prefill_tokens_s = rate if prev is None else (1 - PREFILL_WEIGHT) * prev + PREFILL_WEIGHT * rate
+
+    # -- the bucket prune --------------------------------------------------------------------
+    async def _prune_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.prune_every_s)
+            try:
+                await self.prune()
+            except SharedError as e:
+                log.warning("auto sessions: shared: bucket prune: %s", e)
+            except Exception as e:
+                log.exception("auto sessions: shared: bucket prune: %s", e)
+
+    async def prune(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None) -> dict:
+        return await self.run(lambda: self.shared.prune_bucket(dry_run, keep, max_gb))
+
+    # -- status ----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        cat = self.catalog
+        return {**self.shared.status(),
+                "catalog": {"saves": len(cat.saves), "with_tokens": len(cat.run.items),
+                            "listed_at": round(cat.listed_at, 3) or None,
+                            "list_ms": None if self.list_ms is None else round(self.list_ms, 1),
+                            "list_every_s": self.cfg.list_every_s, "list_failures": self.list_failures,
+                            "last_list_error": self.last_list_error, "header_failures": self.header_failures},
+                "prefill_tokens_s": None if self.prefill_tokens_s is None else round(self.prefill_tokens_s, 1)}
