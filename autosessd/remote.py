@@ -150,6 +150,10 @@ class Remote:
             log.debug("auto sessions: shared: %s", e)
             return None
 
+    def unreachable(self) -> str | None:
+        """Why the last LIST failed while it still does (downloads are not tried meanwhile), or None."""
+        return self.last_list_error if self._failing else None
+
     def newest(self, name: str) -> RemoteSession | None:
         """The bucket's current save of `name`, as of the last reading."""
         return self.catalog.saves.get(name)

@@ -1089,10 +1089,11 @@ class Sessions:
         on without it, as if there were no bucket."""
         remote = self.remote
         assert remote is not None
-        est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate())
+        est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate(),
+                                   unreachable=remote.unreachable())
         if not est.worth:
-            result.skipped.append(f"shared: {save.name} not downloaded: re-reading its {fetch.gain:,} tokens is "
-                                  f"faster")
+            why = est.blocked or f"re-reading its {fetch.gain:,} tokens is faster"
+            result.skipped.append(f"shared: {save.name} not downloaded: {why}")
             return None
         limit = remote.cfg.download_timeout_s
         claim = _Claim(self.store, save.name)

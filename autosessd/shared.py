@@ -66,6 +66,7 @@ SharedError, which the caller logs and answers by running the turn as if there w
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import email.utils
 import hashlib
 import json
@@ -101,6 +102,10 @@ _HOST_BAD = re.compile(r"[^A-Za-z0-9.-]+")
 # a live one of a 20 GB file over a slow link still finishes well within it.
 STALE_MULTIPART_S = 24 * 3600
 CHUNK = 1 << 20
+# A failed download teaches the rate (bytes that arrived / time spent) only when it took this
+# long: a refused connection says nothing about the link's speed.
+DOWN_RATE_MIN_S = 1.0
+DOWN_BACKOFF_S = 10.0  # the first pause of downloads after a failed one; doubles up to retry_max_s
 
 
 class SharedError(Exception):
@@ -143,15 +148,23 @@ class Estimate:
     reread_s: float | None
     down_bytes_s: float | None
     prefill_tokens_s: float | None
+    # Why no download is tried at all right now (the bucket does not answer, or a download just
+    # failed and its backoff runs): a turn must not wait out a timeout it can foresee.
+    blocked: str | None = None
 
     @property
     def worth(self) -> bool:
-        """Download unless it is known to cost more. Unknown throughput: download, and so measure it."""
+        """Download unless it is known to cost more, or the bucket is known not to answer.
+        Unknown throughput: download, and so measure it."""
+        if self.blocked is not None:
+            return False
         if self.download_s is None or self.reread_s is None:
             return True
         return self.download_s < self.reread_s
 
     def line(self, name: str, n_bytes: int, n_tokens: int) -> str:
+        if self.blocked is not None:
+            return f"shared: {name} ({n_bytes / 1e9:.2f} GB): not downloaded: {self.blocked}"
         down = (f"download ~{self.download_s:.1f} s at {self.down_bytes_s / 1e6:,.0f} MB/s"
                 if self.download_s is not None else "download time unknown (nothing measured yet)")
         reread = (f"re-reading {n_tokens:,} tokens ~{self.reread_s:.1f} s at {self.prefill_tokens_s:,.0f} tokens/s"
@@ -310,6 +323,7 @@ class Counters:
     downloads: int = 0  # hits: a remote save brought into the session directory
     download_failures: int = 0
     downloads_skipped_slower: int = 0
+    downloads_skipped_unreachable: int = 0  # the bucket was failing, or a download's backoff ran
     downloads_kept_local: int = 0  # the local file was as new: nothing downloaded
     bytes_down: int = 0
     download_ms_total: float = 0.0
@@ -476,7 +490,13 @@ class SharedStore:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reconcile: tuple[Store, str] | None = None
-        self._down_rate: float | None = None  # bytes/s, moving average of downloads
+        self._down_rate: float | None = None  # bytes/s, moving average of downloads (failed ones too)
+        # After a failed download no other is tried until this time.monotonic() (doubling per
+        # failure up to retry_max_s, reset by a success): a dead or crawling bucket costs one
+        # turn its timeout, not every turn.
+        self._down_backoff_until = 0.0
+        self._down_backoff_s = 0.0
+        self._blocked_said = False  # the skip is logged once per outage, not at every turn
         self._tokens_cache: dict[str, tuple[int, ...]] = {}
         # Observers of transfer progress (tests stop the gateway mid-transfer with it):
         # called with ("up" | "down", key, bytes so far) from the transferring thread.
@@ -783,16 +803,39 @@ class SharedStore:
 
     # -- downloads -----------------------------------------------------------------
     def decide(self, s: RemoteSession, prefill_tokens_s: float | None, n_tokens: int | None = None,
-               restore_bytes_s: float | None = None) -> Estimate:
+               restore_bytes_s: float | None = None, unreachable: str | None = None) -> Estimate:
         """Whether downloading `s` beats re-reading n_tokens (default: the tokens it holds),
-        from the measured download rate; logs both numbers and counts a skip."""
+        from the measured download rate; logs both numbers and counts a skip. Never while the
+        bucket is failing (unreachable: why) or a failed download's backoff runs."""
         n = s.n_tokens if n_tokens is None else n_tokens
         est = estimate(s.bytes, n, self._down_rate, prefill_tokens_s, restore_bytes_s)
+        blocked = self.download_blocked(unreachable)
+        if blocked is not None:
+            est = dataclasses.replace(est, blocked=blocked)
+            with self._lock:
+                self.counters.downloads_skipped_unreachable += 1
+                said, self._blocked_said = self._blocked_said, True
+            (log.debug if said else log.warning)("auto sessions: %s (said once until downloads are tried again)",
+                                                 est.line(s.name, s.bytes, n))
+            return est
+        with self._lock:
+            self._blocked_said = False
         log.info("auto sessions: %s", est.line(s.name, s.bytes, n))
         if not est.worth:
             with self._lock:
                 self.counters.downloads_skipped_slower += 1
         return est
+
+    def download_blocked(self, unreachable: str | None = None) -> str | None:
+        """Why no download should be tried now, or None. unreachable: why the caller's last LIST
+        of the bucket failed (remote.Remote keeps it)."""
+        if unreachable:
+            return f"the bucket does not answer ({unreachable})"
+        left = self._down_backoff_until - time.monotonic()
+        if left > 0:
+            return (f"a download failed {self._down_backoff_s - left:.0f} s ago "
+                    f"({self.counters.last_download_error}); the next is tried in {left:.0f} s")
+        return None
 
     @property
     def download_bytes_per_s(self) -> float | None:
@@ -827,8 +870,8 @@ class SharedStore:
         if not claimed:
             store.acquire(name)
         t0 = time.monotonic()
+        got = 0
         try:
-            got = 0
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 if group is not None:
@@ -869,9 +912,18 @@ class SharedStore:
             if conv:
                 store.write_meta(self._local_meta(s, conv))
         except BaseException as e:
+            spent = time.monotonic() - t0
             with self._lock:
                 self.counters.download_failures += 1
                 self.counters.last_download_error = str(e)
+                # What the failed try says about the link: bytes that arrived over the time it
+                # took. A stalled link thus drives the estimate towards re-reading, instead of
+                # leaving it unknown (and so "download") for ever.
+                if spent >= DOWN_RATE_MIN_S:
+                    self._learn_rate(got / spent)
+                self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
+                                           max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
+                self._down_backoff_until = time.monotonic() + self._down_backoff_s
             raise
         finally:
             if not claimed:
@@ -886,11 +938,17 @@ class SharedStore:
             self.counters.downloads += 1
             self.counters.download_ms_total += ms
             self.counters.last_download_ms = ms
-            # A moving average: one slow download (a busy link) does not decide the next alone.
-            self._down_rate = rate if self._down_rate is None else 0.5 * self._down_rate + 0.5 * rate
+            self._learn_rate(rate)
+            self._down_backoff_s = 0.0
+            self._down_backoff_until = 0.0
         log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
                  f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
         return final
+
+    def _learn_rate(self, rate: float) -> None:
+        # A moving average: one slow download (a busy link) does not decide the next alone.
+        # Under _lock.
+        self._down_rate = rate if self._down_rate is None else 0.5 * self._down_rate + 0.5 * rate
 
     def _local_meta(self, s: RemoteSession, conv: str) -> Meta:
         """The local metadata of a downloaded save: what its name says, and what the saving
@@ -1000,6 +1058,7 @@ class SharedStore:
                 "bytes_up": c.bytes_up,
                 "downloads": c.downloads, "download_failures": c.download_failures,
                 "downloads_skipped_slower": c.downloads_skipped_slower,
+                "downloads_skipped_unreachable": c.downloads_skipped_unreachable,
                 "downloads_kept_local": c.downloads_kept_local, "last_download_error": c.last_download_error,
                 "bytes_down": c.bytes_down, "download_ms_total": round(c.download_ms_total, 1),
                 "last_download_ms": None if c.last_download_ms is None else round(c.last_download_ms, 1),

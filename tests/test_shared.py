@@ -101,3 +101,116 @@ def test_credentials_file(tmp_path):
         read_credentials(str(f))
     with pytest.raises(Unavailable, match="No such file"):
         read_credentials(str(tmp_path / "missing"))
+
+
+# -- SharedStore.download with a stub client ---------------------------------------------------
+# What a download does with the bytes and the metadata a GET returns, and what it learns from a
+# failure. The stub stands in for boto3's client (get_object only); the real calls run against
+# a real S3 server in test_shared_s3.py.
+
+import struct  # noqa: E402
+import types  # noqa: E402
+
+from autosessd import shared as shared_mod  # noqa: E402
+from autosessd.config import parse  # noqa: E402
+from autosessd.shared import SharedStore  # noqa: E402
+from autosessd.store import Store  # noqa: E402
+
+SHARED_CFG = parse(b'slot_save_path = "/x"\n[shared]\nendpoint_url = "http://127.0.0.1:9"\nbucket = "b01"\n'
+                   b'host = "here"\n', "t.toml").shared
+
+
+def slot_bytes(n_tokens=5, n_stream=1, pad=4096):
+    """A slot file as llama-server writes it: header, token payload, then the KV block's stream
+    counts (an empty slot: no cells), padded."""
+    toks = list(range(1, n_tokens + 1))
+    words = [-1, 1, n_tokens, *toks, 0]
+    head = struct.pack(f"<III{len(words)}i", 0x67677371, 4, len(words), *words)
+    return head + struct.pack(f"<I{n_stream}I", n_stream, *[0] * n_stream) + b"\0" * pad
+
+
+class _Body:
+    def __init__(self, data, fail_after=None, on_read=None):
+        self.data, self.fail_after, self.on_read, self.pos = data, fail_after, on_read, 0
+
+    def read(self, n=-1):
+        if self.on_read:
+            self.on_read()
+        if self.fail_after is not None and self.pos >= self.fail_after:
+            raise OSError("Read timed out")
+        n = len(self.data) - self.pos if n < 0 else n
+        if self.fail_after is not None:
+            n = min(n, self.fail_after - self.pos)
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+    def close(self):
+        pass
+
+
+class _Client:
+    """get_object of one object: its bytes and x-amz-meta-*; calls are recorded."""
+
+    def __init__(self, data, metadata=None, fail_after=None, on_read=None):
+        self.data, self.metadata, self.fail_after, self.on_read = data, metadata or {}, fail_after, on_read
+        self.calls = []
+
+    def get_object(self, **kw):
+        self.calls.append(("get_object", kw))
+        return {"Body": _Body(self.data, self.fail_after, self.on_read), "Metadata": dict(self.metadata)}
+
+    def __getattr__(self, name):  # any other request is one a download must not make
+        def call(**kw):
+            self.calls.append((name, kw))
+            raise AssertionError(f"unexpected {name}")
+        return call
+
+
+@pytest.fixture
+def tier(monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SK")
+    sh = SharedStore(SHARED_CFG)
+    (tmp_path / "s").mkdir()
+    store = Store(tmp_path / "s")
+    return sh, store
+
+
+def remote_save(data, saved=100.0, host="there", key=KEY):
+    n = slotfile_tokens(data)
+    return RemoteSession(key=obj("auto-" + key, round(saved * 1e6), n, host), model="m1",
+                         name=f"auto-{key}.bin", saved_at=saved, n_tokens=n, host=host, bytes=len(data),
+                         modified=saved)
+
+
+def slotfile_tokens(data):
+    from autosessd.slotfile import parse_header
+    return len(parse_header(data).tokens)
+
+
+def test_a_failed_download_teaches_the_rate_and_pauses_downloads(tier, monkeypatch):
+    sh, store = tier
+    data = slot_bytes(pad=3 * 1024 * 1024)
+    clock = [1000.0]
+    # A stalled link: every read takes 30 s of the (fake) clock, the second one times out.
+    monkeypatch.setattr(shared_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=__import__("time").time))
+    sh._client = _Client(data, fail_after=shared_mod.CHUNK, on_read=lambda: clock.__setitem__(0, clock[0] + 30))
+    s = remote_save(data)
+    with pytest.raises(SharedError):
+        sh.download(s, store)
+    assert not (store.path / s.name).exists()
+    # 1 MiB over 60 s: about 17 kB/s, learned from the failure; not "unknown, so download".
+    assert sh.download_bytes_per_s is not None and sh.download_bytes_per_s < 20e3
+    # Right after it, no download is tried at all, whatever the estimate; said and counted.
+    est = sh.decide(s, prefill_tokens_s=1.0)
+    assert not est.worth and "failed" in est.blocked
+    assert sh.status()["downloads_skipped_unreachable"] == 1
+    # After the backoff the learned rate decides: re-reading 5 tokens at 1,000 tokens/s wins.
+    clock[0] += 3600
+    est = sh.decide(s, prefill_tokens_s=1000.0)
+    assert est.blocked is None and not est.worth and est.download_s > est.reread_s
+    # A bucket that does not answer a LIST: no download is tried either.
+    est = sh.decide(s, prefill_tokens_s=None, unreachable="listing: connection refused")
+    assert not est.worth and "does not answer" in est.blocked
+    assert sh.status()["downloads_skipped_unreachable"] == 2
