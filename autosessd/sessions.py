@@ -117,7 +117,7 @@ from .index import SavedFile, TokenIndex, common_prefix, comparable, decode, enc
 from .keys import chat_signature, continues
 from .policy import Fetch, FileInfo, Held, Occasion, Restore, RestoreFile, Save, SaveOutcome, Skip
 from .remote import Remote
-from .shared import RemoteSession, SharedError
+from .shared import AlreadyHere, Incompatible, RemoteSession, SharedError
 from .store import AUTO_BIN, Meta, Store, StoreError, auto_name, manual_name, temp_name
 
 log = logging.getLogger("autosessd")
@@ -956,12 +956,12 @@ class Sessions:
         shared bucket, its save of that name first when the local one is missing or older."""
         file = await self._wait_file(key)
         claim = await self._from_bucket_by_key(key, held, outcome, file, result) if self.remote else None
-        if claim is not None:
-            file = self._file_info(key)
-        step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
-                                   self.engine_layout)
         own = None
         try:
+            if claim is not None:
+                file = self._file_info(key)
+            step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
+                                       self.engine_layout)
             if isinstance(step, Restore):
                 name = auto_name(key)
                 if await self._restore(s, key, result, name):
@@ -1103,6 +1103,16 @@ class Sessions:
             # The thread stops itself at the limit, between two chunks; one read can take up
             # to read_timeout_s beyond it.
             await asyncio.wait_for(asyncio.shield(claim.fut), limit + remote.cfg.read_timeout_s)
+        except AlreadyHere as e:
+            # Nothing came from the bucket: the local file is as new (a save finalized here
+            # meanwhile); restore that, not counted or reported as a download.
+            log.debug("auto sessions: shared: %s", e)
+            return claim
+        except Incompatible as e:
+            claim.release()
+            log.warning("auto sessions: shared: not downloaded: %s", e)
+            result.skipped.append(f"shared: {e}")
+            return None
         except (SharedError, OSError, asyncio.TimeoutError) as e:
             claim.release()
             why = str(e) or f"no answer within {limit:g} s (download_timeout_s)"
@@ -1126,12 +1136,15 @@ class Sessions:
     def _download(self, save: RemoteSession, deadline: float) -> None:
         """In a bucket thread: the download (the name claimed by the caller), then the index."""
         assert self.remote is not None
-        self.remote.shared.download(save, self.store, claimed=True, deadline=deadline)
+        self.remote.shared.download(save, self.store, claimed=True, deadline=deadline, layout=self.engine_layout)
+        self._index_local(save.name)
+
+    def _index_local(self, name: str) -> None:
         if self.index is not None:
             try:
-                self.index.add_file(save.name, self.model)
+                self.index.add_file(name, self.model)
             except (OSError, ValueError, slotfile.BadSlotFile) as e:
-                raise SharedError(f"indexing the downloaded {save.name}: {e}") from None
+                raise SharedError(f"indexing the downloaded {name}: {e}") from None
 
     def _restore_rate(self) -> float | None:
         """Bytes per second of this engine's restores so far (the estimate adds the restore)."""

@@ -112,6 +112,14 @@ class SharedError(Exception):
     """A shared-tier operation that did not happen; says what and why. The turn goes on without it."""
 
 
+class AlreadyHere(SharedError):
+    """A download found the local save as new as the bucket's: nothing was downloaded (not a failure)."""
+
+
+class Incompatible(SharedError):
+    """The bucket's save has a KV layout this engine cannot load: refused, the local file stays."""
+
+
 class Unavailable(SharedError):
     """The tier cannot run here at all (boto3 missing, no credentials): a setup problem."""
 
@@ -325,6 +333,7 @@ class Counters:
     downloads_skipped_slower: int = 0
     downloads_skipped_unreachable: int = 0  # the bucket was failing, or a download's backoff ran
     downloads_kept_local: int = 0  # the local file was as new: nothing downloaded
+    downloads_refused_layout: int = 0  # a KV layout this engine cannot load: the local file stayed
     bytes_down: int = 0
     download_ms_total: float = 0.0
     last_download_ms: float | None = None
@@ -841,8 +850,8 @@ class SharedStore:
     def download_bytes_per_s(self) -> float | None:
         return self._down_rate
 
-    def download(self, s: RemoteSession, store: Store, claimed: bool = False, deadline: float | None = None
-                 ) -> Path:
+    def download(self, s: RemoteSession, store: Store, claimed: bool = False, deadline: float | None = None,
+                 layout: slotfile.KVLayout | None = None) -> Path:
         """Bring save `s` into the session directory as s.name; → its path. SharedError when
         it cannot; then nothing under that name changed. Blocking: run it in a thread.
 
@@ -850,9 +859,18 @@ class SharedStore:
         (a turn waits for it: a stalled link must not hold the request; one read is bounded by
         read_timeout_s).
 
+        layout: this engine's KV layout when known. A save of a layout it cannot load (one KV
+        stream against -np N without a unified cache, other cache types) is refused before it
+        replaces anything: the local file, loadable or not, stays (Incompatible).
+
         The name is held in Store.in_use for the download (prune leaves it alone) and a name
         someone else holds is never replaced. claimed=True: the caller acquired the name
-        itself (on the event loop, to keep holding it through the restore that follows)."""
+        itself (on the event loop, to keep holding it through the restore that follows).
+
+        The .bin and its .json are put in place as Store.finalize does for a local save (the
+        file, then its metadata, both taken from the one GET: no second request between
+        them), under the store's lock, after a last look that nobody took the name and no
+        local save at least as new finalized meanwhile."""
         name = s.name
         stem = stem_of(name)
         final = store.path / name
@@ -863,7 +881,7 @@ class SharedStore:
         if local is not None and local.saved_at >= s.saved_at:
             with self._lock:
                 self.counters.downloads_kept_local += 1
-            return final
+            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
         temp = store.path / f"{TEMP_PREFIX}{stem}.{uuid.uuid4().hex[:8]}.download.partial"
         # The store's mode and group when it has them (0640 + control.group), else 0600.
         mode, group = getattr(store, "mode", 0o600), getattr(store, "group", None)
@@ -880,6 +898,11 @@ class SharedStore:
                 with os.fdopen(fd, "wb") as out:
                     r = self._client.get_object(Bucket=self.bucket, Key=s.key)
                     body = r["Body"]
+                    md = _object_meta(r.get("Metadata") or {})
+                    # The saving host recorded its layout: an incompatible save costs no bytes.
+                    theirs = slotfile.KVLayout.from_fingerprint(md["layout"]) if md.get("layout") else None
+                    if theirs is not None:
+                        self._check_layout(s, theirs, layout, body)
                     while chunk := body.read(CHUNK):
                         if deadline is not None and time.monotonic() > deadline:
                             body.close()
@@ -899,18 +922,37 @@ class SharedStore:
                 if header.n_tokens != s.n_tokens:
                     raise SharedError(f"download of {s.key}: its header holds {header.n_tokens:,} tokens, "
                                       f"its name says {s.n_tokens:,}")
+                if theirs is None:
+                    # Older objects lack it in their metadata: the file's own KV block says.
+                    try:
+                        theirs = slotfile.read_layout(temp)
+                    except slotfile.BadSlotFile:
+                        theirs = None  # not readable here: the restore's own check decides
+                    if theirs is not None:
+                        self._check_layout(s, theirs, layout, None)
             except (slotfile.BadSlotFile, *self._errors) as e:
                 raise SharedError(f"download of {s.key}: {_why(e)}") from e
-            # A local save may have finalized meanwhile (another slot): the newer one stays.
-            local = store.read_meta(conv) if conv else None
-            if local is not None and local.saved_at >= s.saved_at:
-                with self._lock:
+            meta = self._local_meta(s, conv, md, theirs) if conv else None
+            with store._lock:  # no acquire() and no other download between the look and the rename
+                if store.in_use.get(name, 0) > 1:
+                    raise SharedError(f"{name} was taken here during the download (a save or a restore); "
+                                      f"it is not replaced")
+                # A local save may have finalized meanwhile (another slot): the newer one stays.
+                local = store.read_meta(conv) if conv else None
+                if local is not None and local.saved_at >= s.saved_at:
                     self.counters.downloads_kept_local += 1
-                return final
-            os.replace(temp, final)
-            _fsync_dir(store.path)
-            if conv:
-                store.write_meta(self._local_meta(s, conv))
+                    raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download")
+                os.replace(temp, final)
+                _fsync_dir(store.path)
+                if meta is not None:
+                    store.write_meta(meta)
+        except AlreadyHere:
+            raise
+        except Incompatible as e:
+            with self._lock:
+                self.counters.downloads_refused_layout += 1
+                self.counters.last_download_error = str(e)
+            raise
         except BaseException as e:
             spent = time.monotonic() - t0
             with self._lock:
@@ -920,7 +962,7 @@ class SharedStore:
                 # took. A stalled link thus drives the estimate towards re-reading, instead of
                 # leaving it unknown (and so "download") for ever.
                 if spent >= DOWN_RATE_MIN_S:
-                    self._learn_rate(got / spent)
+                    self._learn_rate(max(got, 1) / spent)
                 self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
                                            max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
                 self._down_backoff_until = time.monotonic() + self._down_backoff_s
@@ -945,15 +987,25 @@ class SharedStore:
                  f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
         return final
 
+    def _check_layout(self, s: RemoteSession, theirs: slotfile.KVLayout, ours: slotfile.KVLayout | None,
+                      body: Any) -> None:
+        if ours is None or theirs.compatible(ours):
+            return
+        if body is not None:
+            body.close()
+        raise Incompatible(f"{s.name} from {s.host}: saved with KV layout {theirs.fingerprint()}, this engine's is "
+                           f"{ours.fingerprint()} (run every host with the same model and the same -np / "
+                           f"--kv-unified / cache type / flash attention flags); the local file stays")
+
     def _learn_rate(self, rate: float) -> None:
         # A moving average: one slow download (a busy link) does not decide the next alone.
         # Under _lock.
         self._down_rate = rate if self._down_rate is None else 0.5 * self._down_rate + 0.5 * rate
 
-    def _local_meta(self, s: RemoteSession, conv: str) -> Meta:
+    def _local_meta(self, s: RemoteSession, conv: str, md: dict[str, str],
+                    layout: slotfile.KVLayout | None) -> Meta:
         """The local metadata of a downloaded save: what its name says, and what the saving
         host recorded in the object's metadata (older objects lack the last four: None)."""
-        md = self._head_meta(s)
 
         def num(k: str, kind: type) -> Any:
             try:
@@ -962,21 +1014,11 @@ class SharedStore:
                 return None
 
         line = md.get("line")
-        layout = md.get("layout")
         return Meta(key=conv, n_tokens=s.n_tokens, bytes=s.bytes, saved_at=s.saved_at,
                     model=md.get("model", s.model), save_ms=num("save-ms", float) or 0.0,
                     line=line if line and AUTO_BIN.match(f"auto-{line}.bin") else None,
                     n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
-                    layout=layout if layout and slotfile.KVLayout.from_fingerprint(layout) else None)
-
-    def _head_meta(self, s: RemoteSession) -> dict[str, str]:
-        try:
-            md = self._client.head_object(Bucket=self.bucket, Key=s.key).get("Metadata", {})
-        except self._errors:
-            return {}  # the metadata only decorates; the name already said what the file is
-        if "model" in md:
-            md["model"] = unquote(md["model"])
-        return md
+                    layout=layout.fingerprint() if layout is not None else None)
 
     # -- bucket prune --------------------------------------------------------------
     def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None) -> dict:
@@ -1059,12 +1101,21 @@ class SharedStore:
                 "downloads": c.downloads, "download_failures": c.download_failures,
                 "downloads_skipped_slower": c.downloads_skipped_slower,
                 "downloads_skipped_unreachable": c.downloads_skipped_unreachable,
-                "downloads_kept_local": c.downloads_kept_local, "last_download_error": c.last_download_error,
+                "downloads_kept_local": c.downloads_kept_local,
+                "downloads_refused_layout": c.downloads_refused_layout, "last_download_error": c.last_download_error,
                 "bytes_down": c.bytes_down, "download_ms_total": round(c.download_ms_total, 1),
                 "last_download_ms": None if c.last_download_ms is None else round(c.last_download_ms, 1),
                 "download_mb_s": None if self._down_rate is None else round(self._down_rate / 1e6, 1),
                 "last_prune": c.last_prune,
             }
+
+
+def _object_meta(md: dict[str, str]) -> dict[str, str]:
+    """x-amz-meta-* as a GET returns them (lower-case names), the model name unquoted."""
+    md = {k.lower(): v for k, v in md.items()}
+    if "model" in md:
+        md["model"] = unquote(md["model"])
+    return md
 
 
 def _why(e: BaseException) -> str:

@@ -214,3 +214,71 @@ def test_a_failed_download_teaches_the_rate_and_pauses_downloads(tier, monkeypat
     est = sh.decide(s, prefill_tokens_s=None, unreachable="listing: connection refused")
     assert not est.worth and "does not answer" in est.blocked
     assert sh.status()["downloads_skipped_unreachable"] == 2
+
+
+def put_local(store, data, saved_at, key=KEY, layout=None):
+    from autosessd.store import Meta
+    (store.path / f"auto-{key}.bin").write_bytes(data)
+    store.write_meta(Meta(key=key, n_tokens=slotfile_tokens(data), bytes=len(data), saved_at=saved_at, model="m1",
+                          save_ms=1.0, layout=layout))
+
+
+def test_a_download_takes_its_metadata_from_the_get_it_read(tier):
+    sh, store = tier
+    data = slot_bytes(n_tokens=7)
+    sh._client = _Client(data, {"model": "m1", "line": KEY, "n-prompt": "6", "layout": "s1", "save-ms": "3.5"})
+    s = remote_save(data, saved=200.0)
+    path = sh.download(s, store)
+    assert path.read_bytes() == data
+    meta = store.read_meta(KEY)
+    assert (meta.saved_at, meta.line, meta.n_prompt, meta.layout, meta.save_ms) == (200.0, KEY, 6, "s1", 3.5)
+    # One GET, nothing else: no HEAD between the rename and the metadata.
+    assert [c[0] for c in sh._client.calls] == ["get_object"]
+    assert sh.status()["downloads"] == 1
+
+
+def test_a_download_never_replaces_a_name_taken_or_saved_here_meanwhile(tier):
+    sh, store = tier
+    old, newer, remote_data = slot_bytes(3), slot_bytes(4), slot_bytes(7)
+    put_local(store, old, saved_at=100.0)
+    s = remote_save(remote_data, saved=200.0)
+    # A save takes the name while the bytes arrive: the download does not rename over it.
+    sh._client = _Client(remote_data, on_read=lambda: store.in_use.update({s.name: 1}))
+    with pytest.raises(SharedError, match="taken here"):
+        sh.download(s, store)
+    assert (store.path / s.name).read_bytes() == old
+    store.in_use.clear()
+    # A local save as new finalized meanwhile: it stays, and nothing is counted as downloaded.
+    sh._client = _Client(remote_data, on_read=lambda: put_local(store, newer, saved_at=300.0))
+    with pytest.raises(shared_mod.AlreadyHere):
+        sh.download(s, store)
+    assert (store.path / s.name).read_bytes() == newer and store.read_meta(KEY).saved_at == 300.0
+    st = sh.status()
+    assert st["downloads"] == 0 and st["downloads_kept_local"] == 1
+    assert not [p for p in store.path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_save_of_a_kv_layout_this_engine_cannot_load_never_replaces_the_local_file(tier):
+    from autosessd.slotfile import KVLayout
+    sh, store = tier
+    local = slot_bytes(3, n_stream=4)
+    put_local(store, local, saved_at=100.0, layout="s4")
+    one_stream = slot_bytes(7, n_stream=1)
+    s = remote_save(one_stream, saved=200.0)
+    # Recorded in the object's metadata: refused before any byte is read.
+    sh._client = _Client(one_stream, {"layout": "s1"})
+    with pytest.raises(shared_mod.Incompatible, match="s1, this engine's is s4"):
+        sh.download(s, store, layout=KVLayout(4))
+    assert sh.status()["bytes_down"] == 0
+    # An object without it: the downloaded file's own KV block says, before the rename.
+    sh._client = _Client(one_stream)
+    with pytest.raises(shared_mod.Incompatible):
+        sh.download(s, store, layout=KVLayout(4))
+    assert (store.path / s.name).read_bytes() == local and store.read_meta(KEY).saved_at == 100.0
+    st = sh.status()
+    assert st["downloads_refused_layout"] == 2 and st["download_failures"] == 0
+    assert not [p for p in store.path.iterdir() if p.name.endswith(".partial")]
+    # The same layout is downloaded.
+    sh._client = _Client(slot_bytes(7, n_stream=4))
+    sh.download(remote_save(slot_bytes(7, n_stream=4), saved=200.0), store, layout=KVLayout(4))
+    assert store.read_meta(KEY).layout == "s4"

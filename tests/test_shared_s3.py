@@ -20,7 +20,7 @@ from autosessd.engines.llama_server import LlamaServer
 from autosessd.index import encode
 from autosessd.keys import conversation_key
 from autosessd.remote import Remote
-from autosessd.shared import Lease, SharedError, SharedStore, Unavailable
+from autosessd.shared import AlreadyHere, Lease, SharedError, SharedStore, Unavailable
 from autosessd.store import Meta, Store, temp_name
 from harness import chat_body, long_text, wait_until
 
@@ -245,7 +245,8 @@ def test_a_download_never_replaces_a_file_in_use_or_a_newer_local_save(hosts):
         assert NAME in s2.in_use
     assert s2.read_meta(KEY).saved_at == 2000.0 and s2.bin_path(KEY).read_bytes().endswith(b"remote")
     newest = save(s2, KEY, [3] * 30, b"local, newest", saved_at=3000.0)
-    assert h2.download(found, s2) == s2.bin_path(KEY)
+    with pytest.raises(AlreadyHere):
+        h2.download(found, s2)
     assert s2.read_meta(KEY) == newest and h2.status()["downloads_kept_local"] == 1
 
 
