@@ -506,7 +506,6 @@ class SharedStore:
         self._down_backoff_until = 0.0
         self._down_backoff_s = 0.0
         self._blocked_said = False  # the skip is logged once per outage, not at every turn
-        self._tokens_cache: dict[str, tuple[int, ...]] = {}
         # Observers of transfer progress (tests stop the gateway mid-transfer with it):
         # called with ("up" | "down", key, bytes so far) from the transferring thread.
         self.progress: Callable[[str, str, int], None] | None = None
@@ -782,11 +781,8 @@ class SharedStore:
         return max(saves, key=lambda s: s.order, default=None)
 
     def tokens(self, s: RemoteSession) -> tuple[int, ...]:
-        """The token list the save holds, from its slot-file header: one ranged GET (cached:
-        objects never change)."""
-        hit = self._tokens_cache.get(s.key)
-        if hit is not None:
-            return hit
+        """The token list the save holds, from its slot-file header: one ranged GET. Not cached
+        here: remote.Remote's catalog keeps each save's tokens (encoded) and reads only new ones."""
         # The server's payload is -1, 1, n, the tokens, n_media (0 without media): n + 4 words.
         # Media chunks (rare) make it longer: then a second GET of the exact length.
         data = self._range(s.key, 0, min(s.bytes, 12 + 4 * (s.n_tokens + 4 + 256)))
@@ -795,13 +791,9 @@ class SharedStore:
             if len(data) < end <= s.bytes:
                 data = self._range(s.key, 0, end)
         try:
-            toks = slotfile.parse_header(data, s.bytes).tokens
+            return slotfile.parse_header(data, s.bytes).tokens
         except slotfile.BadSlotFile as e:
             raise SharedError(f"{s.key}: {e}") from None
-        if len(self._tokens_cache) > 4096:
-            self._tokens_cache.clear()
-        self._tokens_cache[s.key] = toks
-        return toks
 
     def _range(self, key: str, start: int, n: int) -> bytes:
         try:
