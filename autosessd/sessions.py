@@ -1098,11 +1098,26 @@ class Sessions:
         limit = remote.cfg.download_timeout_s
         claim = _Claim(self.store, save.name)
         t0 = time.monotonic()
+        # "started": time.monotonic() when its thread took it up, or None when the turn gave up
+        # before that (dict.setdefault is atomic: whichever comes first decides).
+        state: dict[str, float | None] = {}
         try:
-            claim.fut = asyncio.get_running_loop().run_in_executor(remote.pool, self._download, save, t0 + limit)
+            # Downloads have their own threads (no LIST or prune ahead of them), and the
+            # time limit counts from when the thread starts it.
+            claim.fut = asyncio.get_running_loop().run_in_executor(remote.downloads, self._download, save, limit,
+                                                                   state)
             # The thread stops itself at the limit, between two chunks; one read can take up
             # to read_timeout_s beyond it.
-            await asyncio.wait_for(asyncio.shield(claim.fut), limit + remote.cfg.read_timeout_s)
+            end = t0 + limit + remote.cfg.read_timeout_s
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(claim.fut), max(0.0, end - time.monotonic()))
+                    break
+                except asyncio.TimeoutError:
+                    began = state.setdefault("started", None)  # not started yet: it never will be
+                    if began is None or began + limit + remote.cfg.read_timeout_s <= end:
+                        raise
+                    end = began + limit + remote.cfg.read_timeout_s
         except AlreadyHere as e:
             # Nothing came from the bucket: the local file is as new (a save finalized here
             # meanwhile); restore that, not counted or reported as a download.
@@ -1133,10 +1148,15 @@ class Sessions:
                               f"{ms:,.0f} ms")
         return claim
 
-    def _download(self, save: RemoteSession, deadline: float) -> None:
-        """In a bucket thread: the download (the name claimed by the caller), then the index."""
+    def _download(self, save: RemoteSession, limit: float, state: dict[str, float | None]) -> None:
+        """In a download thread: the download (the name claimed by the caller), at most `limit`
+        seconds from now, then the index."""
         assert self.remote is not None
-        self.remote.shared.download(save, self.store, claimed=True, deadline=deadline, layout=self.engine_layout)
+        began = state.setdefault("started", time.monotonic())
+        if began is None:
+            raise SharedError(f"download of {save.name}: the turn stopped waiting before it began")
+        self.remote.shared.download(save, self.store, claimed=True, deadline=began + limit,
+                                    layout=self.engine_layout)
         self._index_local(save.name)
 
     def _index_local(self, name: str) -> None:

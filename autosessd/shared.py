@@ -455,7 +455,8 @@ class SharedStore:
     def __init__(self, cfg: SharedConfig):
         try:
             import boto3
-            from boto3.s3.transfer import TransferConfig
+            from boto3.s3.transfer import ProgressCallbackInvoker, TransferConfig, create_transfer_manager
+            from s3transfer.exceptions import CancelledError
             from botocore.config import Config as BotoConfig
             from botocore.exceptions import BotoCoreError, ClientError
         except ImportError:
@@ -465,6 +466,9 @@ class SharedStore:
         self.prefix = cfg.prefix
         self.host = cfg.host or default_host()
         self._ClientError = ClientError
+        self._create_transfer_manager, self._ProgressCallbackInvoker = create_transfer_manager, ProgressCallbackInvoker
+        self._cancelled: tuple[type[BaseException], ...] = (CancelledError,)
+        self._transfer_future: Any = None  # the upload in flight (s3transfer's TransferFuture); under _lock
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
         creds = read_credentials(cfg.credentials_file) if cfg.credentials_file else {}
         boto_cfg = BotoConfig(
@@ -536,8 +540,18 @@ class SharedStore:
             self._stopping = True
             self._cond.notify_all()
             t = self._thread
+        deadline = time.monotonic() + timeout
         if t is not None:
             t.join(timeout)
+        with self._lock:
+            fut = self._transfer_future
+        if fut is not None:
+            # Not finished in its time: no further part is sent (the parts in flight end
+            # within read_timeout_s), and its unfinished multipart upload is aborted at the
+            # next start's retry, or by the bucket prune.
+            fut.cancel()
+            if t is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             pending = len(self._jobs) + (1 if self._running else 0)
             self._thread = None
@@ -706,9 +720,24 @@ class SharedStore:
             if meta.layout is not None:
                 md["layout"] = meta.layout
             try:
-                self._client.upload_fileobj(f, self.bucket, key, ExtraArgs={"Metadata": md,
-                                                                             "ContentType": "application/octet-stream"},
-                                            Config=self._transfer, Callback=on_bytes)
+                # upload_fileobj's own steps, keeping the future: stop() cancels it, so that
+                # s3transfer's threads (joined at the interpreter's exit) send no further part.
+                with self._create_transfer_manager(self._client, self._transfer) as mgr:
+                    fut = mgr.upload(f, self.bucket, key, extra_args={
+                        "Metadata": md, "ContentType": "application/octet-stream"},
+                        subscribers=[self._ProgressCallbackInvoker(on_bytes)])
+                    with self._lock:
+                        self._transfer_future = fut
+                        stopping = self._stopping
+                    if stopping:
+                        fut.cancel()
+                    try:
+                        fut.result()
+                    finally:
+                        with self._lock:
+                            self._transfer_future = None
+            except self._cancelled as e:
+                raise SharedError(f"upload of {job.path.name} to {key}: cut short by a stop") from e
             except self._errors as e:
                 raise SharedError(f"upload of {job.path.name} to {key}: {_why(e)}") from e
         return "done"
@@ -1013,10 +1042,12 @@ class SharedStore:
                     layout=layout.fingerprint() if layout is not None else None)
 
     # -- bucket prune --------------------------------------------------------------
-    def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None) -> dict:
+    def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None,
+                     stop: threading.Event | None = None) -> dict:
         """Remove superseded saves past grace_s and the oldest current ones beyond keep / max_gb,
         holding the lease; abort abandoned multipart uploads under the prefix. Touches only
-        names autosessd owns (the pattern in the module docstring)."""
+        names autosessd owns (the pattern in the module docstring). stop: set at the daemon's
+        stop; the prune ends before its next batch (the lease is released)."""
         keep = self.cfg.keep if keep is None else keep
         max_bytes = int((self.cfg.max_gb if max_gb is None else max_gb) * 1e9)
         lease = Lease(self, self.prefix + LEASE, self.cfg.lease_s)
@@ -1038,6 +1069,8 @@ class SharedStore:
             if not dry_run:
                 todo = list(plan.remove)
                 while todo:
+                    if stop is not None and stop.is_set():
+                        raise SharedError("bucket prune: cut short by a stop")
                     batch, todo = todo[:500], todo[500:]
                     # Renewed before every batch: a long prune never outlives its lease.
                     if not lease.held() or not lease.renew():
@@ -1047,7 +1080,7 @@ class SharedStore:
                     failed = {e["Key"] for e in r.get("Errors", [])}
                     removed += sum(1 for s in batch if s.key not in failed)
                     freed += sum(s.bytes for s in batch if s.key not in failed)
-                aborted = self._abort_abandoned(now)
+                aborted = 0 if stop is not None and stop.is_set() else self._abort_abandoned(now)
                 report.update(removed=removed, freed_bytes=freed, aborted_uploads=aborted)
         except self._errors as e:
             raise SharedError(f"bucket prune: {_why(e)}") from e

@@ -282,3 +282,30 @@ def test_a_save_of_a_kv_layout_this_engine_cannot_load_never_replaces_the_local_
     sh._client = _Client(slot_bytes(7, n_stream=4))
     sh.download(remote_save(slot_bytes(7, n_stream=4), saved=200.0), store, layout=KVLayout(4))
     assert store.read_meta(KEY).layout == "s4"
+
+
+def test_the_process_exits_after_a_stop_while_a_bucket_thread_still_waits():
+    """A download (or LIST, or s3transfer part) stuck on a dead bucket: the interpreter would
+    join its ThreadPoolExecutor thread at exit, however long. The thread here waits for ever
+    (a stand-in for a read that takes read_timeout_s); the process must still end, with its code."""
+    import subprocess
+    import sys
+    code = ("import concurrent.futures, threading, logging\n"
+            "from autosessd import cli\n"
+            "logging.basicConfig()\n"
+            "ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='autosessd-download')\n"
+            "started = threading.Event()\n"
+            "ex.submit(lambda: (started.set(), threading.Event().wait()))\n"
+            "started.wait()\n"
+            "ex.shutdown(wait=False, cancel_futures=True)\n"
+            "cli.exit_after_stop(3)\n")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: it joined the bucket thread")
+    assert p.returncode == 3, p.stderr
+    assert "still waiting on the bucket (autosessd-download" in p.stderr
+    # Without such a thread the ordinary exit runs (atexit handlers, buffered output).
+    p = subprocess.run([sys.executable, "-c", "from autosessd import cli\nprint('out')\ncli.exit_after_stop(4)"],
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (4, "out\n")

@@ -338,6 +338,7 @@ def test_the_catalog_reads_each_save_s_tokens_once_and_follows_newer_saves(hosts
         assert remote.status()["catalog"]["saves"] == 2 and remote.status()["catalog"]["list_ms"] > 0
     finally:
         remote.pool.shutdown()
+        remote.downloads.shutdown()
 
 
 def test_two_hosts_saving_one_key_100_times_the_object_is_always_one_whole_save(hosts, s3_gateway, s3_bucket,
