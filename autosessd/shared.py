@@ -751,17 +751,38 @@ class SharedStore:
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=u["UploadId"])
 
     def _requeue_missing(self, store: Store, model: str) -> None:
-        remote = {r.name: r for r in self.find(model)}
-        n = 0
+        """Queue this host's local saves the bucket lacks, of those its prune would keep.
+
+        Only saves made here (Meta.host None or this host): a file downloaded from another
+        host is that host's to upload. And only those that the bucket prune's keep / max_gb
+        would keep beside what the bucket holds: a save it removed is not sent again at
+        every restart, to be removed again."""
+        current = self.find(model)
+        remote = {r.name: r for r in current}
+        candidates: dict[str, tuple[Path, Meta]] = {}
         for e in store.scan():
-            if e.meta is None or e.meta.model != model:
+            if e.meta is None or e.meta.model != model or e.meta.host not in (None, self.host):
                 continue
             r = remote.get(e.name)
             if r is None or round(r.saved_at * 1e6) < round(e.meta.saved_at * 1e6):
-                self.upload_later(store.bin_path(e.key), e.meta)
+                candidates[self.object_key(e.meta, e.name)] = (store.bin_path(e.key), e.meta)
+        if not candidates:
+            return
+        now = time.time()
+        would_be = [parse_key(self.prefix, k, m.bytes, now) for k, (_, m) in candidates.items()]
+        plan = plan_bucket_prune(current + [s for s in would_be if s is not None], self.cfg.keep,
+                                 int(self.cfg.max_gb * 1e9), now, self.cfg.grace_s)
+        kept = {s.key for s in plan.keep}
+        n = 0
+        for k, (path, meta) in candidates.items():
+            if k in kept:
+                self.upload_later(path, meta)
                 n += 1
         if n:
             log.info("auto sessions: shared: %d local save(s) not in the bucket yet, queued for upload", n)
+        if n < len(candidates):
+            log.info("auto sessions: shared: %d local save(s) not in the bucket not queued: beyond [shared] keep / "
+                     "max_gb, the bucket prune would remove them", len(candidates) - n)
 
     # -- listing -------------------------------------------------------------------
     def versions(self, model: str | None = None) -> list[RemoteSession]:
@@ -1039,7 +1060,7 @@ class SharedStore:
                     model=md.get("model", s.model), save_ms=num("save-ms", float) or 0.0,
                     line=line if line and AUTO_BIN.match(f"auto-{line}.bin") else None,
                     n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
-                    layout=layout.fingerprint() if layout is not None else None)
+                    layout=layout.fingerprint() if layout is not None else None, host=s.host)
 
     # -- bucket prune --------------------------------------------------------------
     def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None,

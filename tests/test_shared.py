@@ -309,3 +309,29 @@ def test_the_process_exits_after_a_stop_while_a_bucket_thread_still_waits():
     p = subprocess.run([sys.executable, "-c", "from autosessd import cli\nprint('out')\ncli.exit_after_stop(4)"],
                        capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout) == (4, "out\n")
+
+
+def test_a_restart_uploads_only_this_host_s_saves_that_the_bucket_prune_would_keep(tier):
+    import dataclasses
+
+    from autosessd.store import Meta
+    sh, store = tier
+    sh.cfg = dataclasses.replace(sh.cfg, keep=2)
+    keys = [f"{i:016x}" for i in range(1, 5)]
+    for i, k in enumerate(keys):
+        data = slot_bytes(3 + i)
+        (store.path / f"auto-{k}.bin").write_bytes(data)
+        # keys[3], the newest, came from another host (a download); the other three were saved here.
+        store.write_meta(Meta(key=k, n_tokens=3 + i, bytes=len(data), saved_at=100.0 + i, model="m1", save_ms=1.0,
+                              host="there" if i == 3 else None))
+    queued = []
+    sh.find = lambda model: []  # the bucket lacks them all (its prune removed them)
+    sh.upload_later = lambda path, meta: queued.append(meta.key)
+    sh._requeue_missing(store, "m1")
+    # keep = 2: of this host's own, the two newest; never the downloaded one (its host uploads it).
+    assert sorted(queued) == [keys[1], keys[2]]
+    # A downloaded file keeps the name of the host it came from.
+    data = slot_bytes(7)
+    sh._client = _Client(data)
+    sh.download(remote_save(data, saved=500.0, key="00000000000000ff"), store)
+    assert store.read_meta("00000000000000ff").host == "there"
