@@ -44,9 +44,12 @@ it in the bucket). After an outage the retried upload first aborts this host's u
 multipart upload of the same object, so no parts are left behind.
 
 Downloads: temporary (.autosessd-*.partial, removed by Store.cleanup after a crash) → size and
-slot-file header verified → fsync → rename → metadata. A name that is in use locally (being
-saved, restored or uploaded: Store.in_use) is never replaced, and a local save at least as new
-as the remote one is kept.
+slot-file header verified → KV layout checked (refused when this engine cannot load it) →
+fsync → rename → metadata taken from the same GET, under the store's lock as a local
+finalize. A name that is in use locally (being saved, restored or downloaded: Store.in_use)
+is never replaced, and a local save at least as new as the remote one is kept. Uploads do not
+hold Store.in_use: an upload reads through the file descriptor it opened, so a save renamed
+over the file meanwhile neither waits for it nor mixes into it (see Uploads).
 
 Bucket prune: separate from local prune (its own keep / max_gb), run by one host at a time
 under a lease object taken with conditional writes (PUT If-None-Match: * to create it, PUT

@@ -232,7 +232,7 @@ def test_a_download_never_replaces_a_file_in_use_or_a_newer_local_save(hosts):
     [found] = h2.find(MODEL)
     mine = save(s2, KEY, [2] * 30, b"local, older", saved_at=1000.0)
     local_sha = sha(s2.bin_path(KEY))
-    with s2.using(NAME):  # the engine is restoring it, or it is being uploaded
+    with s2.using(NAME):  # the engine is restoring it, or a save is writing it
         with pytest.raises(SharedError, match="being written or read"):
             h2.download(found, s2)
     assert sha(s2.bin_path(KEY)) == local_sha and s2.read_meta(KEY) == mine
