@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
-from typing import Any
+import threading
+from typing import Any, NoReturn
 
 import click
 
@@ -70,7 +73,32 @@ def run(config_path: str | None, log_level: str, log_format: str, **flags: Any) 
     overrides = {RUN_FLAGS[k]: v for k, v in flags.items() if v is not None}
     cfg = _load_or_exit(config_path, overrides)
     daemon.setup_logging(log_level, log_format)
-    sys.exit(daemon.run(cfg, config_path, overrides))
+    exit_after_stop(daemon.run(cfg, config_path, overrides))
+
+
+def exit_after_stop(code: int) -> NoReturn:
+    """The process's end, once daemon.run() has returned (its stop done within stop_timeout_s).
+
+    The last resort for the shared bucket's threads: the interpreter's exit joins every
+    ThreadPoolExecutor thread (concurrent.futures registers that join at exit), even after
+    shutdown(wait=False), so a LIST, header GET, download or s3transfer part still waiting on
+    a dead or slow bucket would hold the exit up to its read timeout, past the deadline the
+    stop already spent. By now the saves are finalized and the uploads drained or left to the
+    next start (the bucket lacks them): nothing of ours is left to write. So the logs are
+    flushed and the process leaves with os._exit, without that join."""
+    from .remote import THREAD_PREFIXES
+
+    alive = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and t.is_alive() and t.name.startswith(THREAD_PREFIXES)]
+    if alive:
+        logging.getLogger("autosessd").warning(
+            "stop: %d shared-bucket thread(s) still waiting on the bucket (%s); exiting without them",
+            len(alive), ", ".join(sorted(alive)[:4]))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 @autosessd_main.command("check-config")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -43,6 +44,10 @@ log = logging.getLogger("autosessd")
 PREFILL_MIN = 256  # a prompt rate read from fewer tokens says more about overhead than about prefill
 PREFILL_WEIGHT = 0.3  # of a new sample in the moving average
 HEADERS_AT_ONCE = 4  # ranged GETs of new saves' token lists in parallel
+# The shared tier's threads (here, shared.py's upload worker, s3transfer's under it when it
+# runs in one): what a stop looks for before the process exits.
+THREAD_PREFIXES = ("autosessd-bucket", "autosessd-download", "autosessd-headers", "autosessd-shared",
+                   "ThreadPoolExecutor")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,13 @@ class Remote:
         # Bucket I/O on threads of its own: a download of gigabytes or a slow LIST never
         # holds up a finalize or a status on the default executor.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="autosessd-bucket")
+        # Downloads wait on no LIST or prune: a turn's download starts at once (the turns'
+        # downloads run at most one per slot, so 4 threads rarely queue).
+        self.downloads = concurrent.futures.ThreadPoolExecutor(max_workers=4,
+                                                               thread_name_prefix="autosessd-download")
+        # Set at close: a refresh or prune in a thread stops at its next step instead of
+        # running on past the stop (the interpreter joins these threads at exit).
+        self.closing = threading.Event()
 
     # -- life ----------------------------------------------------------------------
     def start(self) -> None:
@@ -81,12 +93,20 @@ class Remote:
             self._tasks.append(loop.create_task(self._prune_loop()))
 
     async def close(self) -> None:
+        self.closing.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        # A thread in a LIST or a prune ends on its own (bounded by the client's timeouts).
+        # A thread in a LIST, a header GET or a prune stops at its next step (closing), the
+        # request in flight bounded by the client's timeouts; a download stops at its next
+        # chunk (its deadline). What still runs at the process's end: cli.run's last resort.
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.downloads.shutdown(wait=False, cancel_futures=True)
+
+    def threads_alive(self) -> list[str]:
+        """Names of this process's bucket threads still running (a stop's last look)."""
+        return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIXES) and t.is_alive()]
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the bucket's threads."""
@@ -129,10 +149,20 @@ class Remote:
         tokens = {s.key: old.tokens[s.key] for s in saves if s.key in old.tokens}
         new = [s for s in saves if s.key not in tokens]
         if new:
-            with concurrent.futures.ThreadPoolExecutor(HEADERS_AT_ONCE) as ex:
-                for s, got in zip(new, ex.map(self._tokens_of, new)):
-                    if got is not None:
-                        tokens[s.key] = got
+            ex = concurrent.futures.ThreadPoolExecutor(HEADERS_AT_ONCE, thread_name_prefix="autosessd-headers")
+            try:
+                futs = {ex.submit(self._tokens_of, s): s for s in new}
+                pending = set(futs)
+                while pending:
+                    done, pending = concurrent.futures.wait(pending, timeout=0.2)
+                    if self.closing.is_set():
+                        return self.catalog  # a stop: the headers not read yet are not waited for
+                    for fut in done:
+                        got = fut.result()
+                        if got is not None:
+                            tokens[futs[fut].key] = got
+            finally:
+                ex.shutdown(wait=False, cancel_futures=True)
         by_name = {s.name: s for s in saves}
         if tokens.keys() == old.tokens.keys() and by_name.keys() == old.saves.keys():
             run = old.run  # nothing came or went: the sorted run stays
@@ -142,6 +172,8 @@ class Remote:
         return self.catalog
 
     def _tokens_of(self, s: RemoteSession) -> bytes | None:
+        if self.closing.is_set():
+            return None
         try:
             return encode(comparable(self.shared.tokens(s)))
         except SharedError as e:
@@ -149,6 +181,10 @@ class Remote:
             self.header_failures += 1
             log.debug("auto sessions: shared: %s", e)
             return None
+
+    def unreachable(self) -> str | None:
+        """Why the last LIST failed while it still does (downloads are not tried meanwhile), or None."""
+        return self.last_list_error if self._failing else None
 
     def newest(self, name: str) -> RemoteSession | None:
         """The bucket's current save of `name`, as of the last reading."""
@@ -199,7 +235,7 @@ class Remote:
                 log.exception("auto sessions: shared: bucket prune: %s", e)
 
     async def prune(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None) -> dict:
-        return await self.run(lambda: self.shared.prune_bucket(dry_run, keep, max_gb))
+        return await self.run(lambda: self.shared.prune_bucket(dry_run, keep, max_gb, stop=self.closing))
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

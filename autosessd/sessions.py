@@ -117,7 +117,7 @@ from .index import SavedFile, TokenIndex, common_prefix, comparable, decode, enc
 from .keys import chat_signature, continues
 from .policy import Fetch, FileInfo, Held, Occasion, Restore, RestoreFile, Save, SaveOutcome, Skip
 from .remote import Remote
-from .shared import RemoteSession, SharedError
+from .shared import AlreadyHere, Incompatible, RemoteSession, SharedError
 from .store import AUTO_BIN, Meta, Store, StoreError, auto_name, manual_name, temp_name
 
 log = logging.getLogger("autosessd")
@@ -956,12 +956,12 @@ class Sessions:
         shared bucket, its save of that name first when the local one is missing or older."""
         file = await self._wait_file(key)
         claim = await self._from_bucket_by_key(key, held, outcome, file, result) if self.remote else None
-        if claim is not None:
-            file = self._file_info(key)
-        step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
-                                   self.engine_layout)
         own = None
         try:
+            if claim is not None:
+                file = self._file_info(key)
+            step = policy.plan_restore(held, key, outcome, file, self.model, self.cfg.auto_sessions_min_tokens,
+                                       self.engine_layout)
             if isinstance(step, Restore):
                 name = auto_name(key)
                 if await self._restore(s, key, result, name):
@@ -1089,19 +1089,45 @@ class Sessions:
         on without it, as if there were no bucket."""
         remote = self.remote
         assert remote is not None
-        est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate())
+        est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate(),
+                                   unreachable=remote.unreachable())
         if not est.worth:
-            result.skipped.append(f"shared: {save.name} not downloaded: re-reading its {fetch.gain:,} tokens is "
-                                  f"faster")
+            why = est.blocked or f"re-reading its {fetch.gain:,} tokens is faster"
+            result.skipped.append(f"shared: {save.name} not downloaded: {why}")
             return None
         limit = remote.cfg.download_timeout_s
         claim = _Claim(self.store, save.name)
         t0 = time.monotonic()
+        # "started": time.monotonic() when its thread took it up, or None when the turn gave up
+        # before that (dict.setdefault is atomic: whichever comes first decides).
+        state: dict[str, float | None] = {}
         try:
-            claim.fut = asyncio.get_running_loop().run_in_executor(remote.pool, self._download, save, t0 + limit)
+            # Downloads have their own threads (no LIST or prune ahead of them), and the
+            # time limit counts from when the thread starts it.
+            claim.fut = asyncio.get_running_loop().run_in_executor(remote.downloads, self._download, save, limit,
+                                                                   state)
             # The thread stops itself at the limit, between two chunks; one read can take up
             # to read_timeout_s beyond it.
-            await asyncio.wait_for(asyncio.shield(claim.fut), limit + remote.cfg.read_timeout_s)
+            end = t0 + limit + remote.cfg.read_timeout_s
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(claim.fut), max(0.0, end - time.monotonic()))
+                    break
+                except asyncio.TimeoutError:
+                    began = state.setdefault("started", None)  # not started yet: it never will be
+                    if began is None or began + limit + remote.cfg.read_timeout_s <= end:
+                        raise
+                    end = began + limit + remote.cfg.read_timeout_s
+        except AlreadyHere as e:
+            # Nothing came from the bucket: the local file is as new (a save finalized here
+            # meanwhile); restore that, not counted or reported as a download.
+            log.debug("auto sessions: shared: %s", e)
+            return claim
+        except Incompatible as e:
+            claim.release()
+            log.warning("auto sessions: shared: not downloaded: %s", e)
+            result.skipped.append(f"shared: {e}")
+            return None
         except (SharedError, OSError, asyncio.TimeoutError) as e:
             claim.release()
             why = str(e) or f"no answer within {limit:g} s (download_timeout_s)"
@@ -1122,15 +1148,23 @@ class Sessions:
                               f"{ms:,.0f} ms")
         return claim
 
-    def _download(self, save: RemoteSession, deadline: float) -> None:
-        """In a bucket thread: the download (the name claimed by the caller), then the index."""
+    def _download(self, save: RemoteSession, limit: float, state: dict[str, float | None]) -> None:
+        """In a download thread: the download (the name claimed by the caller), at most `limit`
+        seconds from now, then the index."""
         assert self.remote is not None
-        self.remote.shared.download(save, self.store, claimed=True, deadline=deadline)
+        began = state.setdefault("started", time.monotonic())
+        if began is None:
+            raise SharedError(f"download of {save.name}: the turn stopped waiting before it began")
+        self.remote.shared.download(save, self.store, claimed=True, deadline=began + limit,
+                                    layout=self.engine_layout)
+        self._index_local(save.name)
+
+    def _index_local(self, name: str) -> None:
         if self.index is not None:
             try:
-                self.index.add_file(save.name, self.model)
+                self.index.add_file(name, self.model)
             except (OSError, ValueError, slotfile.BadSlotFile) as e:
-                raise SharedError(f"indexing the downloaded {save.name}: {e}") from None
+                raise SharedError(f"indexing the downloaded {name}: {e}") from None
 
     def _restore_rate(self) -> float | None:
         """Bytes per second of this engine's restores so far (the estimate adds the restore)."""

@@ -44,9 +44,12 @@ it in the bucket). After an outage the retried upload first aborts this host's u
 multipart upload of the same object, so no parts are left behind.
 
 Downloads: temporary (.autosessd-*.partial, removed by Store.cleanup after a crash) → size and
-slot-file header verified → fsync → rename → metadata. A name that is in use locally (being
-saved, restored or uploaded: Store.in_use) is never replaced, and a local save at least as new
-as the remote one is kept.
+slot-file header verified → KV layout checked (refused when this engine cannot load it) →
+fsync → rename → metadata taken from the same GET, under the store's lock as a local
+finalize. A name that is in use locally (being saved, restored or downloaded: Store.in_use)
+is never replaced, and a local save at least as new as the remote one is kept. Uploads do not
+hold Store.in_use: an upload reads through the file descriptor it opened, so a save renamed
+over the file meanwhile neither waits for it nor mixes into it (see Uploads).
 
 Bucket prune: separate from local prune (its own keep / max_gb), run by one host at a time
 under a lease object taken with conditional writes (PUT If-None-Match: * to create it, PUT
@@ -66,6 +69,7 @@ SharedError, which the caller logs and answers by running the turn as if there w
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import email.utils
 import hashlib
 import json
@@ -101,10 +105,22 @@ _HOST_BAD = re.compile(r"[^A-Za-z0-9.-]+")
 # a live one of a 20 GB file over a slow link still finishes well within it.
 STALE_MULTIPART_S = 24 * 3600
 CHUNK = 1 << 20
+# A failed download teaches the rate (bytes that arrived / time spent) only when it took this
+# long: a refused connection says nothing about the link's speed.
+DOWN_RATE_MIN_S = 1.0
+DOWN_BACKOFF_S = 10.0  # the first pause of downloads after a failed one; doubles up to retry_max_s
 
 
 class SharedError(Exception):
     """A shared-tier operation that did not happen; says what and why. The turn goes on without it."""
+
+
+class AlreadyHere(SharedError):
+    """A download found the local save as new as the bucket's: nothing was downloaded (not a failure)."""
+
+
+class Incompatible(SharedError):
+    """The bucket's save has a KV layout this engine cannot load: refused, the local file stays."""
 
 
 class Unavailable(SharedError):
@@ -143,15 +159,23 @@ class Estimate:
     reread_s: float | None
     down_bytes_s: float | None
     prefill_tokens_s: float | None
+    # Why no download is tried at all right now (the bucket does not answer, or a download just
+    # failed and its backoff runs): a turn must not wait out a timeout it can foresee.
+    blocked: str | None = None
 
     @property
     def worth(self) -> bool:
-        """Download unless it is known to cost more. Unknown throughput: download, and so measure it."""
+        """Download unless it is known to cost more, or the bucket is known not to answer.
+        Unknown throughput: download, and so measure it."""
+        if self.blocked is not None:
+            return False
         if self.download_s is None or self.reread_s is None:
             return True
         return self.download_s < self.reread_s
 
     def line(self, name: str, n_bytes: int, n_tokens: int) -> str:
+        if self.blocked is not None:
+            return f"shared: {name} ({n_bytes / 1e9:.2f} GB): not downloaded: {self.blocked}"
         down = (f"download ~{self.download_s:.1f} s at {self.down_bytes_s / 1e6:,.0f} MB/s"
                 if self.download_s is not None else "download time unknown (nothing measured yet)")
         reread = (f"re-reading {n_tokens:,} tokens ~{self.reread_s:.1f} s at {self.prefill_tokens_s:,.0f} tokens/s"
@@ -310,7 +334,9 @@ class Counters:
     downloads: int = 0  # hits: a remote save brought into the session directory
     download_failures: int = 0
     downloads_skipped_slower: int = 0
+    downloads_skipped_unreachable: int = 0  # the bucket was failing, or a download's backoff ran
     downloads_kept_local: int = 0  # the local file was as new: nothing downloaded
+    downloads_refused_layout: int = 0  # a KV layout this engine cannot load: the local file stayed
     bytes_down: int = 0
     download_ms_total: float = 0.0
     last_download_ms: float | None = None
@@ -432,7 +458,8 @@ class SharedStore:
     def __init__(self, cfg: SharedConfig):
         try:
             import boto3
-            from boto3.s3.transfer import TransferConfig
+            from boto3.s3.transfer import ProgressCallbackInvoker, TransferConfig, create_transfer_manager
+            from s3transfer.exceptions import CancelledError
             from botocore.config import Config as BotoConfig
             from botocore.exceptions import BotoCoreError, ClientError
         except ImportError:
@@ -442,6 +469,9 @@ class SharedStore:
         self.prefix = cfg.prefix
         self.host = cfg.host or default_host()
         self._ClientError = ClientError
+        self._create_transfer_manager, self._ProgressCallbackInvoker = create_transfer_manager, ProgressCallbackInvoker
+        self._cancelled: tuple[type[BaseException], ...] = (CancelledError,)
+        self._transfer_future: Any = None  # the upload in flight (s3transfer's TransferFuture); under _lock
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
         creds = read_credentials(cfg.credentials_file) if cfg.credentials_file else {}
         boto_cfg = BotoConfig(
@@ -476,8 +506,13 @@ class SharedStore:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reconcile: tuple[Store, str] | None = None
-        self._down_rate: float | None = None  # bytes/s, moving average of downloads
-        self._tokens_cache: dict[str, tuple[int, ...]] = {}
+        self._down_rate: float | None = None  # bytes/s, moving average of downloads (failed ones too)
+        # After a failed download no other is tried until this time.monotonic() (doubling per
+        # failure up to retry_max_s, reset by a success): a dead or crawling bucket costs one
+        # turn its timeout, not every turn.
+        self._down_backoff_until = 0.0
+        self._down_backoff_s = 0.0
+        self._blocked_said = False  # the skip is logged once per outage, not at every turn
         # Observers of transfer progress (tests stop the gateway mid-transfer with it):
         # called with ("up" | "down", key, bytes so far) from the transferring thread.
         self.progress: Callable[[str, str, int], None] | None = None
@@ -508,8 +543,18 @@ class SharedStore:
             self._stopping = True
             self._cond.notify_all()
             t = self._thread
+        deadline = time.monotonic() + timeout
         if t is not None:
             t.join(timeout)
+        with self._lock:
+            fut = self._transfer_future
+        if fut is not None:
+            # Not finished in its time: no further part is sent (the parts in flight end
+            # within read_timeout_s), and its unfinished multipart upload is aborted at the
+            # next start's retry, or by the bucket prune.
+            fut.cancel()
+            if t is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             pending = len(self._jobs) + (1 if self._running else 0)
             self._thread = None
@@ -678,9 +723,24 @@ class SharedStore:
             if meta.layout is not None:
                 md["layout"] = meta.layout
             try:
-                self._client.upload_fileobj(f, self.bucket, key, ExtraArgs={"Metadata": md,
-                                                                             "ContentType": "application/octet-stream"},
-                                            Config=self._transfer, Callback=on_bytes)
+                # upload_fileobj's own steps, keeping the future: stop() cancels it, so that
+                # s3transfer's threads (joined at the interpreter's exit) send no further part.
+                with self._create_transfer_manager(self._client, self._transfer) as mgr:
+                    fut = mgr.upload(f, self.bucket, key, extra_args={
+                        "Metadata": md, "ContentType": "application/octet-stream"},
+                        subscribers=[self._ProgressCallbackInvoker(on_bytes)])
+                    with self._lock:
+                        self._transfer_future = fut
+                        stopping = self._stopping
+                    if stopping:
+                        fut.cancel()
+                    try:
+                        fut.result()
+                    finally:
+                        with self._lock:
+                            self._transfer_future = None
+            except self._cancelled as e:
+                raise SharedError(f"upload of {job.path.name} to {key}: cut short by a stop") from e
             except self._errors as e:
                 raise SharedError(f"upload of {job.path.name} to {key}: {_why(e)}") from e
         return "done"
@@ -694,17 +754,38 @@ class SharedStore:
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=u["UploadId"])
 
     def _requeue_missing(self, store: Store, model: str) -> None:
-        remote = {r.name: r for r in self.find(model)}
-        n = 0
+        """Queue this host's local saves the bucket lacks, of those its prune would keep.
+
+        Only saves made here (Meta.host None or this host): a file downloaded from another
+        host is that host's to upload. And only those that the bucket prune's keep / max_gb
+        would keep beside what the bucket holds: a save it removed is not sent again at
+        every restart, to be removed again."""
+        current = self.find(model)
+        remote = {r.name: r for r in current}
+        candidates: dict[str, tuple[Path, Meta]] = {}
         for e in store.scan():
-            if e.meta is None or e.meta.model != model:
+            if e.meta is None or e.meta.model != model or e.meta.host not in (None, self.host):
                 continue
             r = remote.get(e.name)
             if r is None or round(r.saved_at * 1e6) < round(e.meta.saved_at * 1e6):
-                self.upload_later(store.bin_path(e.key), e.meta)
+                candidates[self.object_key(e.meta, e.name)] = (store.bin_path(e.key), e.meta)
+        if not candidates:
+            return
+        now = time.time()
+        would_be = [parse_key(self.prefix, k, m.bytes, now) for k, (_, m) in candidates.items()]
+        plan = plan_bucket_prune(current + [s for s in would_be if s is not None], self.cfg.keep,
+                                 int(self.cfg.max_gb * 1e9), now, self.cfg.grace_s)
+        kept = {s.key for s in plan.keep}
+        n = 0
+        for k, (path, meta) in candidates.items():
+            if k in kept:
+                self.upload_later(path, meta)
                 n += 1
         if n:
             log.info("auto sessions: shared: %d local save(s) not in the bucket yet, queued for upload", n)
+        if n < len(candidates):
+            log.info("auto sessions: shared: %d local save(s) not in the bucket not queued: beyond [shared] keep / "
+                     "max_gb, the bucket prune would remove them", len(candidates) - n)
 
     # -- listing -------------------------------------------------------------------
     def versions(self, model: str | None = None) -> list[RemoteSession]:
@@ -753,11 +834,8 @@ class SharedStore:
         return max(saves, key=lambda s: s.order, default=None)
 
     def tokens(self, s: RemoteSession) -> tuple[int, ...]:
-        """The token list the save holds, from its slot-file header: one ranged GET (cached:
-        objects never change)."""
-        hit = self._tokens_cache.get(s.key)
-        if hit is not None:
-            return hit
+        """The token list the save holds, from its slot-file header: one ranged GET. Not cached
+        here: remote.Remote's catalog keeps each save's tokens (encoded) and reads only new ones."""
         # The server's payload is -1, 1, n, the tokens, n_media (0 without media): n + 4 words.
         # Media chunks (rare) make it longer: then a second GET of the exact length.
         data = self._range(s.key, 0, min(s.bytes, 12 + 4 * (s.n_tokens + 4 + 256)))
@@ -766,13 +844,9 @@ class SharedStore:
             if len(data) < end <= s.bytes:
                 data = self._range(s.key, 0, end)
         try:
-            toks = slotfile.parse_header(data, s.bytes).tokens
+            return slotfile.parse_header(data, s.bytes).tokens
         except slotfile.BadSlotFile as e:
             raise SharedError(f"{s.key}: {e}") from None
-        if len(self._tokens_cache) > 4096:
-            self._tokens_cache.clear()
-        self._tokens_cache[s.key] = toks
-        return toks
 
     def _range(self, key: str, start: int, n: int) -> bytes:
         try:
@@ -783,23 +857,46 @@ class SharedStore:
 
     # -- downloads -----------------------------------------------------------------
     def decide(self, s: RemoteSession, prefill_tokens_s: float | None, n_tokens: int | None = None,
-               restore_bytes_s: float | None = None) -> Estimate:
+               restore_bytes_s: float | None = None, unreachable: str | None = None) -> Estimate:
         """Whether downloading `s` beats re-reading n_tokens (default: the tokens it holds),
-        from the measured download rate; logs both numbers and counts a skip."""
+        from the measured download rate; logs both numbers and counts a skip. Never while the
+        bucket is failing (unreachable: why) or a failed download's backoff runs."""
         n = s.n_tokens if n_tokens is None else n_tokens
         est = estimate(s.bytes, n, self._down_rate, prefill_tokens_s, restore_bytes_s)
+        blocked = self.download_blocked(unreachable)
+        if blocked is not None:
+            est = dataclasses.replace(est, blocked=blocked)
+            with self._lock:
+                self.counters.downloads_skipped_unreachable += 1
+                said, self._blocked_said = self._blocked_said, True
+            (log.debug if said else log.warning)("auto sessions: %s (said once until downloads are tried again)",
+                                                 est.line(s.name, s.bytes, n))
+            return est
+        with self._lock:
+            self._blocked_said = False
         log.info("auto sessions: %s", est.line(s.name, s.bytes, n))
         if not est.worth:
             with self._lock:
                 self.counters.downloads_skipped_slower += 1
         return est
 
+    def download_blocked(self, unreachable: str | None = None) -> str | None:
+        """Why no download should be tried now, or None. unreachable: why the caller's last LIST
+        of the bucket failed (remote.Remote keeps it)."""
+        if unreachable:
+            return f"the bucket does not answer ({unreachable})"
+        left = self._down_backoff_until - time.monotonic()
+        if left > 0:
+            return (f"a download failed {self._down_backoff_s - left:.0f} s ago "
+                    f"({self.counters.last_download_error}); the next is tried in {left:.0f} s")
+        return None
+
     @property
     def download_bytes_per_s(self) -> float | None:
         return self._down_rate
 
-    def download(self, s: RemoteSession, store: Store, claimed: bool = False, deadline: float | None = None
-                 ) -> Path:
+    def download(self, s: RemoteSession, store: Store, claimed: bool = False, deadline: float | None = None,
+                 layout: slotfile.KVLayout | None = None) -> Path:
         """Bring save `s` into the session directory as s.name; → its path. SharedError when
         it cannot; then nothing under that name changed. Blocking: run it in a thread.
 
@@ -807,9 +904,18 @@ class SharedStore:
         (a turn waits for it: a stalled link must not hold the request; one read is bounded by
         read_timeout_s).
 
+        layout: this engine's KV layout when known. A save of a layout it cannot load (one KV
+        stream against -np N without a unified cache, other cache types) is refused before it
+        replaces anything: the local file, loadable or not, stays (Incompatible).
+
         The name is held in Store.in_use for the download (prune leaves it alone) and a name
         someone else holds is never replaced. claimed=True: the caller acquired the name
-        itself (on the event loop, to keep holding it through the restore that follows)."""
+        itself (on the event loop, to keep holding it through the restore that follows).
+
+        The .bin and its .json are put in place as Store.finalize does for a local save (the
+        file, then its metadata, both taken from the one GET: no second request between
+        them), under the store's lock, after a last look that nobody took the name and no
+        local save at least as new finalized meanwhile."""
         name = s.name
         stem = stem_of(name)
         final = store.path / name
@@ -820,15 +926,15 @@ class SharedStore:
         if local is not None and local.saved_at >= s.saved_at:
             with self._lock:
                 self.counters.downloads_kept_local += 1
-            return final
+            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
         temp = store.path / f"{TEMP_PREFIX}{stem}.{uuid.uuid4().hex[:8]}.download.partial"
         # The store's mode and group when it has them (0640 + control.group), else 0600.
         mode, group = getattr(store, "mode", 0o600), getattr(store, "group", None)
         if not claimed:
             store.acquire(name)
         t0 = time.monotonic()
+        got = 0
         try:
-            got = 0
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 if group is not None:
@@ -837,6 +943,11 @@ class SharedStore:
                 with os.fdopen(fd, "wb") as out:
                     r = self._client.get_object(Bucket=self.bucket, Key=s.key)
                     body = r["Body"]
+                    md = _object_meta(r.get("Metadata") or {})
+                    # The saving host recorded its layout: an incompatible save costs no bytes.
+                    theirs = slotfile.KVLayout.from_fingerprint(md["layout"]) if md.get("layout") else None
+                    if theirs is not None:
+                        self._check_layout(s, theirs, layout, body)
                     while chunk := body.read(CHUNK):
                         if deadline is not None and time.monotonic() > deadline:
                             body.close()
@@ -856,22 +967,50 @@ class SharedStore:
                 if header.n_tokens != s.n_tokens:
                     raise SharedError(f"download of {s.key}: its header holds {header.n_tokens:,} tokens, "
                                       f"its name says {s.n_tokens:,}")
+                if theirs is None:
+                    # Older objects lack it in their metadata: the file's own KV block says.
+                    try:
+                        theirs = slotfile.read_layout(temp)
+                    except slotfile.BadSlotFile:
+                        theirs = None  # not readable here: the restore's own check decides
+                    if theirs is not None:
+                        self._check_layout(s, theirs, layout, None)
             except (slotfile.BadSlotFile, *self._errors) as e:
                 raise SharedError(f"download of {s.key}: {_why(e)}") from e
-            # A local save may have finalized meanwhile (another slot): the newer one stays.
-            local = store.read_meta(conv) if conv else None
-            if local is not None and local.saved_at >= s.saved_at:
-                with self._lock:
+            meta = self._local_meta(s, conv, md, theirs) if conv else None
+            with store._lock:  # no acquire() and no other download between the look and the rename
+                if store.in_use.get(name, 0) > 1:
+                    raise SharedError(f"{name} was taken here during the download (a save or a restore); "
+                                      f"it is not replaced")
+                # A local save may have finalized meanwhile (another slot): the newer one stays.
+                local = store.read_meta(conv) if conv else None
+                if local is not None and local.saved_at >= s.saved_at:
                     self.counters.downloads_kept_local += 1
-                return final
-            os.replace(temp, final)
-            _fsync_dir(store.path)
-            if conv:
-                store.write_meta(self._local_meta(s, conv))
+                    raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download")
+                os.replace(temp, final)
+                _fsync_dir(store.path)
+                if meta is not None:
+                    store.write_meta(meta)
+        except AlreadyHere:
+            raise
+        except Incompatible as e:
+            with self._lock:
+                self.counters.downloads_refused_layout += 1
+                self.counters.last_download_error = str(e)
+            raise
         except BaseException as e:
+            spent = time.monotonic() - t0
             with self._lock:
                 self.counters.download_failures += 1
                 self.counters.last_download_error = str(e)
+                # What the failed try says about the link: bytes that arrived over the time it
+                # took. A stalled link thus drives the estimate towards re-reading, instead of
+                # leaving it unknown (and so "download") for ever.
+                if spent >= DOWN_RATE_MIN_S:
+                    self._learn_rate(max(got, 1) / spent)
+                self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
+                                           max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
+                self._down_backoff_until = time.monotonic() + self._down_backoff_s
             raise
         finally:
             if not claimed:
@@ -886,16 +1025,32 @@ class SharedStore:
             self.counters.downloads += 1
             self.counters.download_ms_total += ms
             self.counters.last_download_ms = ms
-            # A moving average: one slow download (a busy link) does not decide the next alone.
-            self._down_rate = rate if self._down_rate is None else 0.5 * self._down_rate + 0.5 * rate
+            self._learn_rate(rate)
+            self._down_backoff_s = 0.0
+            self._down_backoff_until = 0.0
         log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
                  f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
         return final
 
-    def _local_meta(self, s: RemoteSession, conv: str) -> Meta:
+    def _check_layout(self, s: RemoteSession, theirs: slotfile.KVLayout, ours: slotfile.KVLayout | None,
+                      body: Any) -> None:
+        if ours is None or theirs.compatible(ours):
+            return
+        if body is not None:
+            body.close()
+        raise Incompatible(f"{s.name} from {s.host}: saved with KV layout {theirs.fingerprint()}, this engine's is "
+                           f"{ours.fingerprint()} (run every host with the same model and the same -np / "
+                           f"--kv-unified / cache type / flash attention flags); the local file stays")
+
+    def _learn_rate(self, rate: float) -> None:
+        # A moving average: one slow download (a busy link) does not decide the next alone.
+        # Under _lock.
+        self._down_rate = rate if self._down_rate is None else 0.5 * self._down_rate + 0.5 * rate
+
+    def _local_meta(self, s: RemoteSession, conv: str, md: dict[str, str],
+                    layout: slotfile.KVLayout | None) -> Meta:
         """The local metadata of a downloaded save: what its name says, and what the saving
         host recorded in the object's metadata (older objects lack the last four: None)."""
-        md = self._head_meta(s)
 
         def num(k: str, kind: type) -> Any:
             try:
@@ -904,27 +1059,19 @@ class SharedStore:
                 return None
 
         line = md.get("line")
-        layout = md.get("layout")
         return Meta(key=conv, n_tokens=s.n_tokens, bytes=s.bytes, saved_at=s.saved_at,
                     model=md.get("model", s.model), save_ms=num("save-ms", float) or 0.0,
                     line=line if line and AUTO_BIN.match(f"auto-{line}.bin") else None,
                     n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
-                    layout=layout if layout and slotfile.KVLayout.from_fingerprint(layout) else None)
-
-    def _head_meta(self, s: RemoteSession) -> dict[str, str]:
-        try:
-            md = self._client.head_object(Bucket=self.bucket, Key=s.key).get("Metadata", {})
-        except self._errors:
-            return {}  # the metadata only decorates; the name already said what the file is
-        if "model" in md:
-            md["model"] = unquote(md["model"])
-        return md
+                    layout=layout.fingerprint() if layout is not None else None, host=s.host)
 
     # -- bucket prune --------------------------------------------------------------
-    def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None) -> dict:
+    def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None,
+                     stop: threading.Event | None = None) -> dict:
         """Remove superseded saves past grace_s and the oldest current ones beyond keep / max_gb,
         holding the lease; abort abandoned multipart uploads under the prefix. Touches only
-        names autosessd owns (the pattern in the module docstring)."""
+        names autosessd owns (the pattern in the module docstring). stop: set at the daemon's
+        stop; the prune ends before its next batch (the lease is released)."""
         keep = self.cfg.keep if keep is None else keep
         max_bytes = int((self.cfg.max_gb if max_gb is None else max_gb) * 1e9)
         lease = Lease(self, self.prefix + LEASE, self.cfg.lease_s)
@@ -946,6 +1093,8 @@ class SharedStore:
             if not dry_run:
                 todo = list(plan.remove)
                 while todo:
+                    if stop is not None and stop.is_set():
+                        raise SharedError("bucket prune: cut short by a stop")
                     batch, todo = todo[:500], todo[500:]
                     # Renewed before every batch: a long prune never outlives its lease.
                     if not lease.held() or not lease.renew():
@@ -955,7 +1104,7 @@ class SharedStore:
                     failed = {e["Key"] for e in r.get("Errors", [])}
                     removed += sum(1 for s in batch if s.key not in failed)
                     freed += sum(s.bytes for s in batch if s.key not in failed)
-                aborted = self._abort_abandoned(now)
+                aborted = 0 if stop is not None and stop.is_set() else self._abort_abandoned(now)
                 report.update(removed=removed, freed_bytes=freed, aborted_uploads=aborted)
         except self._errors as e:
             raise SharedError(f"bucket prune: {_why(e)}") from e
@@ -1000,12 +1149,22 @@ class SharedStore:
                 "bytes_up": c.bytes_up,
                 "downloads": c.downloads, "download_failures": c.download_failures,
                 "downloads_skipped_slower": c.downloads_skipped_slower,
-                "downloads_kept_local": c.downloads_kept_local, "last_download_error": c.last_download_error,
+                "downloads_skipped_unreachable": c.downloads_skipped_unreachable,
+                "downloads_kept_local": c.downloads_kept_local,
+                "downloads_refused_layout": c.downloads_refused_layout, "last_download_error": c.last_download_error,
                 "bytes_down": c.bytes_down, "download_ms_total": round(c.download_ms_total, 1),
                 "last_download_ms": None if c.last_download_ms is None else round(c.last_download_ms, 1),
                 "download_mb_s": None if self._down_rate is None else round(self._down_rate / 1e6, 1),
                 "last_prune": c.last_prune,
             }
+
+
+def _object_meta(md: dict[str, str]) -> dict[str, str]:
+    """x-amz-meta-* as a GET returns them (lower-case names), the model name unquoted."""
+    md = {k.lower(): v for k, v in md.items()}
+    if "model" in md:
+        md["model"] = unquote(md["model"])
+    return md
 
 
 def _why(e: BaseException) -> str:

@@ -105,6 +105,10 @@ class Meta:
     # A shared prefix (a system prompt and tools, read on its own before a new conversation):
     # no conversation of its own, restored for any request that starts with it.
     prefix: bool = False
+    # The host whose save it is, for a file downloaded from the shared bucket (shared.py);
+    # None: saved here. A restart uploads only this host's own saves (and never re-uploads
+    # what the bucket prune removed from another host's).
+    host: str | None = None
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
@@ -114,7 +118,8 @@ class Meta:
                    saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)),
                    layout=layout if isinstance(layout, str) else None,
                    line=str(line) if line is not None else None,
-                   n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)))
+                   n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)),
+                   host=str(d["host"]) if d.get("host") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -332,7 +337,10 @@ class Store:
 
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
-        data = json.dumps(asdict(meta), sort_keys=True).encode() + b"\n"
+        d = asdict(meta)
+        if d["host"] is None:
+            del d["host"]  # a save made here: the metadata as it always was
+        data = json.dumps(d, sort_keys=True).encode() + b"\n"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             self._own(fd, tmp)  # the umask may have taken more than we asked, or less

@@ -23,6 +23,7 @@ def remote():
     r = Remote(shared=None, cfg=CFG, model="m")
     yield r
     r.pool.shutdown()
+    r.downloads.shutdown()
 
 
 def with_saves(r: Remote, *saves) -> None:
@@ -105,3 +106,32 @@ def test_the_catalog_offers_only_auto_files_never_a_parked_name():
         assert list(cat.saves) == ["auto-00000000000000a1.bin"] and r.newest("keepme.bin") is None
     finally:
         r.pool.shutdown()
+        r.downloads.shutdown()
+
+
+def test_a_stop_does_not_wait_for_header_reads_of_a_slow_bucket():
+    """The catalog's header GETs run on threads the interpreter joins at exit: at a stop
+    (closing) a reading stops waiting for them. The stub's GET blocks until released, as a
+    read of a stalled bucket does up to read_timeout_s."""
+    import threading
+
+    gate = threading.Event()
+
+    class Slow(_Bucket):
+        def tokens(self, s):
+            gate.wait()
+            return super().tokens(s)
+
+    r = Remote(shared=Slow(save("auto-00000000000000a1", BASE)), cfg=CFG, model="m")
+    t = threading.Thread(target=r.refresh)
+    try:
+        t.start()
+        r.closing.set()
+        t.join(30)
+        assert not t.is_alive(), "the reading waited for a header GET after the stop"
+        assert r.catalog.saves == {}  # a reading cut short is not swapped in
+    finally:
+        gate.set()
+        t.join(30)
+        r.pool.shutdown()
+        r.downloads.shutdown()

@@ -235,7 +235,9 @@ def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothi
     assert unfinished_uploads(s3_gateway, s3_bucket) == []
 
     # Host 2 gets A's next request; the gateway dies while the download is under way.
-    wait_until(lambda: shared(d2)["catalog"]["saves"] >= 1, 30, what="host 2 to see A's save")
+    # A and B are both up: host 2's catalog must hold both (B alone, listed before A's upload
+    # resumed, would send the request on before A can be found).
+    wait_until(lambda: shared(d2)["catalog"]["saves"] >= 2, 30, what="host 2 to see A's save")
     a2 = {**a, "messages": a["messages"] + [{"role": "assistant", "content": "x"},
                                             {"role": "user", "content": "And box 7?"}]}
     got: dict = {}

@@ -20,7 +20,7 @@ from autosessd.engines.llama_server import LlamaServer
 from autosessd.index import encode
 from autosessd.keys import conversation_key
 from autosessd.remote import Remote
-from autosessd.shared import Lease, SharedError, SharedStore, Unavailable
+from autosessd.shared import AlreadyHere, Lease, SharedError, SharedStore, Unavailable
 from autosessd.store import Meta, Store, temp_name
 from harness import chat_body, long_text, wait_until
 
@@ -232,7 +232,7 @@ def test_a_download_never_replaces_a_file_in_use_or_a_newer_local_save(hosts):
     [found] = h2.find(MODEL)
     mine = save(s2, KEY, [2] * 30, b"local, older", saved_at=1000.0)
     local_sha = sha(s2.bin_path(KEY))
-    with s2.using(NAME):  # the engine is restoring it, or it is being uploaded
+    with s2.using(NAME):  # the engine is restoring it, or a save is writing it
         with pytest.raises(SharedError, match="being written or read"):
             h2.download(found, s2)
     assert sha(s2.bin_path(KEY)) == local_sha and s2.read_meta(KEY) == mine
@@ -245,7 +245,8 @@ def test_a_download_never_replaces_a_file_in_use_or_a_newer_local_save(hosts):
         assert NAME in s2.in_use
     assert s2.read_meta(KEY).saved_at == 2000.0 and s2.bin_path(KEY).read_bytes().endswith(b"remote")
     newest = save(s2, KEY, [3] * 30, b"local, newest", saved_at=3000.0)
-    assert h2.download(found, s2) == s2.bin_path(KEY)
+    with pytest.raises(AlreadyHere):
+        h2.download(found, s2)
     assert s2.read_meta(KEY) == newest and h2.status()["downloads_kept_local"] == 1
 
 
@@ -267,7 +268,8 @@ def test_a_download_carries_what_the_turn_reads_of_a_save(hosts, meta_fields):
     h2.download(found, s2)
     got = s2.read_meta(KEY)
     assert abs(got.saved_at - meta.saved_at) < 1e-6
-    assert dataclasses.replace(got, saved_at=meta.saved_at) == meta
+    # ... and the host it came from (a restart does not upload it as this host's own).
+    assert dataclasses.replace(got, saved_at=meta.saved_at) == dataclasses.replace(meta, host="host1")
 
 
 def test_a_download_past_its_time_limit_stops_and_leaves_nothing(hosts):
@@ -322,8 +324,13 @@ def test_the_catalog_reads_each_save_s_tokens_once_and_follows_newer_saves(hosts
         q = encode(base + [1] * 50 + [7])
         hit, n = remote.best(q, 1)
         assert (hit.name, n) == (f"auto-{a}.bin", 150)
-        ranged = h2._tokens_cache.copy()
-        assert remote.refresh().tokens == cat.tokens and h2._tokens_cache == ranged  # nothing read again
+        read = []
+        real = h2.tokens
+        h2.tokens = lambda s: read.append(s.key) or real(s)
+        try:
+            assert remote.refresh().tokens == cat.tokens and read == []  # nothing read again
+        finally:
+            h2.tokens = real
         # Host 1 saves a again, departing earlier: the catalog follows the newer save.
         h1.upload_now(s1.bin_path(a), save(s1, a, base[:80] + [3] * 10, b"a2" * 500, saved_at=2000.0))
         remote.refresh()
@@ -332,6 +339,7 @@ def test_the_catalog_reads_each_save_s_tokens_once_and_follows_newer_saves(hosts
         assert remote.status()["catalog"]["saves"] == 2 and remote.status()["catalog"]["list_ms"] > 0
     finally:
         remote.pool.shutdown()
+        remote.downloads.shutdown()
 
 
 def test_two_hosts_saving_one_key_100_times_the_object_is_always_one_whole_save(hosts, s3_gateway, s3_bucket,
