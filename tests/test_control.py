@@ -246,3 +246,15 @@ async def test_auto_saves_are_queued_for_the_bucket_and_parked_names_stay_local(
 async def test_prune_shared_on_a_daemon_without_a_bucket_says_so(server):
     r = await ask(server, protocol.request("prune", shared=True, dry_run=True))
     assert r["ok"] is False and "no shared bucket" in r["error"]["message"] and "[shared]" in r["error"]["message"]
+
+
+def test_status_text_names_downloads_the_bucket_tier_did_not_try():
+    """A failing bucket and a save of another KV layout are why a turn re-read: status says so."""
+    from autosessd.ctl import shared_lines
+
+    sh = {"bucket": "b", "prefix": "p/", "endpoint": "http://s3", "host": "h1", "catalog": {},
+          "uploads_pending": 0, "uploads_retrying": 0, "uploads_done": 3, "upload_failures": 0, "bytes_up": 1,
+          "downloads": 1, "download_failures": 2, "downloads_skipped_slower": 0, "downloads_skipped_unreachable": 5,
+          "downloads_refused_layout": 1, "bytes_down": 1, "download_ms_total": 12.0}
+    text = "\n".join(shared_lines(sh))
+    assert "5 while the bucket failed" in text and "1 refused (another KV layout)" in text
