@@ -62,8 +62,10 @@ def test_save_behind_and_restore_after_engine_restart(engines, session_dir, tmp_
                                               {"role": "user", "content": "And in box 7?"}]
         serve(eng, log, "r3", a_more)
         d = Daemon(tmp_path, session_dir, eng.url, gate=False, args=["--request-log", str(log)]).start()
-        wait_until(lambda: status(d)["counters"]["saves"] == 1, 15, what="A saved behind again")
-        assert json.loads((session_dir / f"auto-{KA}.json").read_text())["n_tokens"] > meta["n_tokens"]
+        # The save is counted when the engine has written it; its file is renamed into place
+        # and its metadata written just after, off the loop: wait for the file, not the count.
+        wait_until(lambda: json.loads((session_dir / f"auto-{KA}.json").read_text())["n_tokens"] > meta["n_tokens"],
+                   15, what="A saved behind again, grown")
         st = status(d)
         assert st["counters"]["saves"] == 1 and st["counters"]["bad_log_lines"] == 0
 
@@ -95,8 +97,10 @@ def test_save_behind_never_saves_across_a_request_in_flight(engines, session_dir
         a2 = eng.post("/v1/chat/completions", a_more)
         write(log, event="end", id="r3", slot=0, n_tokens=a2["usage"]["total_tokens"], status="ok")
         wait_until(lambda: status(d)["counters"]["saves"] == 2, 15, what="A saved behind after r3")
+        # Counted once the engine wrote it; the file and metadata land just after (see above).
+        n_engine = eng.get("/slots")[0]["n_prompt_tokens"]
+        wait_until(lambda: json.loads((session_dir / f"auto-{KA}.json").read_text())["n_tokens"] == n_engine, 15,
+                   what="A's file with the engine's count")
         assert not (session_dir / f"auto-{KB}.bin").exists()
-        assert json.loads((session_dir / f"auto-{KA}.json").read_text())["n_tokens"] == \
-            eng.get("/slots")[0]["n_prompt_tokens"]
     finally:
         d.stop()
