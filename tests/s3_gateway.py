@@ -37,7 +37,7 @@ class Gateway:
             if os.environ.get("AUTOSESSD_REQUIRE_S3"):
                 pytest.fail(f"AUTOSESSD_REQUIRE_S3 is set and the S3 gateway cannot run here: {why}")
             # The command is in the reason: every summary of skips that prints reasons shows it.
-            pytest.skip(f"no S3 gateway: {why}; run these tests with: {RUN_THEM}")
+            pytest.skip(reason=f"no S3 gateway: {why}; run these tests with: {RUN_THEM}")
         if r.returncode != 0:
             raise AssertionError(f"scripts/s3-gateway start failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
         return cls(dict(line.split("=", 1) for line in r.stdout.split()))
