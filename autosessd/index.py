@@ -344,16 +344,19 @@ class TokenIndex:
         The file must exist (its identity is what keeps the cache honest)."""
         check_name(name)
         st = os.stat(self.directory / name, follow_symlinks=False)
-        meta_ident = None
-        if AUTO_BIN.match(name):
-            try:
-                meta_ident = _ident(os.stat(self.directory / (name[:-4] + ".json"), follow_symlinks=False))
-            except FileNotFoundError:
-                pass
         entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=encode(comparable(tokens)),
-                      ident=_ident(st), meta_ident=meta_ident)
+                      ident=_ident(st), meta_ident=self._meta_ident(name))
         self._put(entry)
         return entry
+
+    def _meta_ident(self, name: str) -> Ident | None:
+        """The identity of an auto file's metadata, None for people's files or none yet."""
+        if not AUTO_BIN.match(name):
+            return None
+        try:
+            return _ident(os.stat(self.directory / (name[:-4] + ".json"), follow_symlinks=False))
+        except FileNotFoundError:
+            return None
 
     def add_file(self, name: str, model: str | None = None) -> Entry:
         """Index `name` from its own header (after a save: the engine's word on what it
@@ -362,14 +365,9 @@ class TokenIndex:
         path = self.directory / name
         st = os.stat(path, follow_symlinks=False)
         header = read_header(path)
-        meta_ident = None
-        if AUTO_BIN.match(name):
-            try:
-                meta_ident = _ident(os.stat(self.directory / (name[:-4] + ".json"), follow_symlinks=False))
-            except FileNotFoundError:
-                pass
-            if model is None:
-                model = self._meta_model(name, st.st_size)
+        meta_ident = self._meta_ident(name)
+        if model is None and AUTO_BIN.match(name):
+            model = self._meta_model(name, st.st_size)
         elif model is None:
             with self._lock:
                 old = self._entries.get(name)
