@@ -1361,8 +1361,15 @@ class Sessions:
         """Every finalize in flight: a save's temporary is named by its line's key while its
         final name is chosen by comparing with the files of that line."""
         while self._finalizing:
+            fut = next(iter(self._finalizing.values()))
+            if fut.done():
+                # Finished, and its done-callback (_finalized, which removes it) is queued on
+                # the loop: awaiting a done future does not yield, so yield once for it to run
+                # instead of spinning here for ever with the loop blocked.
+                await asyncio.sleep(0)
+                continue
             with contextlib.suppress(Exception):
-                await asyncio.shield(next(iter(self._finalizing.values())))
+                await asyncio.shield(fut)
 
     def _saved_file(self, key: str) -> SavedFile | None:
         """auto-<key>.bin as index.save_key needs it: its tokens (the index's, else its header)

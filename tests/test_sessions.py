@@ -246,3 +246,30 @@ async def test_not_reused_after_a_regenerate_names_swa_full(tmp_path):
         s.engine.ran(conv(A, 3000))
         await s.ended(t.slot_id, A, "ok", cache_n=0, n_prompt=2990)
     assert "--swa-full" in s.last_not_reused["likely_cause"]
+
+
+class _Spinning(dict):
+    """_finalizing that notices a caller spinning on it (the loop blocked for ever)."""
+
+    looks = 0
+
+    def __bool__(self):
+        self.looks += 1
+        if self.looks > 1000:
+            raise RuntimeError("waited on _finalizing 1,000 times without the loop running")
+        return len(self) > 0
+
+
+async def test_waiting_for_a_finalize_that_just_finished_lets_its_callback_run(tmp_path):
+    """A turn that waits for in-flight finalizes at the moment one has finished but its
+    done-callback (which removes it) is still queued must yield to the loop, not spin: seen
+    in CI as a daemon at 100% CPU with its gate hung, under llama-server's defaults (an end
+    save finishing as the next turn starts)."""
+    s = make(tmp_path)
+    s._finalizing = _Spinning()
+    fut = asyncio.get_running_loop().create_future()
+    s._finalizing["k"] = fut
+    fut.add_done_callback(lambda f: s._finalizing.pop("k"))
+    fut.set_result(None)  # done; the callback is queued, not run
+    await s._wait_files()
+    assert not s._finalizing
