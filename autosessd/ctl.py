@@ -189,8 +189,8 @@ def shared_lines(sh: dict[str, Any]) -> list[str]:
            f"{sh['uploads_done']:,} done, {sh['upload_failures']:,} failed attempts, {gb(sh['bytes_up'])} up",
            f"          downloads {sh['downloads']:,} hits, {sh['download_failures']:,} failed, "
            f"{sh['downloads_skipped_slower']:,} skipped as slower than re-reading, "
-           f"{sh.get('downloads_skipped_unreachable', 0):,} while the bucket failed, "
-           f"{sh.get('downloads_refused_layout', 0):,} refused (another KV layout), {gb(sh['bytes_down'])} down "
+           f"{sh['downloads_skipped_unreachable']:,} while the bucket failed, "
+           f"{sh['downloads_refused_layout']:,} refused (another KV layout), {gb(sh['bytes_down'])} down "
            f"in {sh['download_ms_total'] / 1000:,.1f} s{rate}"]
     if sh.get("uploads_retrying") and sh.get("last_upload_error"):
         out.append(f"warning   uploads are failing: {sh['last_upload_error']}")
