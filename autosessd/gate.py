@@ -361,6 +361,8 @@ class Gate:
             ("restores_reused_total", "counter", "Restores the engine reused (timings.cache_n)", c.restores_reused),
             ("restores_not_reused_total", "counter", "Restores the engine did not reuse", c.restores_not_reused),
             ("engine_resets_total", "counter", "Held states dropped because the engine lost them", c.engine_resets),
+            ("primed_total", "counter", "Requests to a slot the engine emptied, primed so that its RAM cache "
+             "serves them", c.primed),
             ("saved_bytes_total", "counter", "Bytes saved", c.bytes_saved),
             ("restored_bytes_total", "counter", "Bytes restored", c.bytes_restored),
             ("save_milliseconds_total", "counter", "Engine time spent saving", c.ms_saved),

@@ -118,7 +118,7 @@ from .keys import chat_signature, continues
 from .policy import Fetch, FileInfo, Held, Occasion, Restore, RestoreFile, Save, SaveOutcome, Skip
 from .remote import Remote
 from .shared import AlreadyHere, Incompatible, RemoteSession, SharedError
-from .store import AUTO_BIN, Meta, Store, StoreError, auto_name, manual_name, temp_name
+from .store import AUTO_BIN, TEMP_PREFIX, Meta, Store, StoreError, auto_name, manual_name, temp_name
 
 log = logging.getLogger("autosessd")
 
@@ -188,6 +188,7 @@ class Counters:
     prefixes_saved: int = 0  # shared prefixes read on their own and saved (a new conversation's first request)
     fetched: int = 0  # saves downloaded from the shared bucket for a turn's restore
     fetch_failures: int = 0  # ... that failed or ran out of time (the request re-read its prompt)
+    primed: int = 0  # requests pinned to an emptied slot that got the primer first (Sessions.may_launch)
 
 
 class Phase(Enum):
@@ -457,6 +458,7 @@ class Sessions:
         self._waiters: list[_Waiter] = []  # for tickets, in arrival order
         self._idle_waiters: list[asyncio.Future] = []  # fifos_free
         self.launches = LaunchGate()  # engines that empty idle slots: when a request may start
+        self.primer: str | None = None  # ... and the one-token state put into an emptied slot (make_primer)
         self.last_not_reused: dict[str, Any] | None = None
         # The token index (index.py) over the session files, from prepare(); None: not loaded,
         # and every restore follows the key rule. swa_window: the model's sliding window.
@@ -808,12 +810,77 @@ class Sessions:
         """Before a request is sent to the engine: when the engine empties idle slots at every
         request start, wait while a restore or an end save elsewhere needs the engine to start
         nothing else (LaunchGate); this request's start is then "in flight" until
-        launch_started has seen it running. Requests start side by side otherwise."""
+        launch_started has seen it running. Requests start side by side otherwise.
+
+        With a primer (make_primer), a request the turn restored nothing for starts alone too,
+        and when its slot is empty it gets the primer first: llama-server looks for a pinned
+        request's prompt in its RAM prompt cache only when the slot holds something (llama.cpp
+        issue 28139), and an engine that empties idle slots moved there what the slot held
+        (a conversation below min_tokens, or one whose slot another start emptied between the
+        turn and now). Without it such a request would read its whole prompt again, where the
+        engine alone, placing it itself, finds it in that cache."""
         s = self._slot_of(ticket)
         if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
+            return  # s.holds_launch: a restore holds the engine's starts, and its slot holds the state
+        if self.primer is None:
+            await self.launches.acquire("shared")
+            s.holds_launch = "shared"
             return
-        await self.launches.acquire("shared")
-        s.holds_launch = "shared"
+        # Alone: another start between the look and this one would empty the slot again.
+        await self.launches.acquire("exclusive")
+        s.holds_launch = "exclusive"
+        st = await self._look(s)
+        if st is None or st.is_processing or st.n_tokens:
+            return
+        if st.task_id is None and not (s.view.prior is UNKNOWN_AT_START or s.view.prior == View(Phase.EMPTY)):
+            return  # a slot that never ran shows no count: it may hold a state a client restored
+        try:
+            await self.engine.restore(s.id, self.primer)
+        except EngineError as e:
+            if (self.store.path / self.primer).exists():
+                log.info("auto sessions: slot %d: the primer was not restored (%s); the request reads its prompt "
+                         "again", s.id, e)
+                return
+            log.warning("auto sessions: the primer %s is gone: requests to emptied slots read their prompts again "
+                        "until autosessd restarts", self.primer)
+            self.primer = None
+            return
+        self.counters.primed += 1
+
+    async def make_primer(self) -> None:
+        """For an engine that empties idle slots, with several: a state file of one token that
+        no prompt starts with (not BOS), which may_launch restores into an emptied slot before
+        a request is pinned there. The RAM cache never keeps it twice (an entry it holds in
+        full is not stored again), and the request's own prompt shares nothing with it, so the
+        engine replaces it with the best cached prompt. Best effort: without it, such a
+        request re-reads its prompt, as before."""
+        if not (self.clears_idle_slots and len(self.slots) > 1) or not hasattr(self.engine, "prefill"):
+            return
+        name = f"{TEMP_PREFIX}primer.partial"
+        slot = min(self.slots)
+        try:
+            tokens = await self.engine.tokenize("\n")
+            st = await self.engine_slot(slot)
+            if not tokens or (len(tokens) > 1 and tokens[-1] == tokens[0]) or st is None or st.n_tokens:
+                log.info("auto sessions: no primer: slot %d is not empty, or the engine's tokens for a newline "
+                         "are %s", slot, tokens)
+                return
+            await self.engine.prefill(slot, tokens[-1:])
+            res = await self.engine.save(slot, name)
+            await self.engine.erase(slot)
+        except EngineError as e:
+            log.warning("auto sessions: no primer (%s): requests to slots the engine emptied read their prompts "
+                        "again", e)
+            (self.store.path / name).unlink(missing_ok=True)
+            return
+        if res.n_tokens != 1:
+            (self.store.path / name).unlink(missing_ok=True)
+            return
+        with contextlib.suppress(OSError):
+            os.chmod(self.store.path / name, 0o600)  # the engine wrote it; it holds no conversation
+        self.primer = name
+        log.info("auto sessions: primer %s (one token) ready: a request pinned to a slot the engine emptied is "
+                 "served from the engine's RAM prompt cache, as it would be without autosessd", name)
 
     async def launch_started(self, ticket: Ticket, bound_s: float = 2.0) -> None:
         """The request was sent: once the engine shows it running on its slot (a new task id),
@@ -1867,6 +1934,8 @@ class Sessions:
     async def close(self) -> None:
         """At stop, after drain(): keep the index for the next start."""
         await self._save_index()
+        if self.primer is not None:
+            (self.store.path / self.primer).unlink(missing_ok=True)
 
     async def drain(self) -> None:
         """Wait for every background finalize and prune (at shutdown, and in tests)."""

@@ -158,3 +158,78 @@ async def test_launch_gate_lets_starts_run_side_by_side_and_keeps_them_out_of_ex
     assert not late.done()  # no start is sent while the save runs, nor while it waited
     g.release("exclusive")
     await asyncio.wait_for(late, 1)
+
+
+async def primed_engine(tmp_path):
+    """Sessions on an engine that empties idle slots, its primer made as the daemon makes it."""
+    s = make(tmp_path, clears_idle=True)
+    s.clears_idle_slots = True  # what the daemon's start probe finds on such an engine
+    await s.make_primer()
+    return s
+
+
+async def test_the_primer_is_one_token_no_prompt_starts_with_readable_by_its_owner_and_removed_at_stop(tmp_path):
+    s = await primed_engine(tmp_path)
+    path = tmp_path / s.primer
+    assert list(slotfile.read_header(path).tokens) == [ord("\n")]  # not BOS: every prompt starts with BOS
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert s.engine.held[0] == []  # made on an empty slot, left empty
+    assert not list(tmp_path.glob("auto-*"))
+    await s.close()
+    assert not path.exists()
+    (tmp_path / "one").mkdir()
+    single = make(tmp_path / "one", n_slots=1)
+    single.clears_idle_slots = True
+    await single.make_primer()
+    assert single.primer is None  # one slot: nothing else ever empties it
+
+
+async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_first(tmp_path):
+    """The engine moved A's slot to its RAM prompt cache when B started; pinned to that empty
+    slot, A's next request would not look there (llama.cpp 28139) and would read its prompt
+    again. With the primer restored first, the slot holds something, and the engine looks."""
+    s = await primed_engine(tmp_path)
+    slot_a, _ = await request(s, A, 5)  # below min_tokens: never saved, only the RAM cache has it
+    slot_b, _ = await request(s, B, 5)  # empties A's slot
+    assert s.engine.held[slot_a] == []
+    primed = s.counters.primed
+    async with await s.place(A) as t:
+        await s.turn(t, A)
+        await s.may_launch(t)
+        assert t.slot_id == slot_a and s.engine.held[slot_a] == [ord("\n")] and s.counters.primed == primed + 1
+        await s.launch_started(t, bound_s=0)
+    async with await s.place(B) as t:  # B's slot still holds B: nothing to prime
+        await s.turn(t, B)
+        await s.may_launch(t)
+        assert t.slot_id == slot_b and s.engine.held[slot_b] == conv(B, 5) and s.counters.primed == primed + 1
+        await s.launch_started(t, bound_s=0)
+
+
+async def test_with_a_primer_a_start_waits_until_the_one_before_it_is_seen_running(tmp_path):
+    """A start between another's priming and its request would empty that slot again."""
+    s = await primed_engine(tmp_path)
+    first, second = await s.place(A), await s.place(B)
+    for t, key in ((first, A), (second, B)):
+        await s.turn(t, key)
+    await s.may_launch(first)
+    waiting = asyncio.ensure_future(s.may_launch(second))
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    s.engine.ran(conv(A, 5), slot=first.slot_id)  # A's request runs: a new task id on its slot
+    await s.launch_started(first, bound_s=1)
+    await asyncio.wait_for(waiting, 1)
+    second.release()
+    first.release()
+
+
+async def test_a_primer_that_is_gone_is_no_longer_restored(tmp_path, caplog):
+    s = await primed_engine(tmp_path)
+    await request(s, A, 5)
+    await request(s, B, 5)
+    (tmp_path / s.primer).unlink()
+    primed = s.counters.primed
+    async with await s.place(A) as t:
+        await s.turn(t, A)
+        await s.may_launch(t)  # the request goes on, unprimed
+        await s.launch_started(t, bound_s=0)
+    assert s.primer is None and s.counters.primed == primed and "primer" in caplog.text and "is gone" in caplog.text

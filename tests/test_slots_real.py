@@ -138,3 +138,28 @@ def test_sigterm_with_four_held_then_restart_restores_each(engines, session_dir,
         assert_files_hold_their_own_conversation(eng, session_dir)
     finally:
         d.stop()
+
+
+def test_short_conversations_under_the_engine_defaults_are_served_from_its_ram_cache(engines, session_dir, tmp_path):
+    """llama-server's full defaults: every start moves the idle slots to the engine's RAM prompt
+    cache. Four clients on four conversations below min_tokens (autosessd never saves them),
+    all at once, twice: each return finds its conversation in that cache, as it does without
+    autosessd. Pinned to a slot another start had emptied, a request would not look there
+    (llama.cpp 28139) and would read its prompt again: autosessd restores its one-token
+    primer into such a slot first."""
+    eng = engines(session_dir, slots="auto", cache_ram=None)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        convs = [chat_body(f"Tell me one short fact about a {t}, please, in a few words.") for t in TOPICS[:4]]
+        first = rotation(d.gate_url, convs)
+        again = [dict(c, messages=c["messages"] + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                                                   {"role": "user", "content": "And another one?"}])
+                 for c, a in zip(convs, first)]
+        second = rotation(d.gate_url, again)
+        for a, b in zip(first, second):
+            assert b["usage"]["prompt_tokens"] < 100  # below min_tokens: no file of them
+            assert b["timings"]["cache_n"] >= a["usage"]["prompt_tokens"], (a["usage"], b["timings"])
+        assert not list(session_dir.glob("auto-*"))
+        assert d.status()["counters"]["primed"] >= 1
+    finally:
+        d.stop()
