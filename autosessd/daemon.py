@@ -314,7 +314,6 @@ class Daemon:
         self.sessions.engine_layout = checked.layout
         self.sessions.clears_idle_slots = checked.clears_idle_slots
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
-        await self.sessions.make_primer()  # after cleanup, which removes temporaries like it
         self.sessions.engine_healthy = True
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the

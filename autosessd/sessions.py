@@ -248,7 +248,7 @@ class Slot:
     task_id: int | None = None  # the engine's id_task when we last looked: a new one means a request ran
     seen_cache_n: tuple[int, int] | None = None  # (task id, cache_n) read from GET /slots while it ran
     watcher: asyncio.Task | None = None
-    holds_launch: str | None = None  # "shared" | "exclusive": its ticket's hold on Sessions.launches
+    holds_launch: str | None = None  # "shared" | "alone" | "exclusive": its ticket's hold on Sessions.launches
 
     @property
     def busy(self) -> bool:
@@ -264,26 +264,36 @@ class LaunchGate:
     """When the engine may be made to start a request, for an engine that empties every idle
     slot whenever a request starts on any slot (a unified KV cache with --cache-idle-slots).
 
-    Starts are shared: many may be in flight at once (sent, not yet seen running). A restore
-    (until its own request has started) and the save of a conversation whose request just
-    ended are exclusive: a start in between would empty the slot they work on. Exclusive
-    waiters go first: no new start is sent while one waits."""
+    Three kinds of hold:
+      shared     a start: many may be in flight at once (sent, not yet seen running)
+      alone      a start that needs its slot as it left it until it runs (a primed slot, or
+                 one whose state the request reuses): no other start in flight meanwhile
+      exclusive  a restore (until its own request has started) and the save of a
+                 conversation whose request just ended: no start at all meanwhile
+    Exclusive waiters go first: no new start is sent while one waits, or the end save would
+    find its slot emptied by the starts queued behind it."""
 
     def __init__(self) -> None:
         self.shared = 0
+        self.alone = False
         self.exclusive = False
         self.exclusive_waiting = 0
         self._waiters: list[asyncio.Future] = []
 
     async def acquire(self, kind: str) -> None:
         if kind == "shared":
-            while self.exclusive or self.exclusive_waiting:
+            while self.exclusive or self.alone or self.exclusive_waiting:
                 await self._wait()
             self.shared += 1
             return
+        if kind == "alone":
+            while self.exclusive or self.alone or self.shared or self.exclusive_waiting:
+                await self._wait()
+            self.alone = True
+            return
         self.exclusive_waiting += 1
         try:
-            while self.exclusive or self.shared:
+            while self.exclusive or self.alone or self.shared:
                 await self._wait()
         finally:
             self.exclusive_waiting -= 1
@@ -292,6 +302,8 @@ class LaunchGate:
     def release(self, kind: str) -> None:
         if kind == "shared":
             self.shared -= 1
+        elif kind == "alone":
+            self.alone = False
         else:
             self.exclusive = False
         for f in self._waiters:
@@ -458,7 +470,8 @@ class Sessions:
         self._waiters: list[_Waiter] = []  # for tickets, in arrival order
         self._idle_waiters: list[asyncio.Future] = []  # fifos_free
         self.launches = LaunchGate()  # engines that empty idle slots: when a request may start
-        self.primer: str | None = None  # ... and the one-token state put into an emptied slot (make_primer)
+        self.primer: str | None = None  # ... and the one-token state put into an emptied slot (_prime)
+        self._primer_off = False  # ... not made: the model adds no BOS, or making it failed
         self.last_not_reused: dict[str, Any] | None = None
         # The token index (index.py) over the session files, from prepare(); None: not loaded,
         # and every restore follows the key rule. swa_window: the model's sliding window.
@@ -654,6 +667,11 @@ class Sessions:
         n_tokens, cache_n, n_prompt: what the response or log line said; the engine's own
         GET /slots is read when `look` and preferred for the count."""
         s = self.slot(slot_id)
+        if s.holds_launch:
+            # Its start is no longer in flight (it ran, or it never will): others may start, and
+            # the end save below takes the gate itself.
+            self.launches.release(s.holds_launch)
+            s.holds_launch = None
         v = s.view
         if v.phase is not Phase.SWITCHED or v.key != key:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,
@@ -812,75 +830,84 @@ class Sessions:
         nothing else (LaunchGate); this request's start is then "in flight" until
         launch_started has seen it running. Requests start side by side otherwise.
 
-        With a primer (make_primer), a request the turn restored nothing for starts alone too,
-        and when its slot is empty it gets the primer first: llama-server looks for a pinned
-        request's prompt in its RAM prompt cache only when the slot holds something (llama.cpp
-        issue 28139), and an engine that empties idle slots moved there what the slot held
-        (a conversation below min_tokens, or one whose slot another start emptied between the
-        turn and now). Without it such a request would read its whole prompt again, where the
-        engine alone, placing it itself, finds it in that cache."""
+        On such an engine llama-server looks for a pinned request's prompt in its RAM prompt
+        cache only when the slot holds something (llama.cpp issue 28139), and what it emptied
+        went there: a conversation below min_tokens, never saved, or one whose slot another
+        start emptied after the turn looked. Placing the request itself, the engine alone
+        would find it. So a request whose turn restored nothing starts alone too, and when its
+        slot is empty it gets the primer first (_prime): the engine then looks."""
         s = self._slot_of(ticket)
         if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
             return  # s.holds_launch: a restore holds the engine's starts, and its slot holds the state
-        if self.primer is None:
+        if self._primer_off:
             await self.launches.acquire("shared")
             s.holds_launch = "shared"
             return
         # Alone: another start between the look and this one would empty the slot again.
-        await self.launches.acquire("exclusive")
-        s.holds_launch = "exclusive"
+        await self.launches.acquire("alone")
+        s.holds_launch = "alone"
         st = await self._look(s)
         if st is None or st.is_processing or st.n_tokens:
             return
         if st.task_id is None and not (s.view.prior is UNKNOWN_AT_START or s.view.prior == View(Phase.EMPTY)):
             return  # a slot that never ran shows no count: it may hold a state a client restored
-        try:
-            await self.engine.restore(s.id, self.primer)
-        except EngineError as e:
-            if (self.store.path / self.primer).exists():
-                log.info("auto sessions: slot %d: the primer was not restored (%s); the request reads its prompt "
-                         "again", s.id, e)
-                return
-            log.warning("auto sessions: the primer %s is gone: requests to emptied slots read their prompts again "
-                        "until autosessd restarts", self.primer)
-            self.primer = None
-            return
-        self.counters.primed += 1
+        if await self._prime(s):
+            self.counters.primed += 1
+            v = s.view
+            if v.phase is Phase.SWITCHED:
+                # What the request starts from: nobody's. Should it not run, nothing here is saved.
+                self._set(s, dataclasses.replace(v, prior=View(Phase.UNKNOWN, n_tokens=None, why="holds the primer")))
 
-    async def make_primer(self) -> None:
-        """For an engine that empties idle slots, with several: a state file of one token that
-        no prompt starts with (not BOS), which may_launch restores into an emptied slot before
-        a request is pinned there. The RAM cache never keeps it twice (an entry it holds in
-        full is not stored again), and the request's own prompt shares nothing with it, so the
-        engine replaces it with the best cached prompt. Best effort: without it, such a
-        request re-reads its prompt, as before."""
-        if not (self.clears_idle_slots and len(self.slots) > 1) or not hasattr(self.engine, "prefill"):
-            return
+    async def _prime(self, s: Slot) -> bool:
+        """Put the primer into slot s, empty and held exclusively: a state of one token that
+        no prompt starts with (the newline after BOS), saved once into the session directory
+        (`.autosessd-primer.partial`, gone at stop) and restored from then on. The engine's
+        RAM cache keeps it at most once (it stores no entry that one it holds contains), and a
+        request shares nothing with it, so the engine replaces it with the cached prompt that
+        shares the most with the request. Off for a model whose tokenizer adds no BOS (a
+        prompt could start with the newline), and after a failure to make it."""
+        if self.primer is not None:
+            try:
+                await self.engine.restore(s.id, self.primer)
+                return True
+            except EngineError as e:
+                # A full KV cache, an engine that restarted with another model, a file gone:
+                # make it again on this slot (a failed restore leaves the slot empty).
+                log.info("auto sessions: slot %d: restoring the primer: %s; making it again", s.id, e)
+                self._drop_primer()
+        prefill = getattr(self.engine, "prefill", None)
         name = f"{TEMP_PREFIX}primer.partial"
-        slot = min(self.slots)
         try:
             tokens = await self.engine.tokenize("\n")
-            st = await self.engine_slot(slot)
-            if not tokens or (len(tokens) > 1 and tokens[-1] == tokens[0]) or st is None or st.n_tokens:
-                log.info("auto sessions: no primer: slot %d is not empty, or the engine's tokens for a newline "
-                         "are %s", slot, tokens)
-                return
-            await self.engine.prefill(slot, tokens[-1:])
-            res = await self.engine.save(slot, name)
-            await self.engine.erase(slot)
+            other = await self.engine.tokenize("x")
+            if len(tokens) < 2 or len(other) < 2 or tokens[0] != other[0] or prefill is None:
+                self._primer_off = True
+                log.info("auto sessions: no primer: the model adds no BOS token (tokens for a newline: %s), so a "
+                         "prompt may start with any token; requests to slots the engine emptied read their prompts "
+                         "again", tokens)
+                return False
+            await prefill(s.id, tokens[1:2])
+            res = await self.engine.save(s.id, name)
+            if res.n_tokens != 1:
+                raise EngineError(f"the engine saved {res.n_tokens} tokens, not 1")
         except EngineError as e:
+            self._primer_off = True
+            (self.store.path / name).unlink(missing_ok=True)
             log.warning("auto sessions: no primer (%s): requests to slots the engine emptied read their prompts "
                         "again", e)
-            (self.store.path / name).unlink(missing_ok=True)
-            return
-        if res.n_tokens != 1:
-            (self.store.path / name).unlink(missing_ok=True)
-            return
+            return False
         with contextlib.suppress(OSError):
-            os.chmod(self.store.path / name, 0o600)  # the engine wrote it; it holds no conversation
+            os.chmod(self.store.path / name, self.store.mode)  # the engine wrote it
         self.primer = name
-        log.info("auto sessions: primer %s (one token) ready: a request pinned to a slot the engine emptied is "
+        log.info("auto sessions: primer %s made (one token): a request pinned to a slot the engine emptied is "
                  "served from the engine's RAM prompt cache, as it would be without autosessd", name)
+        return True
+
+    def _drop_primer(self) -> None:
+        if self.primer is not None:
+            with contextlib.suppress(OSError):
+                (self.store.path / self.primer).unlink(missing_ok=True)
+            self.primer = None
 
     async def launch_started(self, ticket: Ticket, bound_s: float = 2.0) -> None:
         """The request was sent: once the engine shows it running on its slot (a new task id),
@@ -891,13 +918,15 @@ class Sessions:
         try:
             deadline = time.monotonic() + bound_s
             before = s.task_id
-            while time.monotonic() < deadline:
+            # Until the request ended (ended() released the hold) or its ticket went: the next
+            # holder's hold is not this watcher's to release.
+            while time.monotonic() < deadline and s.holder is ticket and s.holds_launch:
                 st = await self._look(s)
                 if st is None or (st.is_processing and st.task_id != before):
                     break
                 await asyncio.sleep(0.01)
         finally:
-            if s.holds_launch:
+            if s.holder is ticket and s.holds_launch:
                 self.launches.release(s.holds_launch)
                 s.holds_launch = None
 
@@ -1332,6 +1361,12 @@ class Sessions:
         if pkey in self._finalizing:
             return
         t0 = time.monotonic()
+        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and not s.holds_launch:
+            # A start like any request: it empties the idle slots (one restored or primed and
+            # waiting for its request among them), and another start would empty this one before
+            # its request reuses the prefix. Held until this request has started.
+            await self.launches.acquire("exclusive")
+            s.holds_launch = "exclusive"
         try:
             pre = await prefill(s.id, decode(head))
         except EngineError as e:
@@ -1934,8 +1969,7 @@ class Sessions:
     async def close(self) -> None:
         """At stop, after drain(): keep the index for the next start."""
         await self._save_index()
-        if self.primer is not None:
-            (self.store.path / self.primer).unlink(missing_ok=True)
+        self._drop_primer()
 
     async def drain(self) -> None:
         """Wait for every background finalize and prune (at shutdown, and in tests)."""
@@ -1991,6 +2025,8 @@ class Sessions:
             if restarted:
                 for sid in list(self.slots):
                     self.lost(sid, restarted)
+                self._drop_primer()  # the engine's: made again, by the new one, when next needed
+                self._primer_off = False
                 for callback in list(self.on_engine_restart):
                     try:
                         await callback()

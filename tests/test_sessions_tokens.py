@@ -7,6 +7,7 @@ differs from llama-server: no sliding window unless engine.swa_window is set (th
 passes over files as it would for Gemma 3), and a request's cache_n is the plain common
 prefix with what the slot held."""
 
+import asyncio
 import json
 
 from autosessd import slotfile
@@ -252,3 +253,28 @@ async def test_rewritten_messages_with_the_same_tokens_go_on_without_a_save(tmp_
     turn, cache_n, n_prompt = await chat(s, grown)
     assert s.engine.tokenize_calls == calls + 1
     assert turn.saved is None and turn.restored is None and cache_n == len(prompt(X)) + len("Aye.")
+
+
+async def test_with_an_engine_that_empties_idle_slots_a_prefix_is_read_while_no_other_request_starts(tmp_path):
+    """Reading the prefix is a request start: on such an engine it would empty a slot restored
+    (or primed) for a request about to start, and another start would empty this slot before
+    its request reuses the prefix. It holds the starts until its own request runs."""
+    eng = StubEngine(tmp_path / "sessions", n_slots=2, clears_idle=True)
+    s = await make(tmp_path, engine=eng)
+    s.add_slots(2)
+    s.clears_idle_slots = True
+    seen = []
+    prefill = eng.prefill
+
+    async def watching(slot, tokens):
+        seen.append(s.launches.exclusive)
+        return await prefill(slot, tokens)
+    eng.prefill = watching
+    c = body(("system", SYSTEM), ("user", TASK_1))
+    key = conversation_key(c)
+    async with await s.place(key) as t:
+        turn = await s.turn(t, key, body=c)
+        assert turn.prefix is not None and seen == [True]
+        await asyncio.wait_for(s.may_launch(t), 1)  # its hold goes on until the request runs
+        assert s.launches.exclusive
+    assert not s.launches.exclusive  # released with the ticket

@@ -6,6 +6,7 @@ import asyncio
 
 from autosessd import slotfile
 from autosessd.config import parse
+from autosessd.engines.base import EngineRefused
 from autosessd.sessions import Phase, Sessions
 from autosessd.store import Store
 from stub_engine import StubEngine
@@ -160,35 +161,35 @@ async def test_launch_gate_lets_starts_run_side_by_side_and_keeps_them_out_of_ex
     await asyncio.wait_for(late, 1)
 
 
-async def primed_engine(tmp_path):
-    """Sessions on an engine that empties idle slots, its primer made as the daemon makes it."""
+def primed_engine(tmp_path):
+    """Sessions on an engine that empties idle slots, as the daemon's start probe finds it."""
     s = make(tmp_path, clears_idle=True)
-    s.clears_idle_slots = True  # what the daemon's start probe finds on such an engine
-    await s.make_primer()
+    s.clears_idle_slots = True
     return s
 
 
-async def test_the_primer_is_one_token_no_prompt_starts_with_readable_by_its_owner_and_removed_at_stop(tmp_path):
-    s = await primed_engine(tmp_path)
+async def test_the_primer_is_made_when_first_needed_one_token_after_bos_owner_only_and_removed_at_stop(tmp_path):
+    s = primed_engine(tmp_path)
+    assert s.primer is None
+    await request(s, A, 5)  # slot never ran: empty
     path = tmp_path / s.primer
     assert list(slotfile.read_header(path).tokens) == [ord("\n")]  # not BOS: every prompt starts with BOS
-    assert path.stat().st_mode & 0o777 == 0o600
-    assert s.engine.held[0] == []  # made on an empty slot, left empty
+    assert path.stat().st_mode & 0o777 == 0o600 and s.counters.primed == 1
     assert not list(tmp_path.glob("auto-*"))
     await s.close()
     assert not path.exists()
     (tmp_path / "one").mkdir()
     single = make(tmp_path / "one", n_slots=1)
     single.clears_idle_slots = True
-    await single.make_primer()
-    assert single.primer is None  # one slot: nothing else ever empties it
+    await request(single, A, 5)
+    assert single.primer is None and single.counters.primed == 0  # one slot: nothing else empties it
 
 
 async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_first(tmp_path):
     """The engine moved A's slot to its RAM prompt cache when B started; pinned to that empty
     slot, A's next request would not look there (llama.cpp 28139) and would read its prompt
     again. With the primer restored first, the slot holds something, and the engine looks."""
-    s = await primed_engine(tmp_path)
+    s = primed_engine(tmp_path)
     slot_a, _ = await request(s, A, 5)  # below min_tokens: never saved, only the RAM cache has it
     slot_b, _ = await request(s, B, 5)  # empties A's slot
     assert s.engine.held[slot_a] == []
@@ -205,9 +206,9 @@ async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_fir
         await s.launch_started(t, bound_s=0)
 
 
-async def test_with_a_primer_a_start_waits_until_the_one_before_it_is_seen_running(tmp_path):
+async def test_with_the_primer_a_start_waits_until_the_one_before_it_is_seen_running(tmp_path):
     """A start between another's priming and its request would empty that slot again."""
-    s = await primed_engine(tmp_path)
+    s = primed_engine(tmp_path)
     first, second = await s.place(A), await s.place(B)
     for t, key in ((first, A), (second, B)):
         await s.turn(t, key)
@@ -222,14 +223,117 @@ async def test_with_a_primer_a_start_waits_until_the_one_before_it_is_seen_runni
     first.release()
 
 
-async def test_a_primer_that_is_gone_is_no_longer_restored(tmp_path, caplog):
-    s = await primed_engine(tmp_path)
+async def test_a_primer_that_cannot_be_restored_is_made_again(tmp_path):
+    s = primed_engine(tmp_path)
     await request(s, A, 5)
     await request(s, B, 5)
-    (tmp_path / s.primer).unlink()
+    (tmp_path / s.primer).unlink()  # or an engine restarted with another model
     primed = s.counters.primed
-    async with await s.place(A) as t:
-        await s.turn(t, A)
-        await s.may_launch(t)  # the request goes on, unprimed
-        await s.launch_started(t, bound_s=0)
-    assert s.primer is None and s.counters.primed == primed and "primer" in caplog.text and "is gone" in caplog.text
+    await request(s, A, 5)
+    assert s.primer is not None and (tmp_path / s.primer).exists() and s.counters.primed == primed + 1
+
+
+async def test_no_primer_for_a_model_without_bos_and_starts_go_side_by_side(tmp_path):
+    """Its prompts may start with the newline: the primer would keep the engine from looking."""
+    s = primed_engine(tmp_path)
+    s.engine.tokenize = lambda text, timeout_s=None: asyncio.sleep(0, [ord(c) for c in text])
+    await request(s, A, 5)
+    assert s.primer is None and s.counters.primed == 0
+    first, second = await s.place(B), await s.place(C)
+    for t, key in ((first, B), (second, C)):
+        await s.turn(t, key)
+    await s.may_launch(first)
+    await asyncio.wait_for(s.may_launch(second), 1)  # shared starts, as without a primer
+    second.release()
+    first.release()
+
+
+async def test_a_primed_request_that_never_ran_ends_without_a_hang_or_a_save(tmp_path):
+    """The client went away after its slot was primed (or the engine could not be reached).
+    The slot held A, whose save at the switch failed, when the turn looked; another start then
+    emptied it. The end must not wait for the launch gate this request holds itself, and the
+    primer's one token must not be saved as A."""
+    s = primed_engine(tmp_path)
+    slot_a, _ = await request(s, A, 50)
+    (tmp_path / f"auto-{A}.bin").unlink()  # A's file is out of date (gone)
+    save = s.engine.save
+
+    async def failing_save(slot, name):
+        raise EngineRefused("POST /slots answered 500: stub told to fail")
+    t = await s.admit(slot_a)
+    s.engine.save = failing_save
+    await s.turn(t, C)  # the save of A fails: A stays held, durable
+    s.engine.save = save
+    s.engine.held[slot_a] = []  # another start emptied it
+    await s.may_launch(t)
+    assert s.engine.held[slot_a] == [ord("\n")]
+    await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
+    t.release()
+    await s.drain()
+    assert not (tmp_path / f"auto-{A}.bin").exists() and not s.launches.exclusive and not s.launches.alone
+    assert s.view(slot_a).held() is None
+
+
+async def test_a_launch_watcher_never_releases_the_next_requests_hold(tmp_path):
+    """A request refused at once (4xx) ends before its watcher saw it run; the next request on
+    the slot takes the gate exclusively, and the old watcher must leave that hold alone."""
+    s = primed_engine(tmp_path)
+    await request(s, B, 5)  # the primer exists, and slot 0 has run
+    t1 = await s.admit(0)
+    await s.turn(t1, A)
+    await s.may_launch(t1)
+    watcher = asyncio.ensure_future(s.launch_started(t1, bound_s=1))
+    await asyncio.sleep(0.02)
+    await s.ended(0, A, "rejected")
+    t1.release()
+    t2 = await s.admit(0)
+    await s.turn(t2, A)
+    await s.may_launch(t2)
+    await asyncio.wait_for(watcher, 2)
+    assert s.slot(0).holds_launch == "alone" and s.launches.alone
+    t2.release()
+
+
+async def test_a_request_that_never_ran_saves_the_conversation_still_held_without_waiting_on_itself(tmp_path):
+    """The same, but nothing emptied the slot: it still holds A, whose save at the switch
+    failed. The end saves A, taking the launch gate this request held until it ended."""
+    s = primed_engine(tmp_path)
+    slot_a, _ = await request(s, A, 50)
+    (tmp_path / f"auto-{A}.bin").unlink()
+    save = s.engine.save
+
+    async def failing_save(slot, name):
+        raise EngineRefused("POST /slots answered 500: stub told to fail")
+    t = await s.admit(slot_a)
+    s.engine.save = failing_save
+    await s.turn(t, C)
+    s.engine.save = save
+    await s.may_launch(t)  # alone, as every start without a restore; nothing to prime
+    await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
+    t.release()
+    await s.drain()
+    assert file_tokens(tmp_path, A) == conv(A, 50) and not s.launches.exclusive and not s.launches.alone
+
+
+async def test_an_end_save_goes_before_the_starts_that_must_run_alone():
+    """Starts to primed slots go one at a time; an end save waiting among them must not wait
+    for all of them, or the first of them empties the slot it was to save."""
+    from autosessd.sessions import LaunchGate
+
+    g = LaunchGate()
+    await g.acquire("alone")
+    queued = [asyncio.ensure_future(g.acquire("alone")) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    save = asyncio.ensure_future(g.acquire("exclusive"))
+    await asyncio.sleep(0.01)
+    assert not save.done() and not any(q.done() for q in queued)
+    g.release("alone")
+    await asyncio.wait_for(save, 1)
+    assert not any(q.done() for q in queued)
+    g.release("exclusive")
+    await asyncio.sleep(0.01)
+    assert sum(q.done() for q in queued) == 1  # then one start, alone
+    for _ in queued:
+        g.release("alone")
+        await asyncio.sleep(0.01)
+    assert all(q.done() for q in queued)
