@@ -677,6 +677,24 @@ class Sessions:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,
                       v.phase.value, v.key or "")
             return
+        # On an engine that empties idle slots, the next start anywhere empties this one: when
+        # its end may be saved, no start is sent from now until the save is done.
+        min_tokens = max(1, self.cfg.auto_sessions_min_tokens)
+        ran = key is not None and status in ("ok", "cancelled") and (n_tokens is None or n_tokens >= min_tokens)
+        after = v.prior.held() if status in ("not_run", "rejected") and v.prior is not None else None
+        kept = after is not None and (after.n_tokens is None or after.n_tokens >= min_tokens)  # the prior stays
+        hold = (self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and self.cfg.auto_sessions
+                and (ran or kept))
+        if hold:
+            await self.launches.acquire("exclusive")
+        try:
+            await self._end(s, v, key, status, n_tokens, cache_n, n_prompt, look, hold)
+        finally:
+            if hold:
+                self.launches.release("exclusive")
+
+    async def _end(self, s: Slot, v: View, key: str | None, status: str, n_tokens: int | None, cache_n: int | None,
+                   n_prompt: int | None, look: bool, save: bool) -> None:
         st = await self._look(s) if look and status != "not_run" else None
         if st is not None and st.is_processing:
             st = None  # the next request runs already (a log read late): this one's end is not visible
@@ -691,7 +709,7 @@ class Sessions:
                             auto_name(key or ""))
             self.lost(s.id, "the engine emptied the idle slot (moved to its RAM cache)")
             return
-        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and self.cfg.auto_sessions:
+        if save:
             # The next request to start on any other slot empties this one: save it now, before
             # its ticket goes (the caller holds it), with no request starting meanwhile.
             held = s.view.held()
@@ -699,11 +717,8 @@ class Sessions:
             step = policy.plan_save(held, Occasion.BEHIND, self.cfg.auto_sessions_min_tokens,
                                     self._held_info(s.view), self.model)
             if isinstance(step, Save) and held is not None:
-                await self.launches.acquire("exclusive")
-                try:
-                    await self._save(s, held, None)
-                finally:
-                    self.launches.release("exclusive")
+                if await self._save(s, held, None) is SaveOutcome.NOT_TRIED and s.view.held() is None:
+                    self.counters.saves_missed += 1  # a start sent before this end emptied the slot
 
     def lost(self, slot_id: int | None, why: str) -> None:
         """The slot's contents changed behind our back: hold nothing named, so the next

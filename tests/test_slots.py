@@ -337,3 +337,32 @@ async def test_an_end_save_goes_before_the_starts_that_must_run_alone():
         g.release("alone")
         await asyncio.sleep(0.01)
     assert all(q.done() for q in queued)
+
+
+async def test_an_end_to_be_saved_holds_the_starts_from_the_moment_it_is_seen(tmp_path):
+    """From A's end to its save no start may be sent: the first would empty A's slot. Held
+    only from the save on, a start sent while autosessd still looked at A's slot won."""
+    s = primed_engine(tmp_path)
+    ta = await s.place(A)
+    await s.turn(ta, A)
+    await s.may_launch(ta)
+    s.engine.ran(conv(A, 50), slot=ta.slot_id)
+    await s.launch_started(ta, bound_s=0)
+    tb = await s.place(B)
+    await s.turn(tb, B)
+    slots = s.engine.slots
+
+    async def slow_slots():
+        await asyncio.sleep(0.05)
+        return await slots()
+    s.engine.slots = slow_slots
+    end = asyncio.ensure_future(s.ended(ta.slot_id, A, "ok", n_tokens=50))
+    await asyncio.sleep(0.01)  # autosessd is reading A's slot
+    await asyncio.wait_for(s.may_launch(tb), 2)
+    assert end.done()  # B's start waited for A's save
+    s.engine.slots = slots
+    s.engine.ran(conv(B, 5), slot=tb.slot_id)  # B starts: A's slot is emptied now
+    ta.release()
+    tb.release()
+    await s.drain()
+    assert file_tokens(tmp_path, A) == conv(A, 50)

@@ -152,8 +152,8 @@ def test_short_conversations_under_the_engine_defaults_are_served_from_its_ram_c
     try:
         convs = [chat_body(f"Tell me one short fact about a {t}, please, in a few words.") for t in TOPICS[:4]]
         first = rotation(d.gate_url, convs)
-        again = [dict(c, messages=c["messages"] + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
-                                                   {"role": "user", "content": "And another one?"}])
+        again = [dict(c, messages=[*c["messages"], {"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                                   {"role": "user", "content": "And another one?"}])
                  for c, a in zip(convs, first)]
         second = rotation(d.gate_url, again)
         for a, b in zip(first, second):
