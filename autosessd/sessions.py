@@ -247,6 +247,7 @@ class Slot:
     last_used: float = 0.0  # when a ticket was last handed out: the least recently used slot is taken first
     task_id: int | None = None  # the engine's id_task when we last looked: a new one means a request ran
     seen_cache_n: tuple[int, int] | None = None  # (task id, cache_n) read from GET /slots while it ran
+    looked: tuple[int, SlotState | None] | None = None  # the turn's look: (Sessions.starts before it, what it saw)
     watcher: asyncio.Task | None = None
     holds_launch: str | None = None  # "shared" | "alone" | "exclusive": its ticket's hold on Sessions.launches
 
@@ -472,6 +473,9 @@ class Sessions:
         self.launches = LaunchGate()  # engines that empty idle slots: when a request may start
         self.primer: str | None = None  # ... and the one-token state put into an emptied slot (_prime)
         self._primer_off = False  # ... not made: the model adds no BOS, or making it failed
+        self.starts = 0  # requests sent to the engine (may_launch, a prefix read, an unplaced request)
+        # Conversations that ran since the engine started: its RAM cache may hold them.
+        self._ran: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.last_not_reused: dict[str, Any] | None = None
         # The token index (index.py) over the session files, from prepare(); None: not loaded,
         # and every restore follows the key rule. swa_window: the model's sliding window.
@@ -606,6 +610,7 @@ class Sessions:
     async def ran_unplaced(self) -> None:
         """A request the engine placed itself has run, every slot's ticket held meanwhile: the
         slot it ran on (its task id moved) holds nothing autosessd can name."""
+        self.starts += 1
         for s in sorted(self.slots.values(), key=lambda x: x.id):
             st = await self._look(s)
             if st is None:
@@ -672,6 +677,11 @@ class Sessions:
             # the end save below takes the gate itself.
             self.launches.release(s.holds_launch)
             s.holds_launch = None
+        if key is not None and status in ("ok", "cancelled", "error"):
+            self._ran[key] = None
+            self._ran.move_to_end(key)
+            if len(self._ran) > 10_000:
+                self._ran.popitem(last=False)
         v = s.view
         if v.phase is not Phase.SWITCHED or v.key != key:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,
@@ -798,7 +808,9 @@ class Sessions:
         """Bring the slot's view up to date with the engine before acting on it (the caller
         holds the slot's ticket). False when a request we did not let through is running:
         a save now would wait for it and capture its state."""
+        starts = self.starts
         st = await self._look(s)
+        s.looked = (starts, st)
         v = s.view
         if st is not None and st.is_processing:
             msg = "slot busy with a request that did not come through autosessd"
@@ -843,35 +855,51 @@ class Sessions:
         """Before a request is sent to the engine: when the engine empties idle slots at every
         request start, wait while a restore or an end save elsewhere needs the engine to start
         nothing else (LaunchGate); this request's start is then "in flight" until
-        launch_started has seen it running. Requests start side by side otherwise.
+        launch_started has seen it running (or, going alone, until the engine has taken it
+        in). Requests start side by side otherwise.
 
         On such an engine llama-server looks for a pinned request's prompt in its RAM prompt
         cache only when the slot holds something (llama.cpp issue 28139), and what it emptied
-        went there: a conversation below min_tokens, never saved, or one whose slot another
-        start emptied after the turn looked. Placing the request itself, the engine alone
-        would find it. So a request whose turn restored nothing starts alone too, and when its
-        slot is empty it gets the primer first (_prime): the engine then looks."""
+        went there. Placing the request itself, the engine alone would find it. So a request
+        whose turn restored nothing goes alone when the engine may hold its conversation: in
+        its slot (a start in between would empty it), or in the RAM cache (a conversation that
+        ran since the engine started); and when its slot is empty by then (the turn's look saw
+        it empty, or a start was sent since), it gets the primer first (_prime), so that the
+        engine looks. A new conversation starts side by side: the cache has nothing of it."""
         s = self._slot_of(ticket)
         if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
+            self.starts += 1
             return  # s.holds_launch: a restore holds the engine's starts, and its slot holds the state
-        if self._primer_off:
+        v = s.view
+        key = v.key if v.phase is Phase.SWITCHED else None
+        prior = v.prior if v.phase is Phase.SWITCHED else None
+        here = key is not None and prior is not None and prior.key == key and prior.phase in (Phase.HELD,
+                                                                                              Phase.RESTORED)
+        if self._primer_off or key is None or not (here or key in self._ran):
             await self.launches.acquire("shared")
             s.holds_launch = "shared"
+            self.starts += 1
             return
-        # Alone: another start between the look and this one would empty the slot again.
         await self.launches.acquire("alone")
         s.holds_launch = "alone"
-        st = await self._look(s)
-        if st is None or st.is_processing or st.n_tokens:
-            return
-        if st.task_id is None and not (s.view.prior is UNKNOWN_AT_START or s.view.prior == View(Phase.EMPTY)):
-            return  # a slot that never ran shows no count: it may hold a state a client restored
+        looked = s.looked
+        s.looked = None
+        if looked is not None and looked[0] == self.starts:
+            st = looked[1]  # no start since the turn's look: the slot is as it was
+            if st is None or st.is_processing or st.n_tokens:
+                self.starts += 1
+                return
+            if st.task_id is None and not (prior is UNKNOWN_AT_START or prior == View(Phase.EMPTY)):
+                self.starts += 1
+                return  # a slot that never ran shows no count: it may hold a state a client restored
+        elif looked is None:
+            self.starts += 1
+            return  # not looked at (auto sessions off): leave it as it is
         if await self._prime(s):
             self.counters.primed += 1
-            v = s.view
-            if v.phase is Phase.SWITCHED:
-                # What the request starts from: nobody's. Should it not run, nothing here is saved.
-                self._set(s, dataclasses.replace(v, prior=View(Phase.UNKNOWN, n_tokens=None, why="holds the primer")))
+            # What the request starts from: nobody's. Should it not run, nothing here is saved.
+            self._set(s, dataclasses.replace(s.view, prior=View(Phase.UNKNOWN, n_tokens=None, why="holds the primer")))
+        self.starts += 1
 
     async def _prime(self, s: Slot) -> bool:
         """Put the primer into slot s, empty and held exclusively: a state of one token that
@@ -901,6 +929,7 @@ class Sessions:
                          "prompt may start with any token; requests to slots the engine emptied read their prompts "
                          "again", tokens)
                 return False
+            self.starts += 1  # a start like any request: it empties the other idle slots
             await prefill(s.id, tokens[1:2])
             res = await self.engine.save(s.id, name)
             if res.n_tokens != 1:
@@ -926,24 +955,39 @@ class Sessions:
 
     async def launch_started(self, ticket: Ticket, bound_s: float = 2.0) -> None:
         """The request was sent: once the engine shows it running on its slot (a new task id),
-        or after bound_s, other requests may start. Safe to call for any ticket."""
+        or after bound_s, other requests may start. Safe to call for any ticket.
+
+        A start that goes alone needs only to be in the engine's task queue before the next
+        one: the engine places queued requests in order, so the next one's start no longer
+        empties this slot. GET /slots cannot show it sooner than the engine's current batch
+        ends (seconds while it reads a long prompt), so such a hold ends after the time the
+        engine takes to take a request in: 50 ms and 4 µs a token (its /tokenize runs at
+        ~2.5 µs a token here). Should that not do, the request reads its prompt again, as
+        without the primer."""
         s = self.slot(ticket.slot_id)
         if not s.holds_launch:
             return
+        if s.holds_launch == "alone":
+            tokens = s.view.tokens
+            bound_s = min(bound_s, 0.05 + 4e-6 * (len(tokens) // 4 if tokens else 25_000))
         try:
-            deadline = time.monotonic() + bound_s
-            before = s.task_id
-            # Until the request ended (ended() released the hold) or its ticket went: the next
-            # holder's hold is not this watcher's to release.
-            while time.monotonic() < deadline and s.holder is ticket and s.holds_launch:
-                st = await self._look(s)
-                if st is None or (st.is_processing and st.task_id != before):
-                    break
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(self._until_running(ticket, s), bound_s)
+        except asyncio.TimeoutError:
+            pass
         finally:
             if s.holder is ticket and s.holds_launch:
                 self.launches.release(s.holds_launch)
                 s.holds_launch = None
+
+    async def _until_running(self, ticket: Ticket, s: Slot) -> None:
+        before = s.task_id
+        # Until the request ended (ended() released the hold) or its ticket went: the next
+        # holder's hold is not this watcher's to release.
+        while s.holder is ticket and s.holds_launch:
+            st = await self._look(s)
+            if st is None or (st.is_processing and st.task_id != before):
+                return
+            await asyncio.sleep(0.01)
 
     def watch_request(self, slot_id: int | None) -> None:
         """A request whose end we will not see with its timings (turn hook, tail) starts on a
@@ -1382,6 +1426,7 @@ class Sessions:
             # its request reuses the prefix. Held until this request has started.
             await self.launches.acquire("exclusive")
             s.holds_launch = "exclusive"
+        self.starts += 1
         try:
             pre = await prefill(s.id, decode(head))
         except EngineError as e:
@@ -2042,6 +2087,7 @@ class Sessions:
                     self.lost(sid, restarted)
                 self._drop_primer()  # the engine's: made again, by the new one, when next needed
                 self._primer_off = False
+                self._ran.clear()  # its RAM cache is gone
                 for callback in list(self.on_engine_restart):
                     try:
                         await callback()

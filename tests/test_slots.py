@@ -168,10 +168,22 @@ def primed_engine(tmp_path):
     return s
 
 
+async def with_primer(tmp_path):
+    """... after a return to an emptied slot has made the primer."""
+    s = primed_engine(tmp_path)
+    await request(s, E, 5)
+    await request(s, F, 5)  # empties E's slot
+    await request(s, E, 5)  # E may be in the engine's RAM cache: primed, the primer made
+    assert s.primer is not None
+    return s
+
+
 async def test_the_primer_is_made_when_first_needed_one_token_after_bos_owner_only_and_removed_at_stop(tmp_path):
     s = primed_engine(tmp_path)
-    assert s.primer is None
-    await request(s, A, 5)  # slot never ran: empty
+    await request(s, A, 5)
+    await request(s, B, 5)  # empties A's slot
+    assert s.primer is None and s.counters.primed == 0  # new conversations: the RAM cache has nothing of them
+    await request(s, A, 5)
     path = tmp_path / s.primer
     assert list(slotfile.read_header(path).tokens) == [ord("\n")]  # not BOS: every prompt starts with BOS
     assert path.stat().st_mode & 0o777 == 0o600 and s.counters.primed == 1
@@ -181,7 +193,8 @@ async def test_the_primer_is_made_when_first_needed_one_token_after_bos_owner_on
     (tmp_path / "one").mkdir()
     single = make(tmp_path / "one", n_slots=1)
     single.clears_idle_slots = True
-    await request(single, A, 5)
+    for key in (A, B, A):
+        await request(single, key, 5)
     assert single.primer is None and single.counters.primed == 0  # one slot: nothing else empties it
 
 
@@ -189,7 +202,7 @@ async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_fir
     """The engine moved A's slot to its RAM prompt cache when B started; pinned to that empty
     slot, A's next request would not look there (llama.cpp 28139) and would read its prompt
     again. With the primer restored first, the slot holds something, and the engine looks."""
-    s = primed_engine(tmp_path)
+    s = await with_primer(tmp_path)
     slot_a, _ = await request(s, A, 5)  # below min_tokens: never saved, only the RAM cache has it
     slot_b, _ = await request(s, B, 5)  # empties A's slot
     assert s.engine.held[slot_a] == []
@@ -206,9 +219,12 @@ async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_fir
         await s.launch_started(t, bound_s=0)
 
 
-async def test_with_the_primer_a_start_waits_until_the_one_before_it_is_seen_running(tmp_path):
-    """A start between another's priming and its request would empty that slot again."""
+async def test_a_start_that_may_find_its_conversation_in_the_engine_goes_alone(tmp_path):
+    """A start between another's priming (or its look at a slot holding its conversation) and
+    its request would empty that slot again; a new conversation's start need not wait."""
     s = primed_engine(tmp_path)
+    await request(s, A, 5)
+    await request(s, B, 5)
     first, second = await s.place(A), await s.place(B)
     for t, key in ((first, A), (second, B)):
         await s.turn(t, key)
@@ -221,10 +237,17 @@ async def test_with_the_primer_a_start_waits_until_the_one_before_it_is_seen_run
     await asyncio.wait_for(waiting, 1)
     second.release()
     first.release()
+    new = [await s.place(k) for k in (C, D)]
+    for t, key in zip(new, (C, D)):
+        await s.turn(t, key)
+    await s.may_launch(new[0])
+    await asyncio.wait_for(s.may_launch(new[1]), 1)  # side by side
+    for t in new:
+        t.release()
 
 
 async def test_a_primer_that_cannot_be_restored_is_made_again(tmp_path):
-    s = primed_engine(tmp_path)
+    s = await with_primer(tmp_path)
     await request(s, A, 5)
     await request(s, B, 5)
     (tmp_path / s.primer).unlink()  # or an engine restarted with another model
@@ -237,10 +260,11 @@ async def test_no_primer_for_a_model_without_bos_and_starts_go_side_by_side(tmp_
     """Its prompts may start with the newline: the primer would keep the engine from looking."""
     s = primed_engine(tmp_path)
     s.engine.tokenize = lambda text, timeout_s=None: asyncio.sleep(0, [ord(c) for c in text])
-    await request(s, A, 5)
+    for key in (A, B, A):
+        await request(s, key, 5)
     assert s.primer is None and s.counters.primed == 0
-    first, second = await s.place(B), await s.place(C)
-    for t, key in ((first, B), (second, C)):
+    first, second = await s.place(B), await s.place(A)
+    for t, key in ((first, B), (second, A)):
         await s.turn(t, key)
     await s.may_launch(first)
     await asyncio.wait_for(s.may_launch(second), 1)  # shared starts, as without a primer
@@ -262,9 +286,11 @@ async def test_a_primed_request_that_never_ran_ends_without_a_hang_or_a_save(tmp
         raise EngineRefused("POST /slots answered 500: stub told to fail")
     t = await s.admit(slot_a)
     s.engine.save = failing_save
+    s._ran[C] = None  # C ran before: the engine's RAM cache may hold it
     await s.turn(t, C)  # the save of A fails: A stays held, durable
     s.engine.save = save
-    s.engine.held[slot_a] = []  # another start emptied it
+    s.engine.held[slot_a] = []  # another request started (on another slot) and emptied it
+    s.starts += 1
     await s.may_launch(t)
     assert s.engine.held[slot_a] == [ord("\n")]
     await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
@@ -277,8 +303,8 @@ async def test_a_primed_request_that_never_ran_ends_without_a_hang_or_a_save(tmp
 async def test_a_launch_watcher_never_releases_the_next_requests_hold(tmp_path):
     """A request refused at once (4xx) ends before its watcher saw it run; the next request on
     the slot takes the gate exclusively, and the old watcher must leave that hold alone."""
-    s = primed_engine(tmp_path)
-    await request(s, B, 5)  # the primer exists, and slot 0 has run
+    s = await with_primer(tmp_path)
+    s._ran[A] = None  # A ran before: its start goes alone
     t1 = await s.admit(0)
     await s.turn(t1, A)
     await s.may_launch(t1)
@@ -366,3 +392,25 @@ async def test_an_end_to_be_saved_holds_the_starts_from_the_moment_it_is_seen(tm
     tb.release()
     await s.drain()
     assert file_tokens(tmp_path, A) == conv(A, 50)
+
+
+async def test_a_start_that_goes_alone_holds_the_others_only_until_the_engine_has_taken_it_in(tmp_path):
+    """The engine answers GET /slots only between its batches: seconds while it reads a long
+    prompt. Placed in order from its queue, the next start only has to come after this one is
+    queued: the hold ends within the engine's intake time, not when /slots can show it."""
+    s = primed_engine(tmp_path)
+    await request(s, A, 5)
+    t = await s.place(A)  # A's slot holds A: its start goes alone
+    await s.turn(t, A)
+    await s.may_launch(t)
+    assert s.launches.alone
+    slots = s.engine.slots
+
+    async def in_a_long_batch():
+        await asyncio.sleep(1.5)
+        return await slots()
+    s.engine.slots = in_a_long_batch
+    t0 = asyncio.get_running_loop().time()
+    await s.launch_started(t)
+    assert asyncio.get_running_loop().time() - t0 < 0.5 and not s.launches.alone
+    t.release()
