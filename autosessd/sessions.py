@@ -54,6 +54,13 @@ turn as soon as the engine has written the temporary and its size and header che
 out; the fsync/rename/metadata (store.finalize) runs in a worker thread off the
 request's path, and a later restore or save of the same key waits for it.
 
+Starts, on an engine that empties every idle slot whenever a request starts (a unified KV
+cache with --cache-idle-slots: llama-server's defaults for -np auto). No start may come
+between a restore and its request, nor between a request's end and its save (LaunchGate,
+exclusive). A request pinned to an empty slot never looks in the engine's RAM cache, where
+the emptied slots went (llama.cpp 28139): one whose conversation the engine may hold goes
+alone, and an empty slot gets the primer first (may_launch, _prime).
+
 Files by their tokens (DESIGN §9, issue 11). A turn with an OpenAI chat body asks the
 engine for the request's tokens unless the request goes on from the held one (same key,
 the held request's messages first: View.messages), and then
