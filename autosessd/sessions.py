@@ -254,7 +254,10 @@ class Slot:
     last_used: float = 0.0  # when a ticket was last handed out: the least recently used slot is taken first
     task_id: int | None = None  # the engine's id_task when we last looked: a new one means a request ran
     seen_cache_n: tuple[int, int] | None = None  # (task id, cache_n) read from GET /slots while it ran
-    looked: tuple[int, SlotState | None] | None = None  # the turn's look: (Sessions.starts before it, what it saw)
+    # The turn's look: (Sessions.starts before it, whether another slot's start was pending, what it saw)
+    looked: tuple[int, bool, SlotState | None] | None = None
+    start_pending: bool = False  # its request was sent, and not yet seen placed (running, or ended)
+    place_watch: asyncio.Task | None = None  # ... what looks for it after its hold on the starts ended
     watcher: asyncio.Task | None = None
     holds_launch: str | None = None  # "shared" | "alone" | "exclusive": its ticket's hold on Sessions.launches
 
@@ -286,17 +289,22 @@ class LaunchGate:
         self.alone = False
         self.exclusive = False
         self.exclusive_waiting = 0
+        self.alone_waiting = 0
         self._waiters: list[asyncio.Future] = []
 
     async def acquire(self, kind: str) -> None:
         if kind == "shared":
-            while self.exclusive or self.alone or self.exclusive_waiting:
+            while self.exclusive or self.alone or self.exclusive_waiting or self.alone_waiting:
                 await self._wait()
             self.shared += 1
             return
         if kind == "alone":
-            while self.exclusive or self.alone or self.shared or self.exclusive_waiting:
-                await self._wait()
+            self.alone_waiting += 1
+            try:
+                while self.exclusive or self.alone or self.shared or self.exclusive_waiting:
+                    await self._wait()
+            finally:
+                self.alone_waiting -= 1
             self.alone = True
             return
         self.exclusive_waiting += 1
@@ -480,7 +488,7 @@ class Sessions:
         self.launches = LaunchGate()  # engines that empty idle slots: when a request may start
         self.primer: str | None = None  # ... and the one-token state put into an emptied slot (_prime)
         self._primer_off = False  # ... not made: the model adds no BOS, or making it failed
-        self.starts = 0  # requests sent to the engine (may_launch, a prefix read, an unplaced request)
+        self.starts = 0  # requests the engine placed (seen running, or ended; a prefix read; an unplaced one)
         # Conversations that ran since the engine started: its RAM cache may hold them.
         self._ran: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.last_not_reused: dict[str, Any] | None = None
@@ -600,6 +608,10 @@ class Sessions:
             if s.holds_launch:  # its request never got to start (not forwarded, cancelled)
                 self.launches.release(s.holds_launch)
                 s.holds_launch = None
+            s.start_pending = False
+            if s.place_watch is not None:
+                s.place_watch.cancel()
+                s.place_watch = None
             s.holder, s.placing = None, None
             for waiter in self._idle_waiters:
                 if not waiter.done():
@@ -617,7 +629,7 @@ class Sessions:
     async def ran_unplaced(self) -> None:
         """A request the engine placed itself has run, every slot's ticket held meanwhile: the
         slot it ran on (its task id moved) holds nothing autosessd can name."""
-        self.starts += 1
+        self.starts += 1  # it ran: a start like any request
         for s in sorted(self.slots.values(), key=lambda x: x.id):
             st = await self._look(s)
             if st is None:
@@ -679,11 +691,16 @@ class Sessions:
         n_tokens, cache_n, n_prompt: what the response or log line said; the engine's own
         GET /slots is read when `look` and preferred for the count."""
         s = self.slot(slot_id)
-        if s.holds_launch:
-            # Its start is no longer in flight (it ran, or it never will): others may start, and
-            # the end save below takes the gate itself.
-            self.launches.release(s.holds_launch)
-            s.holds_launch = None
+        if s.view.phase is Phase.SWITCHED and s.view.key == key:  # the end of the request that holds them
+            if s.holds_launch:
+                # Its start is no longer in flight (it ran, or it never will): others may start,
+                # and the end save below takes the gate itself.
+                self.launches.release(s.holds_launch)
+                s.holds_launch = None
+            if s.start_pending:
+                if status in ("ok", "cancelled", "error"):
+                    self._placed(s)
+                s.start_pending = False  # a request refused or never sent empties nothing
         if key is not None and status in ("ok", "cancelled", "error"):
             self._ran[key] = None
             self._ran.move_to_end(key)
@@ -697,7 +714,7 @@ class Sessions:
         # On an engine that empties idle slots, the next start anywhere empties this one: when
         # its end may be saved, no start is sent from now until the save is done.
         min_tokens = max(1, self.cfg.auto_sessions_min_tokens)
-        ran = key is not None and status in ("ok", "cancelled") and (n_tokens is None or n_tokens >= min_tokens)
+        ran = key is not None and status == "ok" and (n_tokens is None or n_tokens >= min_tokens)
         after = v.prior.held() if status in ("not_run", "rejected") and v.prior is not None else None
         kept = after is not None and (after.n_tokens is None or after.n_tokens >= min_tokens)  # the prior stays
         hold = (self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and self.cfg.auto_sessions
@@ -816,8 +833,9 @@ class Sessions:
         holds the slot's ticket). False when a request we did not let through is running:
         a save now would wait for it and capture its state."""
         starts = self.starts
+        pending = any(o.start_pending for o in self.slots.values() if o is not s)
         st = await self._look(s)
-        s.looked = (starts, st)
+        s.looked = (starts, pending, st)
         v = s.view
         if st is not None and st.is_processing:
             msg = "slot busy with a request that did not come through autosessd"
@@ -874,39 +892,43 @@ class Sessions:
         it empty, or a start was sent since), it gets the primer first (_prime), so that the
         engine looks. A new conversation starts side by side: the cache has nothing of it."""
         s = self._slot_of(ticket)
+        looked, s.looked = s.looked, None
         if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
-            self.starts += 1
+            s.start_pending = True
             return  # s.holds_launch: a restore holds the engine's starts, and its slot holds the state
         v = s.view
         key = v.key if v.phase is Phase.SWITCHED else None
         prior = v.prior if v.phase is Phase.SWITCHED else None
         here = key is not None and prior is not None and prior.key == key and prior.phase in (Phase.HELD,
                                                                                               Phase.RESTORED)
-        if self._primer_off or key is None or not (here or key in self._ran):
+        if self._primer_off or key is None or looked is None or not (here or key in self._ran):
             await self.launches.acquire("shared")
             s.holds_launch = "shared"
-            self.starts += 1
+            s.start_pending = True
             return
         await self.launches.acquire("alone")
         s.holds_launch = "alone"
-        looked = s.looked
-        s.looked = None
-        if looked is not None and looked[0] == self.starts:
-            st = looked[1]  # no start since the turn's look: the slot is as it was
+        starts, pending, st = looked
+        # A start placed since the turn's look, or one sent and not yet seen placed (it goes
+        # before this one: the engine places its queue in order), empties this idle slot.
+        emptied = starts != self.starts or pending or any(o.start_pending for o in self.slots.values() if o is not s)
+        if not emptied:
             if st is None or st.is_processing or st.n_tokens:
-                self.starts += 1
+                s.start_pending = True
                 return
             if st.task_id is None and not (prior is UNKNOWN_AT_START or prior == View(Phase.EMPTY)):
-                self.starts += 1
+                s.start_pending = True
                 return  # a slot that never ran shows no count: it may hold a state a client restored
-        elif looked is None:
-            self.starts += 1
-            return  # not looked at (auto sessions off): leave it as it is
-        if await self._prime(s):
+        # What the request starts from: nobody's (should it not run, nothing here is saved).
+        self._set(s, dataclasses.replace(s.view, prior=View(Phase.UNKNOWN, n_tokens=None, why="holds the primer")))
+        try:
+            primed = await self._prime(s)
+        except Exception as e:  # the request goes on, unprimed
+            log.exception("auto sessions: slot %d: priming: %s", s.id, e)
+            primed = False
+        if primed:
             self.counters.primed += 1
-            # What the request starts from: nobody's. Should it not run, nothing here is saved.
-            self._set(s, dataclasses.replace(s.view, prior=View(Phase.UNKNOWN, n_tokens=None, why="holds the primer")))
-        self.starts += 1
+        s.start_pending = True
 
     async def _prime(self, s: Slot) -> bool:
         """Put the primer into slot s, empty and held exclusively: a state of one token that
@@ -936,8 +958,8 @@ class Sessions:
                          "prompt may start with any token; requests to slots the engine emptied read their prompts "
                          "again", tokens)
                 return False
-            self.starts += 1  # a start like any request: it empties the other idle slots
             await prefill(s.id, tokens[1:2])
+            self.starts += 1  # it ran: a start like any request, it emptied the other idle slots
             res = await self.engine.save(s.id, name)
             if res.n_tokens != 1:
                 raise EngineError(f"the engine saved {res.n_tokens} tokens, not 1")
@@ -953,6 +975,12 @@ class Sessions:
         log.info("auto sessions: primer %s made (one token): a request pinned to a slot the engine emptied is "
                  "served from the engine's RAM prompt cache, as it would be without autosessd", name)
         return True
+
+    def _placed(self, s: Slot) -> None:
+        """The engine placed s's request: it emptied every other idle slot."""
+        if s.start_pending:
+            s.start_pending = False
+            self.starts += 1
 
     def _drop_primer(self) -> None:
         if self.primer is not None:
@@ -977,22 +1005,28 @@ class Sessions:
         if s.holds_launch == "alone":
             tokens = s.view.tokens
             bound_s = min(bound_s, 0.05 + 4e-6 * (len(tokens) // 4 if tokens else 25_000))
+        watch = asyncio.get_running_loop().create_task(self._until_placed(ticket, s))
         try:
-            await asyncio.wait_for(self._until_running(ticket, s), bound_s)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait({watch}, timeout=bound_s)
         finally:
             if s.holder is ticket and s.holds_launch:
                 self.launches.release(s.holds_launch)
                 s.holds_launch = None
+            if not watch.done():
+                s.place_watch = watch  # it goes on: until the engine shows the request, or its end
+                if s.holder is not ticket:
+                    watch.cancel()
 
-    async def _until_running(self, ticket: Ticket, s: Slot) -> None:
+    async def _until_placed(self, ticket: Ticket, s: Slot) -> None:
         before = s.task_id
-        # Until the request ended (ended() released the hold) or its ticket went: the next
-        # holder's hold is not this watcher's to release.
-        while s.holder is ticket and s.holds_launch:
+        deadline = time.monotonic() + 60
+        # Until the request is seen running or ended (ended() confirms it) or its ticket went.
+        while s.holder is ticket and s.start_pending and time.monotonic() < deadline:
             st = await self._look(s)
-            if st is None or (st.is_processing and st.task_id != before):
+            if st is None:
+                return
+            if st.is_processing and st.task_id != before:
+                self._placed(s)
                 return
             await asyncio.sleep(0.01)
 
@@ -1031,6 +1065,7 @@ class Sessions:
         or the hook's messages), whose tokens choose what to restore (DESIGN §9); None: the
         key rule."""
         s = self._slot_of(ticket)
+        s.looked = None  # this turn's own look, or none
         result = TurnResult(key=key, slot=s.id)
         t0 = time.monotonic()
         carry: _Carry | None = None
@@ -1433,7 +1468,6 @@ class Sessions:
             # its request reuses the prefix. Held until this request has started.
             await self.launches.acquire("exclusive")
             s.holds_launch = "exclusive"
-        self.starts += 1
         try:
             pre = await prefill(s.id, decode(head))
         except EngineError as e:
@@ -1441,6 +1475,7 @@ class Sessions:
             result.errors.append(f"prefix of {fmt_tokens(n)} tokens: {e}")
             self._set(s, View(Phase.UNKNOWN, n_tokens=None, why="reading a shared prefix on its own failed"))
             return
+        self.starts += 1  # it ran: a start like any request
         self.prefill_seen(pre.prompt_n, pre.ms)
         v = s.view
         if v.phase is Phase.RESTORED and v.restored is not None and v.key is not None:

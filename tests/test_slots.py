@@ -414,3 +414,92 @@ async def test_a_start_that_goes_alone_holds_the_others_only_until_the_engine_ha
     await s.launch_started(t)
     assert asyncio.get_running_loop().time() - t0 < 0.5 and not s.launches.alone
     t.release()
+
+
+async def test_a_start_refused_before_it_ran_does_not_count_as_emptying_the_other_slots(tmp_path):
+    """A request llama-server refuses (4xx) is never placed: the slot next door still holds its
+    conversation, and the primer must not replace it."""
+    s = await with_primer(tmp_path)
+    slot_a, _ = await request(s, A, 5)
+    ta = await s.place(A)  # A's slot holds A
+    await s.turn(ta, A)
+    tb = await s.place(B)
+    await s.turn(tb, B)
+    await s.may_launch(tb)
+    await s.launch_started(tb, bound_s=0)
+    await s.ended(tb.slot_id, B, "rejected")
+    tb.release()
+    await s.may_launch(ta)
+    assert s.engine.held[slot_a] == conv(A, 5)  # not primed: nothing emptied it
+    ta.release()
+
+
+async def test_a_start_sent_before_the_look_and_placed_after_it_empties_the_slot(tmp_path):
+    """The look saw A's slot holding A, but B's request was already on its way: the engine
+    places it first and empties A's slot. A's request must get the primer."""
+    s = await with_primer(tmp_path)
+    slot_a, _ = await request(s, A, 5)
+    await request(s, B, 5)
+    tb = await s.place(B)
+    await s.turn(tb, B)
+    await s.may_launch(tb)  # sent; the engine has not shown it yet
+    ta = await s.place(A)
+    await s.turn(ta, A)  # looks: A's slot still holds A
+    await s.launch_started(tb, bound_s=0)  # B's hold ends on the intake bound, unplaced as far as we know
+    s.engine.ran(conv(B, 5), slot=tb.slot_id)  # now the engine places B: A's slot is emptied
+    primed = s.counters.primed
+    await s.may_launch(ta)
+    assert s.counters.primed == primed + 1 and s.engine.held[slot_a] == [ord("\n")]
+    ta.release()
+    tb.release()
+
+
+async def test_a_request_whose_priming_was_cancelled_saves_nothing_under_the_slots_former_conversation(tmp_path):
+    """The client left while the primer was being restored; the engine restored it anyway. The
+    slot had held A (its save at the switch failed): its one token must not become A's file."""
+    s = await with_primer(tmp_path)
+    slot_a, _ = await request(s, A, 50)
+    (tmp_path / f"auto-{A}.bin").unlink()
+    save, restore, started = s.engine.save, s.engine.restore, asyncio.Event()
+
+    async def failing_save(slot, name):
+        raise EngineRefused("POST /slots answered 500: stub told to fail")
+
+    async def slow_restore(slot, name):
+        result = await restore(slot, name)  # the engine does it...
+        started.set()
+        await asyncio.sleep(10)  # ... and the answer never reaches the client that left
+        return result
+    t = await s.admit(slot_a)
+    s._ran[C] = None
+    s.engine.save = failing_save
+    await s.turn(t, C)
+    s.engine.save, s.engine.restore = save, slow_restore
+    s.engine.held[slot_a] = []
+    s.starts += 1  # another request was placed: A's slot was emptied
+    launching = asyncio.ensure_future(s.may_launch(t))
+    await asyncio.wait_for(started.wait(), 1)
+    launching.cancel()
+    await asyncio.gather(launching, return_exceptions=True)
+    assert s.engine.held[slot_a] == [ord("\n")]
+    await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
+    t.release()
+    await s.drain()
+    assert not (tmp_path / f"auto-{A}.bin").exists() and s.view(slot_a).held() is None
+
+
+async def test_a_start_waiting_to_go_alone_is_not_starved_by_starts_side_by_side():
+    from autosessd.sessions import LaunchGate
+
+    g = LaunchGate()
+    await g.acquire("shared")
+    alone = asyncio.ensure_future(g.acquire("alone"))
+    await asyncio.sleep(0.01)
+    later = asyncio.ensure_future(g.acquire("shared"))
+    await asyncio.sleep(0.01)
+    assert not later.done()  # no new start side by side while one waits to go alone
+    g.release("shared")
+    await asyncio.wait_for(alone, 1)
+    assert not later.done()
+    g.release("alone")
+    await asyncio.wait_for(later, 1)

@@ -156,9 +156,12 @@ def test_short_conversations_under_the_engine_defaults_are_served_from_its_ram_c
                                    {"role": "user", "content": "And another one?"}])
                  for c, a in zip(convs, first)]
         second = rotation(d.gate_url, again)
-        for a, b in zip(first, second):
-            assert b["usage"]["prompt_tokens"] < 100  # below min_tokens: no file of them
-            assert b["timings"]["cache_n"] >= a["usage"]["prompt_tokens"], (a["usage"], b["timings"])
+        assert all(b["usage"]["prompt_tokens"] < 100 for b in second)  # below min_tokens: no file of them
+        found = [b["timings"]["cache_n"] >= a["usage"]["prompt_tokens"] for a, b in zip(first, second)]
+        # Pinned without the primer only the first to start finds its conversation (in its slot,
+        # which the others' starts then empty). A start that reaches the engine later than its
+        # hold on the others (README, Limits) may cost one return its reuse on a loaded machine.
+        assert sum(found) >= 3, [(a["usage"]["prompt_tokens"], b["timings"]) for a, b in zip(first, second)]
         assert not list(session_dir.glob("auto-*"))
         assert d.status()["counters"]["primed"] >= 1
     finally:
