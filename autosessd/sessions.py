@@ -893,8 +893,11 @@ class Sessions:
         engine looks. A new conversation starts side by side: the cache has nothing of it."""
         s = self._slot_of(ticket)
         looked, s.looked = s.looked, None
+        await self._hold_starts(s, looked)
+        s.start_pending = True  # sent right after this: pending until the engine shows it placed
+
+    async def _hold_starts(self, s: Slot, looked: tuple[int, bool, SlotState | None] | None) -> None:
         if not (self.clears_idle_slots and len(self.slots) > 1) or s.holds_launch:
-            s.start_pending = True
             return  # s.holds_launch: a restore holds the engine's starts, and its slot holds the state
         v = s.view
         key = v.key if v.phase is Phase.SWITCHED else None
@@ -904,7 +907,6 @@ class Sessions:
         if self._primer_off or key is None or looked is None or not (here or key in self._ran):
             await self.launches.acquire("shared")
             s.holds_launch = "shared"
-            s.start_pending = True
             return
         await self.launches.acquire("alone")
         s.holds_launch = "alone"
@@ -914,10 +916,8 @@ class Sessions:
         emptied = starts != self.starts or pending or any(o.start_pending for o in self.slots.values() if o is not s)
         if not emptied:
             if st is None or st.is_processing or st.n_tokens:
-                s.start_pending = True
                 return
             if st.task_id is None and not (prior is UNKNOWN_AT_START or prior == View(Phase.EMPTY)):
-                s.start_pending = True
                 return  # a slot that never ran shows no count: it may hold a state a client restored
         # What the request starts from: nobody's (should it not run, nothing here is saved).
         self._set(s, dataclasses.replace(s.view, prior=View(Phase.UNKNOWN, n_tokens=None, why="holds the primer")))
@@ -928,7 +928,6 @@ class Sessions:
             primed = False
         if primed:
             self.counters.primed += 1
-        s.start_pending = True
 
     async def _prime(self, s: Slot) -> bool:
         """Put the primer into slot s, empty and held exclusively: a state of one token that
@@ -994,11 +993,12 @@ class Sessions:
 
         A start that goes alone needs only to be in the engine's task queue before the next
         one: the engine places queued requests in order, so the next one's start no longer
-        empties this slot. GET /slots cannot show it sooner than the engine's current batch
-        ends (seconds while it reads a long prompt), so such a hold ends after the time the
-        engine takes to take a request in: 50 ms and 4 µs a token (its /tokenize runs at
-        ~2.5 µs a token here). Should that not do, the request reads its prompt again, as
-        without the primer."""
+        empties this slot. The engine places requests only between its batches (seconds apart
+        while it reads a long prompt), so such a hold ends after the time the engine takes to
+        take a request in: 50 ms and 4 µs a token (its /tokenize runs at ~2.5 µs a token
+        here). Should that not do, the request reads its prompt again, as without the primer.
+        Whether it was placed is still watched (_until_placed): until then, other starts
+        count this slot's neighbours as emptied."""
         s = self.slot(ticket.slot_id)
         if not s.holds_launch:
             return
