@@ -1462,12 +1462,10 @@ class Sessions:
         if pkey in self._finalizing:
             return
         t0 = time.monotonic()
-        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and not s.holds_launch:
-            # A start like any request: it empties the idle slots (one restored or primed and
-            # waiting for its request among them), and another start would empty this one before
-            # its request reuses the prefix. Held until this request has started.
-            await self.launches.acquire("exclusive")
-            s.holds_launch = "exclusive"
+        # A start like any request: it empties the idle slots (one restored or primed and waiting
+        # for its request among them), and another start would empty this one before its request
+        # reuses the prefix.
+        await self._keep_starts_out(s)
         try:
             pre = await prefill(s.id, decode(head))
         except EngineError as e:
@@ -1791,11 +1789,7 @@ class Sessions:
     async def _restore(self, s: Slot, key: str | None, result: TurnResult | None, name: str | None = None) -> bool:
         """Restore auto-<key>.bin (or a person's file `name`, key None) into slot s."""
         name = name or auto_name(key or "")
-        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and not s.holds_launch:
-            # Another request starting between this restore and its own would empty the
-            # restored slot: none starts until it has (launch_started, or the ticket's release).
-            await self.launches.acquire("exclusive")
-            s.holds_launch = "exclusive"
+        await self._keep_starts_out(s)  # another request starting in between would empty the restored slot
         t0 = time.monotonic()
         try:
             with self.store.using(name):
@@ -1834,6 +1828,14 @@ class Sessions:
         if result is not None:
             result.restored = info
         return True
+
+    async def _keep_starts_out(self, s: Slot) -> None:
+        """Before a restore or a prefix read into slot s, on an engine that empties idle slots
+        at every start: no other request starts until s's own has (launch_started, or the
+        ticket's release)."""
+        if self.clears_idle_slots and len(self.slots) > 1 and s.holder is not None and not s.holds_launch:
+            await self.launches.acquire("exclusive")
+            s.holds_launch = "exclusive"
 
     async def _make_room(self, s: Slot, name: str) -> bool:
         """Empty the least recently used other slot that is free now, saving its conversation
