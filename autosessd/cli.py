@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-import threading
 from typing import Any, NoReturn
 
 import click
@@ -86,10 +85,9 @@ def exit_after_stop(code: int) -> NoReturn:
     stop already spent. By now the saves are finalized and the uploads drained or left to the
     next start (the bucket lacks them): nothing of ours is left to write. So the logs are
     flushed and the process leaves with os._exit, without that join."""
-    from .remote import THREAD_PREFIXES
+    from .remote import bucket_threads_alive
 
-    alive = [t.name for t in threading.enumerate()
-             if t is not threading.main_thread() and t.is_alive() and t.name.startswith(THREAD_PREFIXES)]
+    alive = bucket_threads_alive()
     if alive:
         logging.getLogger("autosessd").warning(
             "stop: %d shared-bucket thread(s) still waiting on the bucket (%s); exiting without them",

@@ -50,6 +50,11 @@ THREAD_PREFIXES = ("autosessd-bucket", "autosessd-download", "autosessd-headers"
                    "ThreadPoolExecutor")
 
 
+def bucket_threads_alive() -> list[str]:
+    """Names of this process's shared-tier threads still running (a stop's last look)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIXES) and t.is_alive()]
+
+
 @dataclass(frozen=True)
 class Catalog:
     """One reading of the bucket: swapped whole, so a turn on the loop reads one consistent
@@ -103,10 +108,6 @@ class Remote:
         # chunk (its deadline). What still runs at the process's end: cli.run's last resort.
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.downloads.shutdown(wait=False, cancel_futures=True)
-
-    def threads_alive(self) -> list[str]:
-        """Names of this process's bucket threads still running (a stop's last look)."""
-        return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIXES) and t.is_alive()]
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the bucket's threads."""
