@@ -833,7 +833,7 @@ class Sessions:
         holds the slot's ticket). False when a request we did not let through is running:
         a save now would wait for it and capture its state."""
         starts = self.starts
-        pending = any(o.start_pending for o in self.slots.values() if o is not s)
+        pending = self._start_pending_besides(s)
         st = await self._look(s)
         s.looked = (starts, pending, st)
         v = s.view
@@ -913,7 +913,7 @@ class Sessions:
         starts, pending, st = looked
         # A start placed since the turn's look, or one sent and not yet seen placed (it goes
         # before this one: the engine places its queue in order), empties this idle slot.
-        emptied = starts != self.starts or pending or any(o.start_pending for o in self.slots.values() if o is not s)
+        emptied = starts != self.starts or pending or self._start_pending_besides(s)
         if not emptied:
             if st is None or st.is_processing or st.n_tokens:
                 return
@@ -974,6 +974,10 @@ class Sessions:
         log.info("auto sessions: primer %s made (one token): a request pinned to a slot the engine emptied is "
                  "served from the engine's RAM prompt cache, as it would be without autosessd", name)
         return True
+
+    def _start_pending_besides(self, s: Slot) -> bool:
+        """A request on another slot was sent and not yet seen placed: placed, it empties s."""
+        return any(o.start_pending for o in self.slots.values() if o is not s)
 
     def _placed(self, s: Slot) -> None:
         """The engine placed s's request: it emptied every other idle slot."""
