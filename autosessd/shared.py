@@ -45,9 +45,10 @@ multipart upload of the same object, so no parts are left behind.
 
 Downloads: temporary (.autosessd-*.partial, removed by Store.cleanup after a crash) → size and
 slot-file header verified → KV layout checked (refused when this engine cannot load it) →
-fsync → rename → metadata taken from the same GET, under the store's lock as a local
-finalize. A name that is in use locally (being saved, restored or downloaded: Store.in_use)
-is never replaced, and a local save at least as new as the remote one is kept. Uploads do not
+fsync → Store.install: the file and the metadata taken from the same GET renamed in place
+together, after the store's last look, as a local finalize makes a save visible. A name that
+is in use locally (being saved, restored or downloaded: Store.in_use) is never replaced, and
+a local save at least as new as the remote one is kept. Uploads do not
 hold Store.in_use: an upload reads through the file descriptor it opened, so a save renamed
 over the file meanwhile neither waits for it nor mixes into it (see Uploads).
 
@@ -90,7 +91,7 @@ from urllib.parse import quote, unquote
 
 from . import slotfile
 from .config import SharedConfig
-from .store import AUTO_BIN, MANUAL_NAME, TEMP_PREFIX, Meta, Store, _fsync_dir
+from .store import AUTO_BIN, MANUAL_NAME, TEMP_PREFIX, InUse, Meta, NewerHere, Store
 
 log = logging.getLogger("autosessd.shared")
 
@@ -912,15 +913,15 @@ class SharedStore:
         someone else holds is never replaced. claimed=True: the caller acquired the name
         itself (on the event loop, to keep holding it through the restore that follows).
 
-        The .bin and its .json are put in place as Store.finalize does for a local save (the
-        file, then its metadata, both taken from the one GET: no second request between
-        them), under the store's lock, after a last look that nobody took the name and no
-        local save at least as new finalized meanwhile."""
+        The .bin and its .json are put in place by Store.install (the file, then its
+        metadata, both taken from the one GET: no second request between them), after its
+        last look that nobody took the name and no local save at least as new finalized
+        meanwhile."""
         name = s.name
         stem = stem_of(name)
         final = store.path / name
         conv = s.conversation_key
-        if store.in_use.get(name, 0) > (1 if claimed else 0):
+        if store.users(name) > (1 if claimed else 0):
             raise SharedError(f"{name} is being written or read here; a download does not replace it")
         local = store.read_meta(conv) if conv else None
         if local is not None and local.saved_at >= s.saved_at:
@@ -978,19 +979,18 @@ class SharedStore:
             except (slotfile.BadSlotFile, *self._errors) as e:
                 raise SharedError(f"download of {s.key}: {_why(e)}") from e
             meta = self._local_meta(s, conv, md, theirs) if conv else None
-            with store._lock:  # no acquire() and no other download between the look and the rename
-                if store.in_use.get(name, 0) > 1:
-                    raise SharedError(f"{name} was taken here during the download (a save or a restore); "
-                                      f"it is not replaced")
-                # A local save may have finalized meanwhile (another slot): the newer one stays.
-                local = store.read_meta(conv) if conv else None
-                if local is not None and local.saved_at >= s.saved_at:
+            # The last look and the renames, in one section of the store's lock: the name is
+            # not taken by anyone but this download (which holds one count of it, claimed or
+            # acquired above), and a local save finalized meanwhile (another slot) stays.
+            try:
+                store.install(temp, name, meta, claimed=True)
+            except InUse:
+                raise SharedError(f"{name} was taken here during the download (a save or a restore); "
+                                  f"it is not replaced") from None
+            except NewerHere:
+                with self._lock:
                     self.counters.downloads_kept_local += 1
-                    raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download")
-                os.replace(temp, final)
-                _fsync_dir(store.path)
-                if meta is not None:
-                    store.write_meta(meta)
+                raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") from None
         except AlreadyHere:
             raise
         except Incompatible as e:

@@ -24,6 +24,12 @@ verify_temp runs before the turn goes on (it is a stat); finalize runs off the
 request's path. A crash between the two renames leaves a .bin whose metadata is
 missing or stale (its `bytes` differ from the file): `cleanup()` at start removes
 such pairs, together with leftover temporaries and metadata without a .bin.
+
+A download from the shared bucket (autosessd/shared/) comes in through install(): its
+temporary, already whole and fsynced, and its metadata (fsynced to a temporary of its own
+first) are renamed in place together under _lock, after a last look that nobody else holds
+the name and that no local save at least as new is there; the directory is fsynced after
+the lock is let go. See install() for what a crash leaves.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import logging
 import os
 import re
 import threading
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +63,14 @@ FREE_MARGIN = 64 * 1024 * 1024
 
 class StoreError(Exception):
     pass
+
+
+class InUse(StoreError):
+    """install(): someone else holds the name (a save, a restore or another download)."""
+
+
+class NewerHere(StoreError):
+    """install(): a local save at least as new as the one offered is in place; it stays."""
 
 
 def auto_name(key: str) -> str:
@@ -193,12 +208,18 @@ GROUP_FILE_MODE = 0o640
 
 class Store:
     """The session directory. Used from the event loop and from worker threads (finalize,
-    prune, status and ls run in the executor), so:
+    prune, status, ls and the shared tier's downloads run in threads).
 
-    loop only     acquire, release, using      (they change in_use)
-    any thread    everything else; in_use and the metadata cache are read and changed
-                  only under _lock, and remove() checks in_use and unlinks under it, so
-                  once acquire(name) has returned no prune or remove deletes that file
+    Every method is safe from any thread. in_use and the metadata cache are read and
+    changed only under _lock; acquire, release, using and users take it for a counter
+    change. What else runs under _lock, and so bounds how long acquire() waits on the loop:
+      remove()    the in_use check, one stat and one unlink: once acquire(name) has
+                  returned, no prune or remove deletes that file
+      install()   the in_use check, one metadata read and two renames: no acquire() and no
+                  other install between the look and the renames
+      scan()      the metadata cache's updates (no I/O)
+    Nothing fsyncs under _lock. finalize takes no lock: a local save holds acquire(final)
+    from before its finalize to after it, which is what install() looks for.
     """
 
     def __init__(self, path: str | Path, group: int | None = None):
@@ -232,8 +253,8 @@ class Store:
         return self.path / manual_name(name)
 
     def acquire(self, name: str) -> None:
-        """Mark a name as being written or read: prune and remove leave it alone. Waits at
-        most for one unlink a prune thread is doing."""
+        """Mark a name as being written or read: prune, remove and install leave it alone.
+        Waits at most for one of the short sections under _lock (the class docstring)."""
         with self._lock:
             self.in_use[name] += 1
 
@@ -242,6 +263,11 @@ class Store:
             self.in_use[name] -= 1
             if self.in_use[name] <= 0:
                 del self.in_use[name]
+
+    def users(self, name: str) -> int:
+        """How many holders the name has right now (acquire() counts one each)."""
+        with self._lock:
+            return self.in_use.get(name, 0)
 
     @contextlib.contextmanager
     def using(self, name: str) -> Iterator[None]:
@@ -337,6 +363,12 @@ class Store:
 
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
+        self._meta_temp(meta, tmp)
+        os.replace(tmp, self.meta_path(meta.key))
+        _fsync_dir(self.path)
+
+    def _meta_temp(self, meta: Meta, tmp: Path) -> None:
+        """The metadata, whole and fsynced, under the temporary name tmp."""
         d = asdict(meta)
         if d["host"] is None:
             del d["host"]  # a save made here: the metadata as it always was
@@ -348,13 +380,58 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, self.meta_path(meta.key))
-        _fsync_dir(self.path)
 
     def write_meta(self, meta: Meta) -> None:
-        """Write auto-<key>.json atomically, for a .bin that came from elsewhere (a download
-        from the shared tier, autosessd/shared.py); a local save writes it in finalize."""
+        """Write auto-<key>.json atomically, for a .bin put in place by other means (tests,
+        tools); a local save writes it in finalize, a download in install."""
         self._write_meta(meta)
+
+    def install(self, temp: Path, name: str, meta: Meta | None, *, claimed: bool) -> None:
+        """Put `temp` (in this directory, whole and fsynced: a download from the shared tier)
+        in place as `name`, with `meta` as its metadata, as finalize does for a local save.
+        name is auto-<meta.key>.bin, or a parked name with meta None. Blocking.
+
+        Refused, with nothing under the name changed (the caller removes temp):
+          InUse      someone else holds the name: in_use counts more than the caller's own
+                     (claimed: the caller holds one count itself, else none)
+          NewerHere  meta given, and auto-<meta.key>.bin has metadata at least as new
+                     (saved_at): a local save finalized meanwhile is kept
+        Both are judged under _lock, in the same section as the renames: no acquire() and
+        no other install comes between the look and the renames. A local save holds
+        acquire(final) from before its finalize, so one finalizing now is refused (InUse),
+        and one that acquires later finalizes after both renames are done.
+
+        Order: the metadata to a temporary of its own, fsynced (no lock); under _lock: the
+        look, rename temp → name, rename the metadata; then fsync the directory (no lock).
+        A crash before that fsync leaves the old pair, the new pair, or the new .bin with
+        the old metadata (a journaling filesystem keeps two renames in one directory in
+        order), as a crash inside finalize does: a .bin whose metadata is missing or
+        disagrees (key, bytes) is treated as absent by every reader and removed by
+        cleanup() at start, with the temporaries. No torn .bin: temp was whole before."""
+        if meta is not None and name != auto_name(meta.key):
+            raise ValueError(f"install: {name} is not the file of {meta.key}'s metadata")
+        if Path(name).name != name or name.startswith("."):
+            raise ValueError(f"install: {name!r} is not a bare file name")
+        final = self.path / name
+        meta_tmp = None
+        if meta is not None:
+            meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
+            self._meta_temp(meta, meta_tmp)
+        try:
+            with self._lock:
+                if self.in_use.get(name, 0) > (1 if claimed else 0):
+                    raise InUse(f"{name} is being written or read")
+                local = self.read_meta(meta.key) if meta is not None else None
+                if local is not None and local.saved_at >= meta.saved_at:
+                    raise NewerHere(f"{name}: the local save (saved_at {local.saved_at:.3f}) is as new")
+                os.replace(temp, final)
+                if meta_tmp is not None:
+                    os.replace(meta_tmp, self.meta_path(meta.key))
+                    meta_tmp = None
+        finally:
+            if meta_tmp is not None:
+                self._unlink(meta_tmp)
+        _fsync_dir(self.path)
 
     def discard_temp(self, key: str) -> None:
         try:

@@ -258,6 +258,39 @@ def test_a_download_never_replaces_a_name_taken_or_saved_here_meanwhile(tier):
     assert not [p for p in store.path.iterdir() if p.name.endswith(".partial")]
 
 
+def test_a_download_s_fsyncs_never_hold_up_the_store_for_the_event_loop(tier, monkeypatch):
+    """Store.acquire runs on the event loop (a turn claims a name, a save its file): the last
+    step of a download must not hold the store's lock while the disk syncs."""
+    import threading
+    sh, store = tier
+    data = slot_bytes(n_tokens=7)
+    sh._client = _Client(data)
+    s = remote_save(data, saved=200.0)
+    final = store.path / s.name
+    in_fsync, go_on = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if final.exists():  # renamed into place: the directory's fsync (and the metadata's, once)
+            in_fsync.set()
+            assert go_on.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    t = threading.Thread(target=sh.download, args=(s, store))
+    t.start()
+    acquired = threading.Event()
+    try:
+        assert in_fsync.wait(10)
+        threading.Thread(target=lambda: (store.acquire(s.name), acquired.set()), daemon=True).start()
+        assert acquired.wait(2), "Store.acquire waited for a download's fsync"
+    finally:
+        go_on.set()
+        t.join(10)
+    store.release(s.name)
+    assert store.read_meta(KEY).saved_at == 200.0 and sh.status()["downloads"] == 1
+
+
 def test_a_save_of_a_kv_layout_this_engine_cannot_load_never_replaces_the_local_file(tier):
     from autosessd.slotfile import KVLayout
     sh, store = tier

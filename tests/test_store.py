@@ -291,3 +291,121 @@ def test_a_file_taken_into_use_while_prune_runs_is_kept(tmp_path, monkeypatch):
     plan = s.prune(keep=1, max_bytes=10**9)
     assert s.bin_path(K[0]).exists() and s.read_meta(K[0]) is not None
     assert {e.key for e in plan.remove} == {K[1]}
+
+
+# -- install: a download from the shared tier put in place --------------------------------------
+
+def download_temp(s: Store, size: int, fill: bytes = b"d") -> Path:
+    """What a download leaves before install: a whole, fsynced temporary of its own name."""
+    temp = s.path / f".autosessd-auto-{K[0]}.1234abcd.download.partial"
+    temp.write_bytes(b"qsgg" + fill * (size - 4))
+    return temp
+
+
+def remote_meta(size: int, saved_at: float) -> Meta:
+    return Meta(K[0], 50, size, saved_at, MODEL, 1.0, host="there")
+
+
+def test_install_puts_the_file_and_its_metadata_in_place(tmp_path):
+    s = Store(tmp_path)
+    save(s, K[0], size=100, saved_at=1.0)
+    name = auto_name(K[0])
+    with s.using(name):  # the download's own claim
+        assert s.users(name) == 1
+        s.install(download_temp(s, 300), name, remote_meta(300, 2.0), claimed=True)
+    assert s.users(name) == 0
+    assert s.bin_path(K[0]).read_bytes()[4:] == b"d" * 296
+    assert s.read_meta(K[0]) == remote_meta(300, 2.0)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # A parked name has no metadata.
+    temp = download_temp(s, 50)
+    s.install(temp, "parked.bin", None, claimed=False)
+    assert (tmp_path / "parked.bin").stat().st_size == 50 and not temp.exists()
+
+
+def test_install_never_replaces_a_name_held_here_nor_a_local_save_as_new(tmp_path):
+    from autosessd.store import InUse, NewerHere
+
+    s = Store(tmp_path)
+    save(s, K[0], size=100, saved_at=5.0)
+    name, mine = auto_name(K[0]), s.read_meta(K[0])
+
+    def leaves_all_as_it_was(temp):
+        assert s.read_meta(K[0]) == mine and s.bin_path(K[0]).stat().st_size == 100
+        assert temp.exists()  # the caller's to remove
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [temp.name]
+
+    with s.using(name):  # a save or a restore here, and the caller holds nothing
+        temp = download_temp(s, 300)
+        with pytest.raises(InUse, match="being written or read"):
+            s.install(temp, name, remote_meta(300, 9.0), claimed=False)
+        leaves_all_as_it_was(temp)
+        with s.using(name):  # the caller's claim and someone else's
+            with pytest.raises(InUse):
+                s.install(temp, name, remote_meta(300, 9.0), claimed=True)
+        leaves_all_as_it_was(temp)
+    # A local save as new (or newer) stays; an older one is replaced.
+    for saved_at in (5.0, 4.0):
+        with pytest.raises(NewerHere):
+            s.install(temp, name, remote_meta(300, saved_at), claimed=False)
+        leaves_all_as_it_was(temp)
+    s.install(temp, name, remote_meta(300, 5.5), claimed=False)
+    assert s.read_meta(K[0]).saved_at == 5.5
+
+
+def test_acquire_does_not_wait_for_an_install_s_fsyncs(tmp_path, monkeypatch):
+    """acquire() runs on the event loop: install must not hold _lock across an fsync (a slow
+    disk would stall every turn). The fsyncs after the rename block here until released."""
+    import threading
+
+    s = Store(tmp_path)
+    name = auto_name(K[0])
+    final = s.bin_path(K[0])
+    in_fsync, go_on = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if final.exists():  # the rename is done: this is the directory's fsync
+            in_fsync.set()
+            assert go_on.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    temp = download_temp(s, 300)
+    t = threading.Thread(target=s.install, args=(temp, name, remote_meta(300, 2.0)), kwargs={"claimed": False})
+    t.start()
+    acquired = threading.Event()
+    try:
+        assert in_fsync.wait(10)
+        threading.Thread(target=lambda: (s.acquire(name), acquired.set()), daemon=True).start()
+        assert acquired.wait(2), "acquire() waited for install's fsync"
+    finally:
+        go_on.set()
+        t.join(10)
+    assert s.users(name) == 1 and s.read_meta(K[0]).saved_at == 2.0
+
+
+def test_a_crash_between_install_s_renames_leaves_no_save_a_reader_takes(tmp_path, monkeypatch):
+    """The new .bin is in place, its metadata not (the process died): the pair disagrees, so
+    it reads as absent, and cleanup at the next start removes it and every temporary."""
+    s = Store(tmp_path)
+    save(s, K[0], size=100, saved_at=1.0)
+    real_replace = os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the process dies here")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        s.install(download_temp(s, 300), auto_name(K[0]), remote_meta(300, 2.0), claimed=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert s.read_meta(K[0]) is None and s.scan()[0].meta is None
+    (tmp_path / f".autosessd-{K[0]}.0000ffff.install.json.partial").write_text("{}")  # one a crash left
+    s2 = Store(tmp_path)
+    assert sorted(s2.cleanup()) == sorted([f"auto-{K[0]}.bin (no valid metadata (interrupted save))",
+                                           f".autosessd-{K[0]}.0000ffff.install.json.partial (leftover temporary)"])
+    assert list(tmp_path.iterdir()) == []
