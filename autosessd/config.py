@@ -76,7 +76,7 @@ class ControlConfig:
 
 @dataclass(frozen=True)
 class SharedConfig:
-    """[shared]: an S3-compatible bucket under the session directory (autosessd/shared.py).
+    """[shared]: an S3-compatible bucket under the session directory (autosessd/shared/).
 
     Credentials never live here: they come from the environment (AWS_ACCESS_KEY_ID,
     AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), from `credentials_file` (AWS's INI format), or

@@ -176,7 +176,7 @@ def plan_restore_by_tokens(held: Held | None, key: str, outcome: SaveOutcome, fo
 
 @dataclass(frozen=True)
 class Fetch:
-    """Download this save from the shared bucket (autosessd/shared.py), then restore it: it
+    """Download this save from the shared bucket (autosessd/shared/), then restore it: it
     would give the request `shared` tokens, `gain` more than the slot or a local file would."""
 
     name: str

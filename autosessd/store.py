@@ -120,7 +120,7 @@ class Meta:
     # A shared prefix (a system prompt and tools, read on its own before a new conversation):
     # no conversation of its own, restored for any request that starts with it.
     prefix: bool = False
-    # The host whose save it is, for a file downloaded from the shared bucket (shared.py);
+    # The host whose save it is, for a file downloaded from the shared bucket (shared/);
     # None: saved here. A restart uploads only this host's own saves (and never re-uploads
     # what the bucket prune removed from another host's).
     host: str | None = None

@@ -4,7 +4,7 @@
     python bench/shared.py [--sizes 20,80] [--reps 5] [--engine]
 
 Starts scripts/s3-gateway (timed) unless S3_GATEWAY_DIR names a running one, then for each
-size moves a slot file (slotfile.build layout, random state) through autosessd/shared.py as
+size moves a slot file (slotfile.build layout, random state) through autosessd/shared/ as
 the daemon will: upload_now from host A's session directory, download into host B's (temporary,
 verify size and header, fsync, rename, metadata). Prints median (min-max) seconds and MB/s,
 and what the estimate makes of them against re-reading the prompt.

@@ -112,6 +112,7 @@ import struct  # noqa: E402
 import types  # noqa: E402
 
 from autosessd import shared as shared_mod  # noqa: E402
+from autosessd.shared import downloads as downloads_mod  # noqa: E402
 from autosessd.config import parse  # noqa: E402
 from autosessd.shared import SharedStore  # noqa: E402
 from autosessd.store import Store  # noqa: E402
@@ -194,7 +195,7 @@ def test_a_failed_download_teaches_the_rate_and_pauses_downloads(tier, monkeypat
     data = slot_bytes(pad=3 * 1024 * 1024)
     clock = [1000.0]
     # A stalled link: every read takes 30 s of the (fake) clock, the second one times out.
-    monkeypatch.setattr(shared_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=__import__("time").time))
+    monkeypatch.setattr(downloads_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=__import__("time").time))
     sh._client = _Client(data, fail_after=shared_mod.CHUNK, on_read=lambda: clock.__setitem__(0, clock[0] + 30))
     s = remote_save(data)
     with pytest.raises(SharedError):

@@ -1,0 +1,260 @@
+"""Downloads: a save another host made, from the bucket into the session directory.
+
+decide() weighs downloading a save (bytes at the measured rate, plus the restore) against
+re-reading its tokens (the engine's prompt rate) and says both numbers; no download is tried
+while the bucket does not answer or after a failed download, until its backoff has run out
+(doubling per failure up to retry_max_s, reset by a success): a dead or crawling bucket costs
+one turn its timeout, not every turn. A failed download still teaches the rate.
+
+download(): temporary (.autosessd-*.partial, removed by Store.cleanup after a crash) → size and
+slot-file header verified → KV layout checked (refused when this engine cannot load it) →
+fsync → Store.install: the file and the metadata taken from the same GET renamed in place
+together, after the store's last look, as a local finalize makes a save visible. A name that
+is in use locally (being saved, restored or downloaded: Store.in_use) is never replaced, and
+a local save at least as new as the remote one is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from .. import slotfile
+from ..store import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
+from .bucket import AlreadyHere, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate, stem_of
+
+log = logging.getLogger("autosessd.shared")
+
+CHUNK = 1 << 20
+# A failed download teaches the rate (bytes that arrived / time spent) only when it took this
+# long: a refused connection says nothing about the link's speed.
+DOWN_RATE_MIN_S = 1.0
+DOWN_BACKOFF_S = 10.0  # the first pause of downloads after a failed one; doubles up to retry_max_s
+
+
+class Downloads:
+    """SharedStore's downloads (a mixin: the state it uses is made in SharedStore.__init__ —
+    _client, bucket, cfg, _errors, counters under _lock, _down_rate, _down_backoff_until,
+    _down_backoff_s, _blocked_said, progress)."""
+
+    def decide(self, s: RemoteSession, prefill_tokens_s: float | None, n_tokens: int | None = None,
+               restore_bytes_s: float | None = None, unreachable: str | None = None) -> Estimate:
+        """Whether downloading `s` beats re-reading n_tokens (default: the tokens it holds),
+        from the measured download rate; logs both numbers and counts a skip. Never while the
+        bucket is failing (unreachable: why) or a failed download's backoff runs."""
+        n = s.n_tokens if n_tokens is None else n_tokens
+        est = estimate(s.bytes, n, self._down_rate, prefill_tokens_s, restore_bytes_s)
+        blocked = self.download_blocked(unreachable)
+        if blocked is not None:
+            est = dataclasses.replace(est, blocked=blocked)
+            with self._lock:
+                self.counters.downloads_skipped_unreachable += 1
+                said, self._blocked_said = self._blocked_said, True
+            (log.debug if said else log.warning)("auto sessions: %s (said once until downloads are tried again)",
+                                                 est.line(s.name, s.bytes, n))
+            return est
+        with self._lock:
+            self._blocked_said = False
+        log.info("auto sessions: %s", est.line(s.name, s.bytes, n))
+        if not est.worth:
+            with self._lock:
+                self.counters.downloads_skipped_slower += 1
+        return est
+
+    def download_blocked(self, unreachable: str | None = None) -> str | None:
+        """Why no download should be tried now, or None. unreachable: why the caller's last LIST
+        of the bucket failed (remote.Remote keeps it)."""
+        if unreachable:
+            return f"the bucket does not answer ({unreachable})"
+        left = self._down_backoff_until - time.monotonic()
+        if left > 0:
+            return (f"a download failed {self._down_backoff_s - left:.0f} s ago "
+                    f"({self.counters.last_download_error}); the next is tried in {left:.0f} s")
+        return None
+
+    @property
+    def download_bytes_per_s(self) -> float | None:
+        return self._down_rate
+
+    def download(self, s: RemoteSession, store: Store, claimed: bool = False, deadline: float | None = None,
+                 layout: slotfile.KVLayout | None = None) -> Path:
+        """Bring save `s` into the session directory as s.name; → its path. SharedError when
+        it cannot; then nothing under that name changed. Blocking: run it in a thread.
+
+        deadline (time.monotonic()): past it the download stops between two chunks and fails
+        (a turn waits for it: a stalled link must not hold the request; one read is bounded by
+        read_timeout_s).
+
+        layout: this engine's KV layout when known. A save of a layout it cannot load (one KV
+        stream against -np N without a unified cache, other cache types) is refused before it
+        replaces anything: the local file, loadable or not, stays (Incompatible).
+
+        The name is held in Store.in_use for the download (prune leaves it alone) and a name
+        someone else holds is never replaced. claimed=True: the caller acquired the name
+        itself (on the event loop, to keep holding it through the restore that follows).
+
+        The .bin and its .json are put in place by Store.install (the file, then its
+        metadata, both taken from the one GET: no second request between them), after its
+        last look that nobody took the name and no local save at least as new finalized
+        meanwhile."""
+        name = s.name
+        stem = stem_of(name)
+        final = store.path / name
+        conv = s.conversation_key
+        if store.users(name) > (1 if claimed else 0):
+            raise SharedError(f"{name} is being written or read here; a download does not replace it")
+        local = store.read_meta(conv) if conv else None
+        if local is not None and local.saved_at >= s.saved_at:
+            with self._lock:
+                self.counters.downloads_kept_local += 1
+            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
+        temp = store.path / f"{TEMP_PREFIX}{stem}.{uuid.uuid4().hex[:8]}.download.partial"
+        # The store's mode and group when it has them (0640 + control.group), else 0600.
+        mode, group = getattr(store, "mode", 0o600), getattr(store, "group", None)
+        if not claimed:
+            store.acquire(name)
+        t0 = time.monotonic()
+        got = 0
+        try:
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                if group is not None:
+                    os.fchown(fd, -1, group)
+                os.fchmod(fd, mode)
+                with os.fdopen(fd, "wb") as out:
+                    r = self._client.get_object(Bucket=self.bucket, Key=s.key)
+                    body = r["Body"]
+                    md = _object_meta(r.get("Metadata") or {})
+                    # The saving host recorded its layout: an incompatible save costs no bytes.
+                    theirs = slotfile.KVLayout.from_fingerprint(md["layout"]) if md.get("layout") else None
+                    if theirs is not None:
+                        self._check_layout(s, theirs, layout, body)
+                    while chunk := body.read(CHUNK):
+                        if deadline is not None and time.monotonic() > deadline:
+                            body.close()
+                            raise SharedError(f"download of {s.key}: stopped after {got:,} of {s.bytes:,} bytes: "
+                                              f"past its time limit (download_timeout_s)")
+                        out.write(chunk)
+                        got += len(chunk)
+                        with self._lock:
+                            self.counters.bytes_down += len(chunk)
+                        if self.progress:
+                            self.progress("down", s.key, got)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if got != s.bytes:
+                    raise SharedError(f"download of {s.key}: {got:,} bytes arrived, the object has {s.bytes:,}")
+                header = slotfile.read_header(temp)
+                if header.n_tokens != s.n_tokens:
+                    raise SharedError(f"download of {s.key}: its header holds {header.n_tokens:,} tokens, "
+                                      f"its name says {s.n_tokens:,}")
+                if theirs is None:
+                    # Older objects lack it in their metadata: the file's own KV block says.
+                    try:
+                        theirs = slotfile.read_layout(temp)
+                    except slotfile.BadSlotFile:
+                        theirs = None  # not readable here: the restore's own check decides
+                    if theirs is not None:
+                        self._check_layout(s, theirs, layout, None)
+            except (slotfile.BadSlotFile, *self._errors) as e:
+                raise SharedError(f"download of {s.key}: {_why(e)}") from e
+            meta = self._local_meta(s, conv, md, theirs) if conv else None
+            # The last look and the renames, in one section of the store's lock: the name is
+            # not taken by anyone but this download (which holds one count of it, claimed or
+            # acquired above), and a local save finalized meanwhile (another slot) stays.
+            try:
+                store.install(temp, name, meta, claimed=True)
+            except InUse:
+                raise SharedError(f"{name} was taken here during the download (a save or a restore); "
+                                  f"it is not replaced") from None
+            except NewerHere:
+                with self._lock:
+                    self.counters.downloads_kept_local += 1
+                raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") from None
+        except AlreadyHere:
+            raise
+        except Incompatible as e:
+            with self._lock:
+                self.counters.downloads_refused_layout += 1
+                self.counters.last_download_error = str(e)
+            raise
+        except BaseException as e:
+            spent = time.monotonic() - t0
+            with self._lock:
+                self.counters.download_failures += 1
+                self.counters.last_download_error = str(e)
+                # What the failed try says about the link: bytes that arrived over the time it
+                # took. A stalled link thus drives the estimate towards re-reading, instead of
+                # leaving it unknown (and so "download") for ever.
+                if spent >= DOWN_RATE_MIN_S:
+                    self._learn_rate(max(got, 1) / spent)
+                self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
+                                           max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
+                self._down_backoff_until = time.monotonic() + self._down_backoff_s
+            raise
+        finally:
+            if not claimed:
+                store.release(name)
+            try:
+                temp.unlink()
+            except FileNotFoundError:
+                pass
+        ms = (time.monotonic() - t0) * 1000
+        rate = s.bytes / max(ms / 1000, 1e-6)
+        with self._lock:
+            self.counters.downloads += 1
+            self.counters.download_ms_total += ms
+            self.counters.last_download_ms = ms
+            self._learn_rate(rate)
+            self._down_backoff_s = 0.0
+            self._down_backoff_until = 0.0
+        log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
+                 f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
+        return final
+
+    def _check_layout(self, s: RemoteSession, theirs: slotfile.KVLayout, ours: slotfile.KVLayout | None,
+                      body: Any) -> None:
+        if ours is None or theirs.compatible(ours):
+            return
+        if body is not None:
+            body.close()
+        raise Incompatible(f"{s.name} from {s.host}: saved with KV layout {theirs.fingerprint()}, this engine's is "
+                           f"{ours.fingerprint()} (run every host with the same model and the same -np / "
+                           f"--kv-unified / cache type / flash attention flags); the local file stays")
+
+    def _learn_rate(self, rate: float) -> None:
+        # A moving average: one slow download (a busy link) does not decide the next alone.
+        # Under _lock.
+        self._down_rate = rate if self._down_rate is None else 0.5 * self._down_rate + 0.5 * rate
+
+    def _local_meta(self, s: RemoteSession, conv: str, md: dict[str, str],
+                    layout: slotfile.KVLayout | None) -> Meta:
+        """The local metadata of a downloaded save: what its name says, and what the saving
+        host recorded in the object's metadata (older objects lack the last four: None)."""
+
+        def num(k: str, kind: type) -> Any:
+            try:
+                return kind(md[k]) if k in md else None
+            except ValueError:
+                return None
+
+        line = md.get("line")
+        return Meta(key=conv, n_tokens=s.n_tokens, bytes=s.bytes, saved_at=s.saved_at,
+                    model=md.get("model", s.model), save_ms=num("save-ms", float) or 0.0,
+                    line=line if line and AUTO_BIN.match(f"auto-{line}.bin") else None,
+                    n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
+                    layout=layout.fingerprint() if layout is not None else None, host=s.host)
+
+
+def _object_meta(md: dict[str, str]) -> dict[str, str]:
+    """x-amz-meta-* as a GET returns them (lower-case names), the model name unquoted."""
+    md = {k.lower(): v for k, v in md.items()}
+    if "model" in md:
+        md["model"] = unquote(md["model"])
+    return md

@@ -1,0 +1,196 @@
+"""The bucket prune, and the lease that lets one host at a time run it.
+
+Bucket prune: separate from local prune (its own keep / max_gb), run by one host at a time
+under a lease object taken with conditional writes (PUT If-None-Match: * to create it, PUT
+If-Match: <etag> to take over an expired one, renew it, or release it). Expiry is judged on
+the server's clock (the lease's Last-Modified against the response's Date), so hosts' clocks
+do not matter. Seen with RGW 16.2: both conditions are honoured on PUT (412 otherwise), but
+If-Match matches only the ETag without its quotes; the quoted form is tried second, for
+servers that want it. A conditional DELETE is ignored by RGW 16.2, so a lease is released by
+rewriting it as released, never deleted.
+
+What goes is bucket.plan_bucket_prune's: superseded saves past grace_s, then the oldest current
+ones beyond keep / max_gb; multipart uploads abandoned for a day (their host died mid-upload)
+are aborted. Only names autosessd owns (bucket.py's layout) are ever touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from .bucket import LEASE, SESSIONS, SharedError, _http_date, _why, parse_key, plan_bucket_prune
+
+if TYPE_CHECKING:
+    from .tier import SharedStore
+
+log = logging.getLogger("autosessd.shared")
+
+# An unfinished multipart upload older than this is abandoned (its host died mid-upload);
+# a live one of a 20 GB file over a slow link still finishes well within it.
+STALE_MULTIPART_S = 24 * 3600
+
+
+class Lease:
+    """The bucket prune's lease: one object, changed only by conditional PUTs (see the module
+    docstring). held() is true from a successful acquire or renew until lease_s minus a margin
+    later by this host's monotonic clock, so a holder stops acting before anyone may take over."""
+
+    def __init__(self, shared: "SharedStore", key: str, ttl_s: float):
+        self.shared, self.key, self.ttl_s = shared, key, ttl_s
+        self.etag: str | None = None
+        self.token = uuid.uuid4().hex
+        self._until = 0.0
+
+    def held(self) -> bool:
+        return self.etag is not None and time.monotonic() < self._until
+
+    def _body(self, released: bool = False) -> bytes:
+        return json.dumps({"host": self.shared.host, "token": self.token, "ttl_s": self.ttl_s,
+                           "released": released}).encode()
+
+    def _put(self, body: bytes, **cond: str) -> str | None:
+        """One conditional PUT; the new ETag, or None when the condition failed (412)."""
+        c = self.shared._client
+        try:
+            t0 = time.monotonic()
+            r = c.put_object(Bucket=self.shared.bucket, Key=self.key, Body=body,
+                             ContentType="application/json", **cond)
+        except self.shared._ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412") or \
+                    e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412:
+                return None
+            raise
+        self._until = t0 + self.ttl_s * 0.8
+        return r["ETag"]
+
+    def _put_if_match(self, body: bytes, etag: str) -> str | None:
+        # RGW 16.2 matches the ETag without quotes; others may want it quoted. A 412 writes
+        # nothing, so trying both forms is safe.
+        bare = etag.strip('"')
+        return self._put(body, IfMatch=bare) or self._put(body, IfMatch=f'"{bare}"')
+
+    def acquire(self) -> tuple[bool, str]:
+        """(held, why not). Creates the lease, or takes over one that is released or expired."""
+        new = self._put(self._body(), IfNoneMatch="*")
+        if new:
+            self.etag = new
+            return True, ""
+        c = self.shared._client
+        try:
+            r = c.get_object(Bucket=self.shared.bucket, Key=self.key)
+            body = r["Body"].read()
+        except self.shared._ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return False, "the lease vanished while taking it; try again"
+            raise
+        try:
+            info = json.loads(body)
+            holder, ttl, released = str(info.get("host")), float(info.get("ttl_s", self.ttl_s)), bool(
+                info.get("released"))
+        except (ValueError, TypeError, AttributeError):
+            holder, ttl, released = "?", self.ttl_s, True  # unreadable: treat as free (it is ours to own)
+        server_now = _http_date(r["ResponseMetadata"]["HTTPHeaders"].get("date")) or time.time()
+        age = server_now - r["LastModified"].timestamp()
+        if not released and age < ttl:
+            return False, f"held by {holder} (renewed {age:.0f} s ago, expires after {ttl:.0f} s)"
+        new = self._put_if_match(self._body(), r["ETag"])
+        if not new:
+            return False, "another host took the expired lease first"
+        self.etag = new
+        return True, ""
+
+    def renew(self) -> bool:
+        if self.etag is None:
+            return False
+        new = self._put_if_match(self._body(), self.etag)
+        self.etag = new
+        return new is not None
+
+    def release(self) -> None:
+        if self.etag is None:
+            return
+        try:
+            self._put_if_match(self._body(released=True), self.etag)
+        finally:
+            self.etag = None
+            self._until = 0.0
+
+
+class BucketPrune:
+    """SharedStore's bucket prune (a mixin: it uses SharedStore's _client, bucket, prefix, cfg,
+    _errors, counters under _lock, and its listing, _list)."""
+
+    def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None,
+                     stop: threading.Event | None = None) -> dict:
+        """Remove superseded saves past grace_s and the oldest current ones beyond keep / max_gb,
+        holding the lease; abort abandoned multipart uploads under the prefix. Touches only
+        names autosessd owns (the pattern in bucket.py's docstring). stop: set at the daemon's
+        stop; the prune ends before its next batch (the lease is released)."""
+        keep = self.cfg.keep if keep is None else keep
+        max_bytes = int((self.cfg.max_gb if max_gb is None else max_gb) * 1e9)
+        lease = Lease(self, self.prefix + LEASE, self.cfg.lease_s)
+        try:
+            held, why = lease.acquire()
+        except self._errors as e:
+            raise SharedError(f"bucket prune: taking the lease: {_why(e)}") from e
+        if not held:
+            report = {"done": False, "why": f"another host prunes: the lease is {why}"}
+            log.info("auto sessions: shared: bucket prune skipped: lease %s", why)
+            return report
+        removed = aborted = 0
+        freed = 0
+        try:
+            saves, now = self._list()
+            plan = plan_bucket_prune(saves, keep, max_bytes, now, self.cfg.grace_s)
+            report = {"done": True, "dry_run": dry_run, "saves": len(saves), "remove": len(plan.remove),
+                      "superseded": plan.superseded, "freed_bytes": plan.freed}
+            if not dry_run:
+                todo = list(plan.remove)
+                while todo:
+                    if stop is not None and stop.is_set():
+                        raise SharedError("bucket prune: cut short by a stop")
+                    batch, todo = todo[:500], todo[500:]
+                    # Renewed before every batch: a long prune never outlives its lease.
+                    if not lease.held() or not lease.renew():
+                        raise SharedError("bucket prune: lost the lease (another host took it over)")
+                    r = self._client.delete_objects(Bucket=self.bucket, Delete={
+                        "Objects": [{"Key": s.key} for s in batch], "Quiet": True})
+                    failed = {e["Key"] for e in r.get("Errors", [])}
+                    removed += sum(1 for s in batch if s.key not in failed)
+                    freed += sum(s.bytes for s in batch if s.key not in failed)
+                aborted = 0 if stop is not None and stop.is_set() else self._abort_abandoned(now)
+                report.update(removed=removed, freed_bytes=freed, aborted_uploads=aborted)
+        except self._errors as e:
+            raise SharedError(f"bucket prune: {_why(e)}") from e
+        finally:
+            try:
+                lease.release()
+            except self._errors as e:
+                log.warning("auto sessions: shared: releasing the prune lease: %s (it expires by itself)", _why(e))
+        report["at"] = time.time()
+        with self._lock:
+            self.counters.last_prune = report
+        log.info("auto sessions: shared: bucket prune %s %d of %d saves (%d superseded), %.2f GB",
+                 "would remove" if dry_run else "removed", report["remove"] if dry_run else removed,
+                 report["saves"], plan.superseded, (plan.freed if dry_run else freed) / 1e9)
+        return report
+
+    def _abort_abandoned(self, now: float) -> int:
+        n = 0
+        kw = {"Bucket": self.bucket, "Prefix": self.prefix + SESSIONS}
+        while True:
+            r = self._client.list_multipart_uploads(**kw)
+            for u in r.get("Uploads", []):
+                if parse_key(self.prefix, u["Key"], 0, 0) is None:
+                    continue  # not a name autosessd owns
+                if now - u["Initiated"].timestamp() > max(STALE_MULTIPART_S, self.cfg.grace_s):
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                    n += 1
+            if not r.get("IsTruncated"):
+                return n
+            kw["KeyMarker"], kw["UploadIdMarker"] = r.get("NextKeyMarker"), r.get("NextUploadIdMarker")
