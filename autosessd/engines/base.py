@@ -9,7 +9,7 @@ EngineError whose message says what went wrong in words a user can act on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class EngineBadAnswer(EngineError):
     """The engine answered something that is not what its protocol promises."""
 
 
+@runtime_checkable
 class Engine(Protocol):
     kind: str
     address: str  # for messages: the URL or control address
@@ -101,3 +102,35 @@ class Engine(Protocol):
     async def info(self) -> EngineInfo: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ChatEngine(Engine, Protocol):
+    """An engine that can also say what a chat request's tokens are and read a prompt into a
+    slot (llama-server). What autosessd does with it: tokens choose the file to restore
+    (turn.py), a shared prefix is read and saved on its own (prefix.py), the primer fills an
+    emptied slot (launch.py), `ls` shows a file's first words (report.py), the start's probe
+    of idle-slot clearing (daemon.py). An engine without it (the control stream) follows the
+    key rule: sessions.py asks `isinstance(engine, ChatEngine)` once."""
+
+    async def apply_template(self, body: dict, timeout_s: float | None = None) -> str:
+        """The text a chat request is prompted with, from the engine's own template."""
+        ...
+
+    async def tokenize(self, text: str, timeout_s: float | None = None) -> list[int]:
+        """`text` as the chat path tokenizes a prompt (special tokens added and parsed)."""
+        ...
+
+    async def prompt_tokens(self, body: dict, timeout_s: float | None = None) -> list[int]:
+        """The exact tokens a chat request would be prompted with, without running it."""
+        ...
+
+    async def detokenize(self, tokens: list[int], timeout_s: float | None = None) -> str: ...
+
+    async def prefill(self, slot: int, tokens: list[int]) -> PrefillResult:
+        """Read `tokens` into the slot and stop there (a start like any request)."""
+        ...
+
+    async def complete(self, slot: int, prompt: str, n_predict: int) -> Any:
+        """A raw completion pinned to a slot (the start's probes)."""
+        ...
