@@ -37,10 +37,11 @@ from . import slotfile
 from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
-from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
+from .engines.base import ChatEngine, Engine, EngineError, SlotSavingOff, SlotsHidden
 from .remote import Remote
 from .requestlog import RequestLogError
-from .sessions import Sessions, fmt_bytes
+from .report import fmt_bytes
+from .sessions import Sessions
 from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
 from .upstream import Upstream
@@ -198,15 +199,14 @@ async def probe_idle_clearing(engine: Engine) -> bool:
     cache with --cache-idle-slots, llama-server's defaults for -np auto)? No endpoint says;
     a tiny request on slot 0, then one on slot 1, shows it: slot 0 keeps its tokens or not.
     Only on an engine whose first two slots hold nothing (nothing of anyone's is moved)."""
-    complete = getattr(engine, "complete", None)
-    if complete is None:
+    if not isinstance(engine, ChatEngine):
         return False
     try:
         states = {s.id: s for s in await engine.slots()}
         if any(states[i].is_processing or states[i].n_tokens for i in (0, 1) if i in states):
             return False
         for sid in (0, 1):
-            await complete(sid, "Hello", 1)
+            await engine.complete(sid, "Hello", 1)
         states = {s.id: s for s in await engine.slots()}
         clears = states[0].n_tokens == 0
         for sid in (0, 1):
@@ -309,12 +309,10 @@ class Daemon:
         for what in self.store.cleanup():
             log.info("auto sessions: removed %s", what)
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
-                                 slots_visible=checked.slots_visible)
-        self.sessions.add_slots(checked.total_slots)
-        self.sessions.engine_layout = checked.layout
-        self.sessions.clears_idle_slots = checked.clears_idle_slots
+                                 slots_visible=checked.slots_visible, n_slots=checked.total_slots,
+                                 layout=checked.layout, empties_idle_slots=checked.clears_idle_slots)
+        self.sessions.watch.healthy = True  # the engine check just passed
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
-        self.sessions.engine_healthy = True
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
             # worker first queues local saves of this model that the bucket lacks.

@@ -41,10 +41,10 @@ from typing import Any
 from aiohttp import web
 
 from .config import Config, parse_hostport
-from .engines.base import EngineError
 from .keys import conversation_key
 from .requestlog import RequestLog
-from .sessions import Sessions, Ticket
+from .placement import Ticket
+from .sessions import Sessions
 from .upstream import SSEWatcher, Upstream, gate_error
 
 log = logging.getLogger("autosessd")
@@ -214,7 +214,7 @@ class Gate:
             resp = await self.proxy(request, body)
             if request.query.get("action") in ("restore", "erase") and resp.status < 400:
                 # Someone else replaced what the slot holds.
-                self.sessions.lost(ticket.slot_id, f"a client's POST {request.path_qs} through the gate")
+                self.sessions.lost(ticket, f"a client's POST {request.path_qs} through the gate")
             return resp
 
     async def kv_request(self, request: web.Request) -> web.StreamResponse:
@@ -253,11 +253,11 @@ class Gate:
         watcher = SSEWatcher()
         try:
             await asyncio.shield(turn_task)
-            await s.may_launch(ticket)
+            await s.before_send(ticket)
             if self.request_log:
                 self.request_log.write(event="start", id=rid, slot=ticket.slot_id, key=key)
             forwarded = True
-            self._spawn(s.launch_started(ticket))
+            s.sent(ticket)
             # Not shielded: cancelling it (client gone) closes the upstream request.
             resp = await self.proxy(request, body, watcher)
         except asyncio.CancelledError:
@@ -292,7 +292,7 @@ class Gate:
 
     async def _after_unplaced(self, tickets: list[Ticket]) -> None:
         try:
-            await self.sessions.ran_unplaced()
+            await self.sessions.ran_unplaced(tickets)
         except Exception as e:
             log.exception("gate: bookkeeping after an unplaced request: %s", e)
         finally:
@@ -305,7 +305,7 @@ class Gate:
         try:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
-            await self.sessions.ended(ticket.slot_id, key, status, n_tokens, cache_n, n_prompt)
+            await self.sessions.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
             if status == "ok":
                 self.sessions.prefill_seen(*watcher.prefill())
             if self.request_log and status != "not_run":
@@ -325,18 +325,10 @@ class Gate:
             with contextlib.suppress(Exception):
                 await turn_task
             if not forwarded:
-                await self.sessions.ended(ticket.slot_id, key, "not_run")
+                await self.sessions.ended(ticket, key, "not_run")
                 return
-            deadline = time.monotonic() + self.cfg.engine.timeout_s
-            while time.monotonic() < deadline:
-                try:
-                    st = await self.sessions.engine_slot(ticket.slot_id)
-                except EngineError:
-                    break
-                if st is None or not st.is_processing:
-                    break
-                await asyncio.sleep(0.05)
-            await self.sessions.ended(ticket.slot_id, key, "cancelled")
+            await self.sessions.wait_idle(ticket, self.cfg.engine.timeout_s)
+            await self.sessions.ended(ticket, key, "cancelled")
             if self.request_log:
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=None, status="cancelled")
         except Exception as e:
@@ -346,67 +338,10 @@ class Gate:
 
     # -- metrics ---------------------------------------------------------------
     def metrics(self) -> str:
-        c = self.sessions.counters
-        rows = [
-            ("turns_total", "counter", "Turns run (requests with a conversation key)", c.turns),
-            ("saves_total", "counter", "Conversations saved to auto-*.bin", c.saves),
-            ("restores_total", "counter", "Conversations restored from auto-*.bin", c.restores),
-            ("save_failures_total", "counter", "Saves that failed", c.save_failures),
-            ("restore_failures_total", "counter", "Restores that failed", c.restore_failures),
-            ("skipped_min_tokens_total", "counter", "Saves or restores skipped below min tokens",
-             c.skipped_min_tokens),
-            ("skipped_model_mismatch_total", "counter", "Restores skipped: file of another model",
-             c.skipped_model_mismatch),
-            ("skipped_disk_full_total", "counter", "Saves skipped: not enough free space", c.skipped_disk_full),
-            ("restores_reused_total", "counter", "Restores the engine reused (timings.cache_n)", c.restores_reused),
-            ("restores_not_reused_total", "counter", "Restores the engine did not reuse", c.restores_not_reused),
-            ("engine_resets_total", "counter", "Held states dropped because the engine lost them", c.engine_resets),
-            ("primed_total", "counter", "Requests to a slot the engine emptied, primed so that its RAM cache "
-             "serves them", c.primed),
-            ("saved_bytes_total", "counter", "Bytes saved", c.bytes_saved),
-            ("restored_bytes_total", "counter", "Bytes restored", c.bytes_restored),
-            ("save_milliseconds_total", "counter", "Engine time spent saving", c.ms_saved),
-            ("restore_milliseconds_total", "counter", "Engine time spent restoring", c.ms_restored),
-            ("prefill_tokens_avoided_total", "counter", "Prompt tokens reused thanks to a restore",
-             c.prefill_tokens_avoided),
+        """Every counter of Sessions (report.py), and the gate's own."""
+        return self.sessions.metrics([
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
             ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
              self.pool.errors_502),
             ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
-        ]
-        sh = self.sessions.remote.status() if self.sessions.remote is not None else None
-        if sh is not None:
-            # The shared bucket ([shared]): only when it is configured, so a scraper sees no zeros
-            # for a tier that is not there.
-            rows += [
-                ("shared_uploads_pending", "gauge", "Saves waiting to be uploaded to the shared bucket",
-                 sh["uploads_pending"]),
-                ("shared_uploads_retrying", "gauge", "Of those, uploads that failed and wait to be tried again",
-                 sh["uploads_retrying"]),
-                ("shared_uploads_total", "counter", "Saves uploaded to the shared bucket", sh["uploads_done"]),
-                ("shared_upload_failures_total", "counter", "Upload attempts that failed (each is retried)",
-                 sh["upload_failures"]),
-                ("shared_uploaded_bytes_total", "counter", "Bytes sent to the shared bucket", sh["bytes_up"]),
-                ("shared_downloads_total", "counter", "Saves downloaded from the shared bucket (hits)",
-                 sh["downloads"]),
-                ("shared_download_failures_total", "counter", "Downloads that failed (the request re-read)",
-                 sh["download_failures"]),
-                ("shared_downloads_skipped_total", "counter", "Downloads skipped: re-reading was estimated faster",
-                 sh["downloads_skipped_slower"]),
-                ("shared_downloads_skipped_unreachable_total", "counter",
-                 "Downloads not tried: the bucket's last list or a recent download failed",
-                 sh["downloads_skipped_unreachable"]),
-                ("shared_downloads_refused_layout_total", "counter",
-                 "Saves not downloaded: another KV layout than this engine's", sh["downloads_refused_layout"]),
-                ("shared_downloaded_bytes_total", "counter", "Bytes received from the shared bucket",
-                 sh["bytes_down"]),
-                ("shared_download_milliseconds_total", "counter", "Time spent downloading from the shared bucket",
-                 float(sh["download_ms_total"])),
-                ("shared_catalog_saves", "gauge", "Saves of this model in the shared bucket, as last read",
-                 sh["catalog"]["saves"]),
-            ]
-        out = []
-        for name, kind, help_, value in rows:
-            out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}",
-                    f"autosessd_{name} {value:g}" if isinstance(value, float) else f"autosessd_{name} {value}"]
-        return "\n".join(out) + "\n"
+        ])

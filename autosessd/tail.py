@@ -16,9 +16,11 @@ atomically to the state directory after each batch, so a restart neither replays
 misses a line; the very first start begins at the end of an existing log (its history
 is not happening now).
 
-What a line means for the slot is decided in sessions.py: a `start` is switched_to (the
-engine switches now, whatever we do), an `end` is ended (its n_tokens and cache_n, or
-the engine's GET /slots when the line is the newest one read). A start whose end never
+What a line means for the slot is decided by Sessions, in the tail's own protocol (no
+ticket, no launch hold): a `start` is observed_start (the engine switches now, whatever we
+do), an `end` is observed_end, a compare-and-swap that settles the slot only while it runs
+that request (its n_tokens and cache_n, or the engine's GET /slots when the line is the
+newest one read); it never saves: the save behind below does, holding the slot's ticket. A start whose end never
 comes expires after IN_FLIGHT_TTL_S once the engine's slot is idle (at most
 MAX_IN_FLIGHT are kept), counted in status as in_flight_expired.
 
@@ -47,7 +49,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .engines.base import EngineError
 from .requestlog import BadLine, LogEvent, parse_line
 from .sessions import Sessions
 
@@ -211,6 +212,7 @@ class Tail:
         self.sessions.on_engine_restart.append(self._engine_restarted)
         self._task = asyncio.get_running_loop().create_task(self._run())
         log.info("tail: following %s", self.path)
+
     def _start_watch(self) -> None:
         try:
             from watchdog.events import FileSystemEventHandler
@@ -310,15 +312,14 @@ class Tail:
                 await self._expire(oldest, "more than {:,} requests in flight".format(MAX_IN_FLIGHT))
             self.in_flight[ev.id] = (ev, time.monotonic())
             # The engine switches to this request now, whatever we do.
-            self.sessions.switched_to(ev.slot, ev.key)
-            self.sessions.watch_request(ev.slot)
+            self.sessions.observed_start(ev.slot, ev.key)
             if ev.key is not None:
                 self._last_held[ev.slot] = ev.key
             return
         start, _ = self.in_flight.pop(ev.id, (None, 0.0))
         if start is None:
             return
-        await self.sessions.ended(ev.slot, start.key, ev.status or "ok", ev.n_tokens, ev.cache_n, look=last)
+        await self.sessions.observed_end(ev.slot, start.key, ev.status or "ok", ev.n_tokens, ev.cache_n, look=last)
         if ev.status == "ok" and start.key is not None and not self._in_flight_on(ev.slot):
             self._schedule_save_behind(ev.slot)
 
@@ -333,7 +334,7 @@ class Tail:
         old = [rid for rid, (_, at) in self.in_flight.items() if now - at >= IN_FLIGHT_TTL_S]
         for rid in old:
             start, _ = self.in_flight[rid]
-            st = await self._slot_state(start.slot)
+            st = await self.sessions.look(start.slot)
             if st is not None and st.is_processing:
                 continue  # something still runs there: it may be this one
             await self._expire(rid, f"no end logged within {IN_FLIGHT_TTL_S:g} s")
@@ -342,7 +343,7 @@ class Tail:
         start, _ = self.in_flight.pop(rid)
         self.in_flight_expired += 1
         log.warning("tail: request %s in %s: %s; counted as failed", rid, self.path, why)
-        await self.sessions.ended(start.slot, start.key, "error")
+        await self.sessions.observed_end(start.slot, start.key, "error")
 
     # -- save behind ---------------------------------------------------------------
     def _schedule_save_behind(self, slot: int) -> None:
@@ -362,7 +363,7 @@ class Tail:
             while True:  # wait for the engine to finish, unless another request is logged
                 if self._in_flight_on(slot):
                     return
-                st = await self._slot_state(slot)
+                st = await self.sessions.look(slot)
                 if st is None or not st.is_processing:
                     break
                 await asyncio.sleep(0.05)
@@ -377,7 +378,7 @@ class Tail:
                 await self.read_new_lines()
             if self.starts_seen[slot] != starts_before or self._in_flight_on(slot):
                 return "a request started meanwhile"
-            st = await self._slot_state(slot)
+            st = await self.sessions.look(slot)
             if st is not None and (st.is_processing or (n_tokens_before is not None
                                                         and st.n_tokens != n_tokens_before)):
                 return "the engine's slot changed meanwhile"
@@ -385,21 +386,12 @@ class Tail:
 
         return check
 
-    async def _slot_state(self, slot: int) -> Any:
-        if not self.sessions.slots_visible:
-            return None
-        try:
-            return await self.sessions.engine_slot(slot)
-        except EngineError as e:
-            log.debug("tail: slot state: %s", e)
-            return None
-
     # -- after an engine restart ---------------------------------------------------
     async def _engine_restarted(self) -> None:
         for slot, key in sorted(self._last_held.items()):
             if slot not in self.sessions.slots or self._in_flight_on(slot):
                 continue
-            st = await self._slot_state(slot)
+            st = await self.sessions.look(slot)
             if st is not None and (st.is_processing or st.n_tokens > 0):
                 continue
             await self.sessions.restore_behind(slot, key, self._still_ours(slot, self.starts_seen[slot]))

@@ -592,7 +592,7 @@ def part_turn(work: Path) -> dict[str, Any]:
     rng = random.Random(12)
 
     async def go():
-        from autosessd.sessions import SPLIT_MARK
+        from autosessd.prefix import SPLIT_MARK
 
         eng = LlamaServer(e.url, timeout_s=120)
         try:

@@ -33,7 +33,7 @@ async def hold(s, key, n):
     async with await s.admit() as t:
         await s.turn(t, key)
         s.engine.ran(n)
-        await s.ended(t.slot_id, key, "ok")
+        await s.ended(t, key, "ok")
     await s.drain()
 
 

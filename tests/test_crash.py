@@ -1,7 +1,7 @@
 """Crash safety: SIGKILL at random points of save → finalize → metadata → prune, then the
 next start's cleanup, then the invariants a later restore relies on.
 
-The fast loop forks a child that runs the daemon's own save path (Sessions._save through
+The fast loop forks a child that runs the daemon's own save path (Saver.save through
 Store.finalize and prune) against an engine stub that writes its state file slowly, and
 kills it at a random moment; hundreds of iterations take seconds. A slower loop kills the
 real daemon (gate + the real llama-server) in the middle of conversation switches.
@@ -83,7 +83,7 @@ def child(session_dir: Path, state_dir: Path, seed: int) -> None:
         while True:
             key = f"{rng.randrange(6):016x}"
             engine.tokens = rng.randrange(50, 400)
-            await s._save(s.slot(0), Held(key, engine.tokens, True), None)
+            await s.saver.save(s.slot(0), Held(key, engine.tokens, True), None)
             await s.prune()
             await s.drain()
 

@@ -40,7 +40,7 @@ async def request(s: Sessions, url: str, body: dict):
             async with c.post(url + "/v1/chat/completions", json=body) as r:
                 d = await r.json()
         t = d["timings"]
-        await s.ended(None, key, "ok", d["usage"]["total_tokens"], t["cache_n"], t["cache_n"] + t["prompt_n"])
+        await s.ended(ticket, key, "ok", d["usage"]["total_tokens"], t["cache_n"], t["cache_n"] + t["prompt_n"])
     await s.drain()
     return turn, d
 

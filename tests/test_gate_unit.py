@@ -35,3 +35,32 @@ async def test_status_endpoint_runs_off_the_event_loop(gate):
         async with c.get(url + "/autosessd/status") as r:
             assert r.status == 200 and (await r.json())["engine"]["model_fingerprint"] == "m"
     assert threads and threads[0] is not threading.main_thread()
+
+
+async def test_every_counter_reaches_status_and_metrics(gate, tmp_path):
+    """Issue 18: each counter autosessd keeps is in `status --json` (the control socket and
+    GET /autosessd/status give the same object) and in GET /autosessd/metrics, with its value
+    (saves_missed among them: the one README's Limits tells people to watch)."""
+    import dataclasses
+
+    from autosessd.report import Counters
+
+    g, url = gate
+    fields = dataclasses.fields(Counters)
+    for i, f in enumerate(fields):  # a value of its own for each, so a mix-up shows
+        setattr(g.sessions.counters, f.name, (i + 1) * 10 if f.type == "int" else (i + 1) * 10 + 0.5)
+    async with aiohttp.ClientSession() as c:
+        async with c.get(url + "/autosessd/status") as r:
+            status = await r.json()
+        async with c.get(url + "/autosessd/metrics") as r:
+            metrics = await r.text()
+    lines = set(metrics.splitlines())
+    for i, f in enumerate(fields):
+        want = getattr(g.sessions.counters, f.name)
+        assert status["counters"][f.name] == want, f.name
+        metric = f"autosessd_{f.metadata['metric']}"
+        assert f"# TYPE {metric} counter" in lines, f.name
+        assert f"{metric} {want:g}" in lines or f"{metric} {want}" in lines, f.name
+    assert "autosessd_saves_missed_total 120" in lines
+    names = [ln.split()[2] for ln in metrics.splitlines() if ln.startswith("# TYPE")]
+    assert len(names) == len(set(names))  # one name per counter

@@ -11,7 +11,8 @@ import pytest
 
 from autosessd import slotfile
 from autosessd.config import parse
-from autosessd.sessions import Phase, Sessions
+from autosessd.sessions import Sessions
+from autosessd.slot import Phase
 from autosessd.store import Store
 from stub_engine import StubEngine
 
@@ -37,7 +38,7 @@ async def request(s, key, n, status="ok", cache_n=None):
             s.engine.ran(conv(key, n) if key else list(range(90000, 90000 + n)))
         elif status == "rejected":
             s.engine.task_id = (s.engine.task_id or 0) + 1  # the engine took the task, then refused it
-        await s.ended(t.slot_id, key, status, cache_n=cache_n)
+        await s.ended(t, key, status, cache_n=cache_n)
     await s.drain()
     return turn
 
@@ -74,7 +75,7 @@ async def test_a_request_that_failed_part_way_leaves_the_slot_unknown(tmp_path):
     async with await s.admit() as t:
         await s.turn(t, B)
         s.engine.ran(conv(B, 7))  # the engine got some way into B, then failed
-        await s.ended(t.slot_id, B, "error")
+        await s.ended(t, B, "error")
     assert s.view().phase is Phase.UNKNOWN
     await request(s, C, 30)
     assert not (tmp_path / f"auto-{B}.bin").exists()
@@ -94,7 +95,7 @@ async def test_a_cancelled_request_is_provisional_unless_the_engine_never_starte
     assert (s.view().phase, s.view().key, s.view().durable) == (Phase.HELD, B, False)
     async with await s.admit() as t:
         await s.turn(t, C)
-        await s.ended(t.slot_id, C, "cancelled")  # the engine's slot did not change
+        await s.ended(t, C, "cancelled")  # the engine's slot did not change
     assert (s.view().key, s.view().durable) == (B, False)
 
 
@@ -188,12 +189,12 @@ async def test_every_save_is_checked_against_the_files_header(tmp_path):
 async def test_without_get_slots_counts_come_from_responses(tmp_path):
     """An engine run with --no-slots: switch-back still works, counts from the engine's answers."""
     s = make(tmp_path, slots_visible=False)
-    s.slots_visible = False
+    s.ctx.slots_visible = False
     await request(s, A, 50)
     async with await s.admit() as t:
         await s.turn(t, B)
         s.engine.ran(conv(B, 40))
-        await s.ended(t.slot_id, B, "ok", n_tokens=40)
+        await s.ended(t, B, "ok", n_tokens=40)
     await s.drain()
     assert file_tokens(tmp_path, A) == conv(A, 50)
     turn = await request(s, A, 60)
@@ -218,7 +219,7 @@ async def test_a_restore_is_verified_by_cache_n(tmp_path, cache_n, n_prompt, cou
     async with await s.admit() as t:
         await s.turn(t, A)
         s.engine.ran(conv(A, 3050))
-        await s.ended(t.slot_id, A, "ok", cache_n=cache_n, n_prompt=n_prompt)
+        await s.ended(t, A, "ok", cache_n=cache_n, n_prompt=n_prompt)
     assert getattr(s.counters, counter) == 1
     assert s.counters.prefill_tokens_avoided == (cache_n if counter == "restores_reused" else 0)
 
@@ -230,7 +231,7 @@ async def test_not_reused_names_a_cut_conversation_when_the_prompt_is_shorter(tm
     async with await s.admit() as t:
         await s.turn(t, A)
         s.engine.ran(conv(A, 1100))
-        await s.ended(t.slot_id, A, "ok", cache_n=0, n_prompt=1000)
+        await s.ended(t, A, "ok", cache_n=0, n_prompt=1000)
     assert "shorter than the restored conversation" in s.last_not_reused["likely_cause"]
     assert "--swa-full" not in s.last_not_reused["likely_cause"]
 
@@ -244,7 +245,7 @@ async def test_not_reused_after_a_regenerate_names_swa_full(tmp_path):
     async with await s.admit() as t:
         await s.turn(t, A)
         s.engine.ran(conv(A, 3000))
-        await s.ended(t.slot_id, A, "ok", cache_n=0, n_prompt=2990)
+        await s.ended(t, A, "ok", cache_n=0, n_prompt=2990)
     assert "--swa-full" in s.last_not_reused["likely_cause"]
 
 
@@ -266,10 +267,10 @@ async def test_waiting_for_a_finalize_that_just_finished_lets_its_callback_run(t
     in CI as a daemon at 100% CPU with its gate hung, under llama-server's defaults (an end
     save finishing as the next turn starts)."""
     s = make(tmp_path)
-    s._finalizing = _Spinning()
+    s.saver._finalizing = _Spinning()
     fut = asyncio.get_running_loop().create_future()
-    s._finalizing["k"] = fut
-    fut.add_done_callback(lambda f: s._finalizing.pop("k"))
+    s.saver._finalizing["k"] = fut
+    fut.add_done_callback(lambda f: s.saver._finalizing.pop("k"))
     fut.set_result(None)  # done; the callback is queued, not run
-    await s._wait_files()
-    assert not s._finalizing
+    await s.saver.settled()
+    assert not s.saver._finalizing

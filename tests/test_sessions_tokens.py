@@ -14,7 +14,8 @@ from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.index import branch_key, prefix_key
 from autosessd.keys import conversation_key
-from autosessd.sessions import Phase, Sessions
+from autosessd.sessions import Sessions
+from autosessd.slot import Phase
 from autosessd.store import Store
 from stub_engine import StubEngine, template, tokenize
 
@@ -28,7 +29,8 @@ async def make(tmp_path, min_tokens=MIN, swa=0, engine=None):
     d.mkdir(parents=True, exist_ok=True)
     cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\nstate_dir = "{tmp_path / "state"}"\n'
                 f'[engine]\nswa_window = {swa}\n'.encode())
-    s = Sessions(cfg, engine or StubEngine(d), Store(d), "stub-model")
+    engine = engine or StubEngine(d)
+    s = Sessions(cfg, engine, Store(d), "stub-model", n_slots=len(engine.held), empties_idle_slots=engine.clears_idle)
     await s.prepare()
     return s
 
@@ -46,7 +48,7 @@ async def chat(s, b, reply="Aye."):
     async with await s.admit() as t:
         turn = await s.turn(t, key, body=b)
         cache_n, n_prompt = s.engine.chat(b, reply)
-        await s.ended(t.slot_id, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
+        await s.ended(t, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
     await s.drain()
     return turn, cache_n, n_prompt
 
@@ -150,7 +152,7 @@ async def test_without_tokens_the_key_decides(tmp_path):
     calls = s.engine.tokenize_calls
     async with await s.admit() as t:
         turn = await s.turn(t, conversation_key(image), body=image)
-        await s.ended(t.slot_id, conversation_key(image), "not_run")
+        await s.ended(t, conversation_key(image), "not_run")
     assert s.engine.tokenize_calls == calls and turn.restored["chosen_by"] == "key"
 
 
@@ -261,13 +263,11 @@ async def test_with_an_engine_that_empties_idle_slots_a_prefix_is_read_while_no_
     its request reuses the prefix. It holds the starts until its own request runs."""
     eng = StubEngine(tmp_path / "sessions", n_slots=2, clears_idle=True)
     s = await make(tmp_path, engine=eng)
-    s.add_slots(2)
-    s.clears_idle_slots = True
     seen = []
     prefill = eng.prefill
 
     async def watching(slot, tokens):
-        seen.append(s.launches.exclusive)
+        seen.append(s.launch.gate.no_starts)
         return await prefill(slot, tokens)
     eng.prefill = watching
     c = body(("system", SYSTEM), ("user", TASK_1))
@@ -275,6 +275,6 @@ async def test_with_an_engine_that_empties_idle_slots_a_prefix_is_read_while_no_
     async with await s.place(key) as t:
         turn = await s.turn(t, key, body=c)
         assert turn.prefix is not None and seen == [True]
-        await asyncio.wait_for(s.may_launch(t), 1)  # its hold goes on until the request runs
-        assert s.launches.exclusive
-    assert not s.launches.exclusive  # released with the ticket
+        await asyncio.wait_for(s.before_send(t), 1)  # its hold goes on until the request runs
+        assert s.launch.gate.no_starts
+    assert not s.launch.gate.no_starts  # released with the ticket

@@ -7,7 +7,9 @@ import asyncio
 from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.engines.base import EngineRefused
-from autosessd.sessions import Phase, Sessions
+from autosessd.launch import Hold, LaunchGate
+from autosessd.sessions import Sessions
+from autosessd.slot import Phase
 from autosessd.store import Store
 from stub_engine import StubEngine
 
@@ -20,10 +22,11 @@ def conv(key, n):
     return list(range(base, base + n))
 
 
-def make(tmp_path, n_slots=2, min_tokens=10, **kw):
+def make(tmp_path, n_slots=2, min_tokens=10, probed=False, **kw):
+    """probed: the start's probe saw the engine empty idle slots (otherwise it is noticed)."""
     cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'.encode())
-    s = Sessions(cfg, StubEngine(tmp_path, n_slots=n_slots, **kw), Store(tmp_path), "stub-model")
-    s.add_slots(n_slots)
+    engine = StubEngine(tmp_path, n_slots=n_slots, **kw)
+    s = Sessions(cfg, engine, Store(tmp_path), "stub-model", n_slots=n_slots, empties_idle_slots=probed)
     return s
 
 
@@ -32,10 +35,10 @@ async def request(s, key, n, ticket=None):
     t = ticket or await s.place(key)
     async with t:
         turn = await s.turn(t, key)
-        await s.may_launch(t)
+        await s.before_send(t)
         s.engine.ran(conv(key, n), slot=t.slot_id)
-        await s.launch_started(t, bound_s=0)
-        await s.ended(t.slot_id, key, "ok")
+        await s.sent(t, bound_s=0)
+        await s.ended(t, key, "ok")
     await s.drain()
     return t.slot_id, turn
 
@@ -125,7 +128,7 @@ async def test_an_engine_that_empties_idle_slots_is_noticed_and_ends_are_saved(t
     slot_a, _ = await request(s, A, 50)
     await request(s, B, 40)  # empties A's slot: A was never saved
     slot_a2, turn = await request(s, A, 60)
-    assert s.clears_idle_slots and turn.restored is None and s.counters.engine_resets >= 1
+    assert s.launch.empties_idle and turn.restored is None and s.counters.engine_resets >= 1
     await request(s, B, 45)
     assert file_tokens(tmp_path, A) == conv(A, 60) and file_tokens(tmp_path, B) == conv(B, 45)
     _, turn = await request(s, A, 70)
@@ -143,29 +146,25 @@ async def test_stop_saves_every_slot(tmp_path):
 
 
 async def test_launch_gate_lets_starts_run_side_by_side_and_keeps_them_out_of_exclusive_work():
-    from autosessd.sessions import LaunchGate
-
     g = LaunchGate()
-    await g.acquire("shared")
-    await asyncio.wait_for(g.acquire("shared"), 1)  # two starts in flight at once
-    save = asyncio.ensure_future(g.acquire("exclusive"))
+    await g.acquire(Hold.SIDE_BY_SIDE)
+    await asyncio.wait_for(g.acquire(Hold.SIDE_BY_SIDE), 1)  # two starts in flight at once
+    save = asyncio.ensure_future(g.acquire(Hold.NO_STARTS))
     await asyncio.sleep(0.01)
     assert not save.done()  # an end save waits for the starts in flight to be seen running
-    late = asyncio.ensure_future(g.acquire("shared"))
+    late = asyncio.ensure_future(g.acquire(Hold.SIDE_BY_SIDE))
     await asyncio.sleep(0.01)
-    g.release("shared")
-    g.release("shared")
+    g.release(Hold.SIDE_BY_SIDE)
+    g.release(Hold.SIDE_BY_SIDE)
     await asyncio.wait_for(save, 1)
     assert not late.done()  # no start is sent while the save runs, nor while it waited
-    g.release("exclusive")
+    g.release(Hold.NO_STARTS)
     await asyncio.wait_for(late, 1)
 
 
 def primed_engine(tmp_path):
     """Sessions on an engine that empties idle slots, as the daemon's start probe finds it."""
-    s = make(tmp_path, clears_idle=True)
-    s.clears_idle_slots = True
-    return s
+    return make(tmp_path, clears_idle=True, probed=True)
 
 
 async def with_primer(tmp_path):
@@ -174,7 +173,7 @@ async def with_primer(tmp_path):
     await request(s, E, 5)
     await request(s, F, 5)  # empties E's slot
     await request(s, E, 5)  # E may be in the engine's RAM cache: primed, the primer made
-    assert s.primer is not None
+    assert s.launch.primer.name is not None
     return s
 
 
@@ -182,20 +181,19 @@ async def test_the_primer_is_made_when_first_needed_one_token_after_bos_owner_on
     s = primed_engine(tmp_path)
     await request(s, A, 5)
     await request(s, B, 5)  # empties A's slot
-    assert s.primer is None and s.counters.primed == 0  # new conversations: the RAM cache has nothing of them
+    assert s.launch.primer.name is None and s.counters.primed == 0  # new conversations: the RAM cache has nothing of them
     await request(s, A, 5)
-    path = tmp_path / s.primer
+    path = tmp_path / s.launch.primer.name
     assert list(slotfile.read_header(path).tokens) == [ord("\n")]  # not BOS: every prompt starts with BOS
     assert path.stat().st_mode & 0o777 == 0o600 and s.counters.primed == 1
     assert not list(tmp_path.glob("auto-*"))
     await s.close()
     assert not path.exists()
     (tmp_path / "one").mkdir()
-    single = make(tmp_path / "one", n_slots=1)
-    single.clears_idle_slots = True
+    single = make(tmp_path / "one", n_slots=1, probed=True)
     for key in (A, B, A):
         await request(single, key, 5)
-    assert single.primer is None and single.counters.primed == 0  # one slot: nothing else empties it
+    assert single.launch.primer.name is None and single.counters.primed == 0  # one slot: nothing else empties it
 
 
 async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_first(tmp_path):
@@ -209,14 +207,14 @@ async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_fir
     primed = s.counters.primed
     async with await s.place(A) as t:
         await s.turn(t, A)
-        await s.may_launch(t)
+        await s.before_send(t)
         assert t.slot_id == slot_a and s.engine.held[slot_a] == [ord("\n")] and s.counters.primed == primed + 1
-        await s.launch_started(t, bound_s=0)
+        await s.sent(t, bound_s=0)
     async with await s.place(B) as t:  # B's slot still holds B: nothing to prime
         await s.turn(t, B)
-        await s.may_launch(t)
+        await s.before_send(t)
         assert t.slot_id == slot_b and s.engine.held[slot_b] == conv(B, 5) and s.counters.primed == primed + 1
-        await s.launch_started(t, bound_s=0)
+        await s.sent(t, bound_s=0)
 
 
 async def test_a_start_that_may_find_its_conversation_in_the_engine_goes_alone(tmp_path):
@@ -228,20 +226,20 @@ async def test_a_start_that_may_find_its_conversation_in_the_engine_goes_alone(t
     first, second = await s.place(A), await s.place(B)
     for t, key in ((first, A), (second, B)):
         await s.turn(t, key)
-    await s.may_launch(first)
-    waiting = asyncio.ensure_future(s.may_launch(second))
+    await s.before_send(first)
+    waiting = asyncio.ensure_future(s.before_send(second))
     await asyncio.sleep(0.02)
     assert not waiting.done()
     s.engine.ran(conv(A, 5), slot=first.slot_id)  # A's request runs: a new task id on its slot
-    await s.launch_started(first, bound_s=1)
+    await s.sent(first, bound_s=1)
     await asyncio.wait_for(waiting, 1)
     second.release()
     first.release()
     new = [await s.place(k) for k in (C, D)]
     for t, key in zip(new, (C, D)):
         await s.turn(t, key)
-    await s.may_launch(new[0])
-    await asyncio.wait_for(s.may_launch(new[1]), 1)  # side by side
+    await s.before_send(new[0])
+    await asyncio.wait_for(s.before_send(new[1]), 1)  # side by side
     for t in new:
         t.release()
 
@@ -250,10 +248,10 @@ async def test_a_primer_that_cannot_be_restored_is_made_again(tmp_path):
     s = await with_primer(tmp_path)
     await request(s, A, 5)
     await request(s, B, 5)
-    (tmp_path / s.primer).unlink()  # or an engine restarted with another model
+    (tmp_path / s.launch.primer.name).unlink()  # or an engine restarted with another model
     primed = s.counters.primed
     await request(s, A, 5)
-    assert s.primer is not None and (tmp_path / s.primer).exists() and s.counters.primed == primed + 1
+    assert s.launch.primer.name is not None and (tmp_path / s.launch.primer.name).exists() and s.counters.primed == primed + 1
 
 
 async def test_no_primer_for_a_model_without_bos_and_starts_go_side_by_side(tmp_path):
@@ -262,12 +260,12 @@ async def test_no_primer_for_a_model_without_bos_and_starts_go_side_by_side(tmp_
     s.engine.tokenize = lambda text, timeout_s=None: asyncio.sleep(0, [ord(c) for c in text])
     for key in (A, B, A):
         await request(s, key, 5)
-    assert s.primer is None and s.counters.primed == 0
+    assert s.launch.primer.name is None and s.counters.primed == 0
     first, second = await s.place(B), await s.place(A)
     for t, key in ((first, B), (second, A)):
         await s.turn(t, key)
-    await s.may_launch(first)
-    await asyncio.wait_for(s.may_launch(second), 1)  # shared starts, as without a primer
+    await s.before_send(first)
+    await asyncio.wait_for(s.before_send(second), 1)  # shared starts, as without a primer
     second.release()
     first.release()
 
@@ -286,37 +284,37 @@ async def test_a_primed_request_that_never_ran_ends_without_a_hang_or_a_save(tmp
         raise EngineRefused("POST /slots answered 500: stub told to fail")
     t = await s.admit(slot_a)
     s.engine.save = failing_save
-    s._ran[C] = None  # C ran before: the engine's RAM cache may hold it
+    s.launch._ran[C] = None  # C ran before: the engine's RAM cache may hold it
     await s.turn(t, C)  # the save of A fails: A stays held, durable
     s.engine.save = save
     s.engine.held[slot_a] = []  # another request started (on another slot) and emptied it
-    s.starts += 1
-    await s.may_launch(t)
+    s.launch.count_start()
+    await s.before_send(t)
     assert s.engine.held[slot_a] == [ord("\n")]
-    await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
+    await asyncio.wait_for(s.ended(t, C, "not_run"), 2)
     t.release()
     await s.drain()
-    assert not (tmp_path / f"auto-{A}.bin").exists() and not s.launches.exclusive and not s.launches.alone
-    assert s.view(slot_a).held() is None
+    assert not (tmp_path / f"auto-{A}.bin").exists() and not s.launch.gate.no_starts and not s.launch.gate.alone
+    assert s.view(slot_a).conversation() is None
 
 
 async def test_a_launch_watcher_never_releases_the_next_requests_hold(tmp_path):
     """A request refused at once (4xx) ends before its watcher saw it run; the next request on
     the slot takes the gate exclusively, and the old watcher must leave that hold alone."""
     s = await with_primer(tmp_path)
-    s._ran[A] = None  # A ran before: its start goes alone
+    s.launch._ran[A] = None  # A ran before: its start goes alone
     t1 = await s.admit(0)
     await s.turn(t1, A)
-    await s.may_launch(t1)
-    watcher = asyncio.ensure_future(s.launch_started(t1, bound_s=1))
+    await s.before_send(t1)
+    watcher = asyncio.ensure_future(s.sent(t1, bound_s=1))
     await asyncio.sleep(0.02)
-    await s.ended(0, A, "rejected")
+    await s.ended(t1, A, "rejected")
     t1.release()
     t2 = await s.admit(0)
     await s.turn(t2, A)
-    await s.may_launch(t2)
+    await s.before_send(t2)
     await asyncio.wait_for(watcher, 2)
-    assert s.slot(0).holds_launch == "alone" and s.launches.alone
+    assert s.slot(0).launch_hold is Hold.ALONE and s.launch.gate.alone
     t2.release()
 
 
@@ -334,33 +332,31 @@ async def test_a_request_that_never_ran_saves_the_conversation_still_held_withou
     s.engine.save = failing_save
     await s.turn(t, C)
     s.engine.save = save
-    await s.may_launch(t)  # alone, as every start without a restore; nothing to prime
-    await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
+    await s.before_send(t)  # alone, as every start without a restore; nothing to prime
+    await asyncio.wait_for(s.ended(t, C, "not_run"), 2)
     t.release()
     await s.drain()
-    assert file_tokens(tmp_path, A) == conv(A, 50) and not s.launches.exclusive and not s.launches.alone
+    assert file_tokens(tmp_path, A) == conv(A, 50) and not s.launch.gate.no_starts and not s.launch.gate.alone
 
 
 async def test_an_end_save_goes_before_the_starts_that_must_run_alone():
     """Starts to primed slots go one at a time; an end save waiting among them must not wait
     for all of them, or the first of them empties the slot it was to save."""
-    from autosessd.sessions import LaunchGate
-
     g = LaunchGate()
-    await g.acquire("alone")
-    queued = [asyncio.ensure_future(g.acquire("alone")) for _ in range(3)]
+    await g.acquire(Hold.ALONE)
+    queued = [asyncio.ensure_future(g.acquire(Hold.ALONE)) for _ in range(3)]
     await asyncio.sleep(0.01)
-    save = asyncio.ensure_future(g.acquire("exclusive"))
+    save = asyncio.ensure_future(g.acquire(Hold.NO_STARTS))
     await asyncio.sleep(0.01)
     assert not save.done() and not any(q.done() for q in queued)
-    g.release("alone")
+    g.release(Hold.ALONE)
     await asyncio.wait_for(save, 1)
     assert not any(q.done() for q in queued)
-    g.release("exclusive")
+    g.release(Hold.NO_STARTS)
     await asyncio.sleep(0.01)
     assert sum(q.done() for q in queued) == 1  # then one start, alone
     for _ in queued:
-        g.release("alone")
+        g.release(Hold.ALONE)
         await asyncio.sleep(0.01)
     assert all(q.done() for q in queued)
 
@@ -371,9 +367,9 @@ async def test_an_end_to_be_saved_holds_the_starts_from_the_moment_it_is_seen(tm
     s = primed_engine(tmp_path)
     ta = await s.place(A)
     await s.turn(ta, A)
-    await s.may_launch(ta)
+    await s.before_send(ta)
     s.engine.ran(conv(A, 50), slot=ta.slot_id)
-    await s.launch_started(ta, bound_s=0)
+    await s.sent(ta, bound_s=0)
     tb = await s.place(B)
     await s.turn(tb, B)
     slots = s.engine.slots
@@ -382,9 +378,9 @@ async def test_an_end_to_be_saved_holds_the_starts_from_the_moment_it_is_seen(tm
         await asyncio.sleep(0.05)
         return await slots()
     s.engine.slots = slow_slots
-    end = asyncio.ensure_future(s.ended(ta.slot_id, A, "ok", n_tokens=50))
+    end = asyncio.ensure_future(s.ended(ta, A, "ok", n_tokens=50))
     await asyncio.sleep(0.01)  # autosessd is reading A's slot
-    await asyncio.wait_for(s.may_launch(tb), 2)
+    await asyncio.wait_for(s.before_send(tb), 2)
     assert end.done()  # B's start waited for A's save
     s.engine.slots = slots
     s.engine.ran(conv(B, 5), slot=tb.slot_id)  # B starts: A's slot is emptied now
@@ -402,8 +398,8 @@ async def test_a_start_that_goes_alone_holds_the_others_only_until_the_engine_ha
     await request(s, A, 5)
     t = await s.place(A)  # A's slot holds A: its start goes alone
     await s.turn(t, A)
-    await s.may_launch(t)
-    assert s.launches.alone
+    await s.before_send(t)
+    assert s.launch.gate.alone
     slots = s.engine.slots
 
     async def in_a_long_batch():
@@ -411,8 +407,8 @@ async def test_a_start_that_goes_alone_holds_the_others_only_until_the_engine_ha
         return await slots()
     s.engine.slots = in_a_long_batch
     t0 = asyncio.get_running_loop().time()
-    await s.launch_started(t)
-    assert asyncio.get_running_loop().time() - t0 < 0.5 and not s.launches.alone
+    await s.sent(t)
+    assert asyncio.get_running_loop().time() - t0 < 0.5 and not s.launch.gate.alone
     t.release()
 
 
@@ -425,11 +421,11 @@ async def test_a_start_refused_before_it_ran_does_not_count_as_emptying_the_othe
     await s.turn(ta, A)
     tb = await s.place(B)
     await s.turn(tb, B)
-    await s.may_launch(tb)
-    await s.launch_started(tb, bound_s=0)
-    await s.ended(tb.slot_id, B, "rejected")
+    await s.before_send(tb)
+    await s.sent(tb, bound_s=0)
+    await s.ended(tb, B, "rejected")
     tb.release()
-    await s.may_launch(ta)
+    await s.before_send(ta)
     assert s.engine.held[slot_a] == conv(A, 5)  # not primed: nothing emptied it
     ta.release()
 
@@ -442,13 +438,13 @@ async def test_a_start_sent_before_the_look_and_placed_after_it_empties_the_slot
     await request(s, B, 5)
     tb = await s.place(B)
     await s.turn(tb, B)
-    await s.may_launch(tb)  # sent; the engine has not shown it yet
+    await s.before_send(tb)  # sent; the engine has not shown it yet
     ta = await s.place(A)
     await s.turn(ta, A)  # looks: A's slot still holds A
-    await s.launch_started(tb, bound_s=0)  # B's hold ends on the intake bound, unplaced as far as we know
+    await s.sent(tb, bound_s=0)  # B's hold ends on the intake bound, unplaced as far as we know
     s.engine.ran(conv(B, 5), slot=tb.slot_id)  # now the engine places B: A's slot is emptied
     primed = s.counters.primed
-    await s.may_launch(ta)
+    await s.before_send(ta)
     assert s.counters.primed == primed + 1 and s.engine.held[slot_a] == [ord("\n")]
     ta.release()
     tb.release()
@@ -471,35 +467,33 @@ async def test_a_request_whose_priming_was_cancelled_saves_nothing_under_the_slo
         await asyncio.sleep(10)  # ... and the answer never reaches the client that left
         return result
     t = await s.admit(slot_a)
-    s._ran[C] = None
+    s.launch._ran[C] = None
     s.engine.save = failing_save
     await s.turn(t, C)
     s.engine.save, s.engine.restore = save, slow_restore
     s.engine.held[slot_a] = []
-    s.starts += 1  # another request was placed: A's slot was emptied
-    launching = asyncio.ensure_future(s.may_launch(t))
+    s.launch.count_start()  # another request was placed: A's slot was emptied
+    launching = asyncio.ensure_future(s.before_send(t))
     await asyncio.wait_for(started.wait(), 1)
     launching.cancel()
     await asyncio.gather(launching, return_exceptions=True)
     assert s.engine.held[slot_a] == [ord("\n")]
-    await asyncio.wait_for(s.ended(slot_a, C, "not_run"), 2)
+    await asyncio.wait_for(s.ended(t, C, "not_run"), 2)
     t.release()
     await s.drain()
-    assert not (tmp_path / f"auto-{A}.bin").exists() and s.view(slot_a).held() is None
+    assert not (tmp_path / f"auto-{A}.bin").exists() and s.view(slot_a).conversation() is None
 
 
 async def test_a_start_waiting_to_go_alone_is_not_starved_by_starts_side_by_side():
-    from autosessd.sessions import LaunchGate
-
     g = LaunchGate()
-    await g.acquire("shared")
-    alone = asyncio.ensure_future(g.acquire("alone"))
+    await g.acquire(Hold.SIDE_BY_SIDE)
+    alone = asyncio.ensure_future(g.acquire(Hold.ALONE))
     await asyncio.sleep(0.01)
-    later = asyncio.ensure_future(g.acquire("shared"))
+    later = asyncio.ensure_future(g.acquire(Hold.SIDE_BY_SIDE))
     await asyncio.sleep(0.01)
     assert not later.done()  # no new start side by side while one waits to go alone
-    g.release("shared")
+    g.release(Hold.SIDE_BY_SIDE)
     await asyncio.wait_for(alone, 1)
     assert not later.done()
-    g.release("alone")
+    g.release(Hold.ALONE)
     await asyncio.wait_for(later, 1)

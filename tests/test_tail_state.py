@@ -6,7 +6,8 @@ import json
 
 from autosessd import slotfile
 from autosessd.config import parse
-from autosessd.sessions import Phase, Sessions
+from autosessd.sessions import Sessions
+from autosessd.slot import Phase
 from autosessd.store import Store
 from autosessd.tail import IN_FLIGHT_TTL_S, MAX_IN_FLIGHT, Tail
 from stub_engine import StubEngine
@@ -14,12 +15,13 @@ from stub_engine import StubEngine
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 
 
-def make(tmp_path, min_tokens=10):
+def make(tmp_path, min_tokens=10, n_slots=1, clears_idle=False):
     d = tmp_path / "s"
-    d.mkdir(exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
     cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
                 f'state_dir = "{tmp_path / "state"}"\n'.encode())
-    s = Sessions(cfg, StubEngine(d), Store(d), "stub-model")
+    s = Sessions(cfg, StubEngine(d, n_slots=n_slots, clears_idle=clears_idle), Store(d), "stub-model",
+                 n_slots=n_slots, empties_idle_slots=clears_idle)
     return s, Tail(cfg, s, str(tmp_path / "requests.jsonl")), d
 
 
@@ -85,7 +87,7 @@ async def test_the_restore_after_an_engine_restart_is_checked(tmp_path):
     await served(s, tail, "r1", A, 50, n_tokens=50)
     await settle(tail, s)
     s.engine.ran([])  # the engine restarted empty
-    s.lost(0, "the engine restarted")
+    await s.engine_restarted("the engine restarted")
     real_restore = s.engine.restore
 
     async def restore_while_a_request_starts(slot, name):
@@ -107,7 +109,7 @@ async def test_the_restore_after_an_engine_restart_is_trusted_when_nothing_came_
     await served(s, tail, "r1", A, 50, n_tokens=50)
     await settle(tail, s)
     s.engine.ran([])
-    s.lost(0, "the engine restarted")
+    await s.engine_restarted("the engine restarted")
     await tail._engine_restarted()
     assert (s.view(0).phase, s.view(0).key) == (Phase.RESTORED, A)
 
@@ -122,3 +124,21 @@ async def test_a_reload_changes_what_the_tail_decides(tmp_path):
     await served(s, tail, "r2", A, 60, n_tokens=60)
     await settle(tail, s)
     assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 60
+
+
+async def test_a_tail_end_saves_nothing_under_another_tasks_ticket(tmp_path):
+    """Issue 18.4: the tail holds no ticket. On an engine that empties idle slots, A's end line
+    is read while an unrelated task holds slot 0's ticket (a command, the tail's own save
+    behind): the end saves nothing under that ticket — the holder may be about to change the
+    slot. A is saved by the save behind once the slot is free, as when nobody held it."""
+    for someone_holds_it in (False, True):
+        s, tail, d = make(tmp_path / str(someone_holds_it), n_slots=2, clears_idle=True)
+        holder = await s.admit(0) if someone_holds_it else None
+        await tail.handle(line(event="start", id="r1", slot=0, key=A))
+        s.engine.ran(list(range(50)))
+        await tail.handle(line(event="end", id="r1", slot=0, status="ok", n_tokens=50))
+        assert s.engine.saves == [], someone_holds_it
+        if holder is not None:
+            holder.release()
+        await settle(tail, s)
+        assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 50 and len(s.engine.saves) == 1

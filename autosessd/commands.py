@@ -1,0 +1,158 @@
+"""What autosessctl asks for, and the saves and restores of the inputs that do not run a turn:
+the stop save, and the tail's save behind and restore after an engine restart. Each takes
+the slot's ticket for its whole work (blocks on the slot's FIFO, then on the engine).
+
+    park          save the held conversation now, whatever its size; with a name, to NAME.bin
+    restore_now   restore auto-<KEY>.bin or a person's NAME.bin (the held one saved first)
+    forget        remove auto-<KEY>.bin (a slot holding it keeps it)
+    save_at_stop  the stop: save if worth it and the engine is idle
+    save_behind   the tail: after a request's end, save if the file is stale and nothing else
+                  reached the slot meanwhile (its check)
+    restore_behind  the tail, after an engine restart: restore what the slot held, trusted
+                  only if nothing reached the slot meanwhile
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from . import policy
+from .keys import is_key
+from .policy import Held, Occasion, Save, SaveOutcome, Skip
+from .report import TurnResult, fmt_tokens, skipped
+from .slot import Phase
+from .store import StoreError, auto_name, manual_name
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .observe import Observer
+    from .placement import Placement
+    from .restores import Restorer
+    from .saves import Saver
+
+log = logging.getLogger("autosessd")
+
+
+class Commands:
+    def __init__(self, ctx: Context, placement: Placement, observer: Observer, saver: Saver, restorer: Restorer):
+        self.ctx = ctx
+        self.placement = placement
+        self.observer = observer
+        self.saver = saver
+        self.restorer = restorer
+
+    async def park(self, slot_id: int | None = None, name: str | None = None) -> dict[str, Any]:
+        target = manual_name(name) if name is not None else None
+        async with await self.placement.admit(slot_id) as t:
+            s = self.placement.slot_of(t)
+            if not await self.observer.observe(s):
+                raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
+            v = s.view
+            held = v.conversation()
+            if held is None and target is not None and v.phase is Phase.UNKNOWN:
+                # What the slot holds has no key, but the person asked for it by name.
+                held = Held(f"park-{s.id}", v.n_tokens, True)
+            if held is None:
+                raise StoreError(f"slot {s.id} holds no conversation autosessd can name ({v.phase.value}"
+                                 f"{': ' + v.why if v.why else ''})")
+            res = TurnResult(key=held.key)
+            outcome = await self.saver.save(s, held, res, target)
+            await self.saver.wait_file(held.key)
+        if outcome is not SaveOutcome.SAVED:
+            raise StoreError("; ".join(res.errors) or "save failed")
+        return res.saved or {}
+
+    async def restore_now(self, what: str, slot_id: int | None = None) -> dict[str, Any]:
+        ctx = self.ctx
+        if is_key(what):
+            key: str | None = what
+            name = auto_name(what)
+            meta = ctx.store.read_meta(what)
+            if meta is None:
+                raise StoreError(f"no session {name} in {ctx.store.path}")
+            if meta.model != ctx.model:
+                raise StoreError(f"{name} was saved for another model ({meta.model}, engine has {ctx.model})")
+        else:
+            key, name = None, manual_name(what)
+            if not (ctx.store.path / name).is_file():
+                raise StoreError(f"no session {name} in {ctx.store.path}")
+        async with await self.placement.admit(slot_id) as t:
+            s = self.placement.slot_of(t)
+            if not await self.observer.observe(s):
+                raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
+            res = TurnResult(key=key)
+            # Like a switch: the held conversation is saved before the restore replaces it.
+            await self.saver.save_if_worth(s, Occasion.SWITCH if key else Occasion.KEYLESS, key, res)
+            if not await self.restorer.restore(s, key, res, name):
+                raise StoreError("; ".join(res.errors))
+        return res.restored or {}
+
+    def forget(self, key: str) -> int:
+        """A slot still holding the conversation keeps it; it is saved again only if the
+        conversation goes on (its file is gone, so not up to date)."""
+        freed = self.ctx.store.remove(key)
+        if self.ctx.index is not None:
+            self.ctx.index.remove(auto_name(key))
+        self.ctx.events.emit("forgot", key=key, bytes=freed)
+        return freed
+
+    async def save_at_stop(self, slot_id: int | None = None, why: str = "stop") -> bool:
+        """Save the held conversation if it reached min tokens and the engine is idle (a running
+        request's state is partial). The caller bounds it; it waits for its own finalize."""
+        async with await self.placement.admit(slot_id) as t:
+            s = self.placement.slot_of(t)
+            st = await self.observer.look(s)
+            if st is not None and st.is_processing:
+                log.warning("auto sessions: %s save skipped: a request is running on slot %d and its state "
+                            "is partial", why, s.id)
+                return False
+            await self.observer.observe(s)
+            step, outcome = await self.saver.save_if_worth(s, Occasion.STOP)
+            held = s.view.conversation()
+            if step is None:
+                log.info("auto sessions: %s: slot %d holds no conversation to save (%s)", why, s.id,
+                         s.view.phase.value)
+                return False
+            if isinstance(step, Skip):
+                log.info("auto sessions: %s: %s holds %s tokens: not saved (%s)", why, auto_name(step.key),
+                         fmt_tokens(held.n_tokens if held else None), step.reason)
+                return step.reason == policy.UP_TO_DATE
+        await self.saver.settled()
+        return outcome is SaveOutcome.SAVED
+
+    async def save_behind(self, slot_id: int, check: Callable[[int | None], Awaitable[str | None]]) -> bool:
+        """Save the held conversation if its file is stale, keeping the file only if check(the
+        slot's count before the save) finds that nothing else reached the slot meanwhile."""
+        async with await self.placement.admit(slot_id) as t:
+            s = self.placement.slot_of(t)
+            st = await self.observer.look(s)
+            if st is not None and st.is_processing:
+                return False
+            n_before = st.n_tokens if st is not None else None
+            step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND, check=lambda: check(n_before))
+        return isinstance(step, Save) and outcome is SaveOutcome.SAVED
+
+    async def restore_behind(self, slot_id: int, key: str, check: Callable[[], Awaitable[str | None]]) -> bool:
+        """Restore auto-<key>.bin if the turn's rules allow it, and trust it only if check()
+        finds that no request reached the slot meanwhile (the engine defers a restore on a busy
+        slot, so it may land after someone's request)."""
+        ctx = self.ctx
+        async with await self.placement.admit(slot_id) as t:
+            s = self.placement.slot_of(t)
+            if not s.at_rest():
+                return False  # the log shows a request on it
+            file = await self.saver.wait_file(key)
+            step = policy.plan_restore(None, key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,
+                                       ctx.engine_layout)
+            if isinstance(step, Skip):
+                skipped(ctx.counters, step, None)
+                return False
+            if not await self.restorer.restore(s, key, None):
+                return False
+            why = await check()
+            if why:
+                log.warning("auto sessions: the restore of %s is not trusted: %s", auto_name(key), why)
+                self.observer.lost(s, why)
+                return False
+        return True

@@ -1,0 +1,223 @@
+"""Believe the engine, not the bookkeeping (STYLE §14): what the engine says of a slot,
+brought into the slot's state machine (slot.py).
+
+How the engine's truth is read: the token count from its save/restore answers and from GET
+/slots (`n_prompt_tokens`), a request that bypassed the FIFO from the slot's task id
+(`id_task`), a restore's reuse from `timings.cache_n` (the gate's response), a request-log
+line's `cache_n`, or GET /slots while the request runs (turn hook, tail: llama-server resets
+the slot's counters when a request ends). An engine that hides its slots (--no-slots) leaves
+counts to the responses and cannot show requests that bypass the gate.
+
+    observe(s)   before acting on a slot (its ticket held): a SWITCHED whose end was not seen
+                 (the turn hook) is settled as ended; a task we did not let through, or
+                 another token count → lost; the look is kept for the launch gate
+    end(s, ...)  a request's end: settle, and verify a restore by cache_n
+    lost(s, why) the slot's contents changed behind our back (counted, said)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from . import policy
+from .engines.base import EngineError, SlotsHidden, SlotState
+from .report import TurnResult, fmt_tokens
+from .slot import Phase, Slot
+from .store import auto_name
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .launch import Launch
+
+log = logging.getLogger("autosessd")
+
+# Causes reported when a restore was not reused, most likely first.
+NOT_REUSED_CAUSE = ("the engine did not reuse the restored state: a sliding-window model (Gemma 2/3, ...) "
+                    "run without --swa-full, or a prompt that no longer starts with the saved conversation")
+WATCH_EVERY_S = 0.025  # GET /slots while a request whose restore awaits verification runs (hook, tail)
+EMPTIED = "the engine emptied the idle slot (moved to its RAM cache)"
+
+
+class Observer:
+    def __init__(self, ctx: Context, launch: Launch):
+        self.ctx = ctx
+        self.launch = launch
+
+    # -- reading the engine ----------------------------------------------------------------
+    async def engine_slot(self, slot_id: int) -> SlotState | None:
+        """What the engine itself says of one slot (EngineError when it cannot say)."""
+        return next((x for x in await self.ctx.engine.slots() if x.id == slot_id), None)
+
+    async def look(self, s: Slot) -> SlotState | None:
+        """GET /slots for one slot; None when the engine hides its slots or cannot answer."""
+        if not self.ctx.slots_visible:
+            return None
+        try:
+            return await self.engine_slot(s.id)
+        except SlotsHidden:
+            self.ctx.slots_visible = False
+            log.warning("engine: GET /slots is off now (--no-slots): token counts come from responses")
+        except EngineError as e:
+            log.debug("auto sessions: slot %d: cannot read the engine's slot: %s", s.id, e)
+        return None
+
+    async def observe(self, s: Slot, result: TurnResult | None = None) -> bool:
+        """Bring the slot's view up to date with the engine before acting on it (the caller
+        holds the slot's ticket). False when a request we did not let through is running:
+        a save now would wait for it and capture its state."""
+        before = self.launch.before_look(s)
+        st = await self.look(s)
+        self.launch.looked(s, before, st)
+        v = s.view
+        if st is not None and st.is_processing:
+            msg = "slot busy with a request that did not come through autosessd"
+            log.warning("auto sessions: skipped turn: %s", msg)
+            if result is not None:
+                result.skipped.append(msg)
+            self.ctx.counters.skipped_engine_busy += 1
+            self.lost(s, msg)
+            return False
+        if v.phase is Phase.SWITCHED:
+            # Its end was not seen (turn hook): the serving layer runs one request at a time,
+            # so it has ended; whether it ran at all, the engine's task id says.
+            ran = st is None or st.task_id != s.task_id
+            self.settle(s, "ok" if ran else "not_run", st, None, None, None)
+        elif st is not None and v.phase in (Phase.HELD, Phase.RESTORED):
+            # A slot that never ran a task does not report its count (right after a restore).
+            counted = v.phase is Phase.HELD or st.task_id is not None
+            if st.task_id != s.task_id:
+                self.lost(s, "a request that did not come through autosessd ran on the slot")
+            elif counted and st.n_tokens == 0 and v.n_tokens:
+                self.emptied_by_engine(s)
+            elif counted and v.n_tokens is not None and st.n_tokens != v.n_tokens:
+                self.lost(s, f"its slot shows {st.n_tokens:,} tokens, {v.n_tokens:,} were held")
+        if st is not None:
+            s.task_id = st.task_id
+        return True
+
+    # -- changes behind our back -----------------------------------------------------------
+    def lost(self, s: Slot, why: str) -> None:
+        """Hold nothing named, so the next request of the conversation restores it instead of
+        trusting a state that is gone."""
+        named = s.lost(why)
+        if named is not None:
+            log.info("auto sessions: slot %d no longer holds %s (%s); the next request restores it", s.id, named, why)
+            self.ctx.events.emit("engine_reset", slot=s.id, key=named, why=why)
+            self.ctx.counters.engine_resets += 1
+
+    def emptied_by_engine(self, s: Slot) -> None:
+        """The slot lost its tokens without a task of its own: with a unified KV cache and
+        --cache-idle-slots (llama-server's defaults for -np auto), every request that starts on
+        any slot moves the idle slots to the engine's RAM cache and empties them."""
+        if not self.launch.empties_idle and len(self.launch.slots) > 1:
+            self.launch.empties_idle = True
+            log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
+                        "cache with --cache-idle-slots, the defaults of -np auto): autosessd now saves each "
+                        "conversation when its request ends, not only when its slot is taken, and a conversation "
+                        "whose request ends just as another starts can miss its save. Start llama-server with "
+                        "--no-cache-idle-slots to keep idle slots (README: Several slots)", self.ctx.engine.address)
+        self.lost(s, EMPTIED)
+
+    # -- a request's end -------------------------------------------------------------------
+    async def end(self, s: Slot, status: str, n_tokens: int | None, cache_n: int | None, n_prompt: int | None,
+                  look: bool) -> bool:
+        """The slot's request ended (s.ending() was checked): settle it with the engine's look
+        when `look`. → False when the engine had emptied it before we looked (the end missed
+        its save: counted when it was worth one)."""
+        st = await self.look(s) if look and status != "not_run" else None
+        if st is not None and st.is_processing:
+            st = None  # the next request runs already (a log read late): this one's end is not visible
+        self.settle(s, status, st, n_tokens, cache_n, n_prompt)
+        if self.launch.empties_idle and s.view.phase is Phase.HELD and st is not None and st.n_tokens == 0:
+            # Another request started between this one's end and our look, and the engine moved
+            # this slot to its RAM cache: its latest state never reaches the disk.
+            if n_tokens is not None and n_tokens >= max(1, self.ctx.min_tokens):
+                self.ctx.counters.saves_missed += 1
+                log.warning("auto sessions: %s: another request started as it ended and the engine emptied its "
+                            "slot before it could be saved (--no-cache-idle-slots keeps idle slots)",
+                            auto_name(s.view.key or ""))
+            self.lost(s, EMPTIED)
+            return False
+        return True
+
+    def settle(self, s: Slot, status: str, st: SlotState | None, n_tokens: int | None, cache_n: int | None,
+               n_prompt: int | None) -> None:
+        """SWITCHED → what the slot holds after its request (slot.settle), then verify the
+        restore it started from."""
+        verify = s.settle(status, st, n_tokens, n_prompt, self.ctx.slots_visible)
+        if verify is not None:
+            self.verify(s, verify.key, verify.restored, cache_n if cache_n is not None else verify.cache_n,
+                        n_prompt, status)
+
+    def verify(self, s: Slot, key: str, n_restored: int, cache_n: int | None, n_prompt: int | None,
+               status: str) -> None:
+        """A restore is verified by the engine's timings.cache_n, not assumed."""
+        c, restores = self.ctx.counters, self.ctx.restore_log
+        if cache_n is None:
+            if status == "ok":
+                c.restores_unverified += 1
+                log.info("auto sessions: could not see whether the engine reused %s (no cache_n)", auto_name(key))
+            return
+        reused = policy.restore_reused(n_restored, cache_n, n_prompt)
+        last = restores.last.get(s.id)
+        file = last["file"] if last is not None else auto_name(key)
+        if last is not None:
+            last.update(cache_n=cache_n, reused=reused)
+        if reused:
+            c.restores_reused += 1
+            c.prefill_tokens_avoided += cache_n
+            self.ctx.events.emit("restore_reused", slot=s.id, key=key, file=file, cache_n=cache_n,
+                                 n_restored=n_restored)
+            return
+        c.restores_not_reused += 1
+        cause = NOT_REUSED_CAUSE
+        # A regenerated answer's prompt is a little shorter than the restored state (which
+        # holds the answer too); one under half of it was cut back by the client.
+        if n_prompt is not None and n_prompt * 2 < n_restored:
+            cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) is shorter than the restored conversation: "
+                     f"the client cut it, and the engine read the prompt again instead of cutting its state back")
+        restores.not_reused = {"key": key, "file": file, "n_restored": n_restored, "cache_n": cache_n,
+                               "at": time.time(), "likely_cause": cause}
+        log.warning("auto sessions: restored %s tokens of %s but the engine reused %s (timings.cache_n): %s",
+                    fmt_tokens(n_restored), file, fmt_tokens(cache_n), cause)
+        self.ctx.events.emit("restore_not_reused", slot=s.id, key=key, file=file, cache_n=cache_n,
+                             n_restored=n_restored)
+
+    # -- requests we do not see end with their timings ---------------------------------------
+    def watch_request(self, s: Slot) -> None:
+        """A request whose end we will not see with its timings (turn hook, tail) starts on a
+        restored slot: read GET /slots while it runs, for the cache_n that verifies the restore
+        (llama-server clears it when the request ends)."""
+        if s.view.restored is None or not self.ctx.slots_visible or (s.watcher and not s.watcher.done()):
+            return
+        s.watcher = asyncio.get_running_loop().create_task(self._watch(s, s.view.key, s.task_id))
+
+    async def _watch(self, s: Slot, key: str | None, task_before: int | None) -> None:
+        deadline = time.monotonic() + self.ctx.cfg.engine.timeout_s
+        while time.monotonic() < deadline and s.view.phase is Phase.SWITCHED and s.view.key == key:
+            try:
+                st = await self.engine_slot(s.id)
+            except EngineError:
+                return
+            if st is not None and st.task_id is not None and st.task_id != task_before:
+                if not st.is_processing:
+                    return  # ended between two looks: the restore stays unverified
+                if st.n_cached is not None and (st.n_cached or st.n_tokens):
+                    s.seen_cache_n = (st.task_id, st.n_cached)
+                    return
+            await asyncio.sleep(WATCH_EVERY_S)
+
+    async def ran_unplaced(self, slots: list[Slot]) -> None:
+        """A request the engine placed itself has run, every slot's ticket held meanwhile: the
+        slot it ran on (its task id moved) holds nothing autosessd can name."""
+        self.launch.count_start()
+        for s in sorted(slots, key=lambda x: x.id):
+            st = await self.look(s)
+            if st is None:
+                self.lost(s, "a request the engine placed itself may have run on it (slots not visible)")
+            elif st.task_id != s.task_id:
+                s.task_id = st.task_id
+                self.lost(s, "a request the engine placed itself (an embedding, a rerank) ran on it")

@@ -1,0 +1,194 @@
+"""Tickets: one FIFO per engine slot, and where a conversation's request is placed.
+
+Whatever runs a turn, a request, a save or a restore on a slot holds that slot's ticket
+until the engine is done with it; calls that change a slot take the ticket, not a slot id.
+Invariants:
+
+  * one ticket per slot at a time; each slot's waiters are served in arrival order, and a
+    waiter whose slot is busy keeps its place while later waiters take other slots;
+  * a conversation never runs on two slots at once: its requests wait for the slot that
+    holds it (held, restored, running, or just placed there);
+  * `admit_all` takes every slot in id order (no deadlock: nothing else waits for a second
+    slot); `try_admit` is the only way to take a second slot while holding one, and it never
+    waits.
+
+Placement: the slot that holds the conversation; otherwise the least recently used free
+slot, one holding nothing worth keeping (below min tokens) first, so a request without a
+conversation never displaces a long one while another slot is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .slot import Slot
+
+
+class Ticket:
+    """A place in one slot's FIFO, from Placement.admit() or place(). Release is safe twice,
+    so every path out of a request (delivered, failed, cancelled, settled later) may call it."""
+
+    def __init__(self, placement: Placement, slot: Slot):
+        self._placement = placement
+        self._slot = slot
+        self._released = False
+
+    @property
+    def slot_id(self) -> int:
+        return self._slot.id
+
+    @property
+    def active(self) -> bool:
+        return not self._released
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._placement._release(self._slot, self)
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request for a ticket: a given slot (`want`), or a placement for conversation `key`
+    (None: a request without one)."""
+
+    future: asyncio.Future
+    want: int | None
+    key: str | None
+
+
+class Placement:
+    def __init__(self, default_slot: int, min_tokens: Callable[[], int]):
+        """min_tokens: the running config's auto_sessions_min_tokens (a reload changes it)."""
+        self.slots: dict[int, Slot] = {}
+        self._default = default_slot
+        self._min_tokens = min_tokens
+        self._waiters: list[_Waiter] = []  # for tickets, in arrival order
+        self._idle_waiters: list[asyncio.Future] = []  # fifos_free
+        # Called with the slot when its ticket is released (launch.py drops the ticket's hold).
+        self.on_release: list[Callable[[Slot], None]] = []
+        self.slot()
+
+    def slot(self, slot_id: int | None = None) -> Slot:
+        sid = self._default if slot_id is None else slot_id
+        if sid not in self.slots:
+            self.slots[sid] = Slot(sid)
+        return self.slots[sid]
+
+    def add_slots(self, n: int) -> None:
+        """The engine runs n slots (0..n-1): all of them are driven."""
+        for sid in range(n):
+            self.slot(sid)
+
+    def slot_of(self, ticket: Ticket) -> Slot:
+        """The slot a ticket holds; a ticket that was released holds none."""
+        s = self.slot(ticket.slot_id)
+        assert s.owner is ticket and ticket.active, "the call needs the slot's ticket"
+        return s
+
+    # -- taking tickets (each blocks on its slot's FIFO) --------------------------------
+    async def admit(self, slot_id: int | None = None) -> Ticket:
+        """Wait for one slot's FIFO (the configured slot by default)."""
+        return await self._take(_Waiter(asyncio.get_running_loop().create_future(), self.slot(slot_id).id, None))
+
+    async def place(self, key: str | None) -> Ticket:
+        """Choose the slot for a request of conversation `key` and wait for its FIFO."""
+        if len(self.slots) <= 1:
+            return await self.admit()
+        return await self._take(_Waiter(asyncio.get_running_loop().create_future(), None, key))
+
+    async def admit_all(self) -> list[Ticket]:
+        """Every slot's FIFO, in slot order. For a request the engine places itself (embeddings
+        and rerank cannot be pinned to a slot)."""
+        tickets: list[Ticket] = []
+        try:
+            for sid in sorted(self.slots):
+                tickets.append(await self.admit(sid))
+        except BaseException:
+            for t in tickets:
+                t.release()
+            raise
+        return tickets
+
+    def try_admit(self, s: Slot) -> Ticket | None:
+        """The slot's ticket if it is free now and nobody waits for it; never waits."""
+        if s.busy or any(w.want == s.id for w in self._waiters):
+            return None
+        ticket = Ticket(self, s)
+        s.owner, s.last_used = ticket, time.monotonic()
+        return ticket
+
+    async def fifos_free(self) -> None:
+        """Until no ticket is held on any slot (a stop waits for this, bounded by its caller)."""
+        while any(s.busy for s in self.slots.values()):
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
+
+    # -- the FIFOs -----------------------------------------------------------------------
+    async def _take(self, w: _Waiter) -> Ticket:
+        self._waiters.append(w)
+        self._dispatch()
+        try:
+            return await w.future
+        except asyncio.CancelledError:
+            if w in self._waiters:
+                self._waiters.remove(w)
+            elif w.future.done() and not w.future.cancelled():
+                w.future.result().release()  # handed out as we were cancelled: give it back
+            raise
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters in arrival order; a waiter whose slot is busy keeps its
+        place, and later waiters may take other slots meanwhile (each slot stays FIFO)."""
+        for w in list(self._waiters):
+            if w.future.done():
+                self._waiters.remove(w)
+                continue
+            s = self._choose(w)
+            if s is None:
+                continue
+            self._waiters.remove(w)
+            ticket = Ticket(self, s)
+            s.owner, s.placing, s.last_used = ticket, w.key, time.monotonic()
+            w.future.set_result(ticket)
+
+    def _choose(self, w: _Waiter) -> Slot | None:
+        if w.want is not None:
+            s = self.slot(w.want)
+            return None if s.busy else s
+        if w.key is not None:
+            own = next((s for s in self.slots.values() if s.has(w.key)), None)
+            if own is not None:
+                return None if own.busy else own
+        free = [s for s in self.slots.values() if not s.busy]
+        if not free:
+            return None
+        min_tokens = self._min_tokens()
+
+        def worth_keeping(s: Slot) -> bool:
+            held = s.view.conversation()
+            return held is not None and (held.n_tokens is None or held.n_tokens >= min_tokens)
+
+        return min(free, key=lambda s: (worth_keeping(s), s.last_used, s.id))
+
+    def _release(self, s: Slot, ticket: Ticket) -> None:
+        if s.owner is not ticket:
+            return
+        for hook in self.on_release:
+            hook(s)
+        s.owner, s.placing = None, None
+        for waiter in self._idle_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._idle_waiters.clear()
+        self._dispatch()

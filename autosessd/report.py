@@ -1,0 +1,327 @@
+"""What autosessd tells people: its counters, events, the status, the file list, /metrics.
+
+Every counter is a field of `Counters` that carries its metric name and help text, so the
+status (`autosessctl status --json`, GET /autosessd/status) and GET /autosessd/metrics are
+generated from the one list and no counter can be left out of either (a test checks it).
+`status()`, `ls()` and `metrics()` read the Sessions facade and never change it; status and
+ls scan the session directory and run in a worker thread (the gate's endpoint and the control
+socket call them with run_in_executor): they read views (immutable), counters and dicts only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import __version__, policy
+from .engines.base import EngineError
+from .index import decode
+from .policy import Skip
+from .store import auto_name
+
+if TYPE_CHECKING:
+    from .sessions import Sessions
+
+log = logging.getLogger("autosessd")
+
+
+# -- numbers for people ------------------------------------------------------------------
+def fmt_tokens(n: int | None) -> str:
+    return "?" if n is None else f"{n:,}"
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= 100e6:
+        return f"{n / 1e9:.2f} GB"
+    if n >= 100e3:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e3:.1f} kB"
+
+
+_MARKERS = re.compile(r"<\|?[A-Za-z_][A-Za-z0-9_]*\|?>|\[/?INST\]|<<SYS>>|<</SYS>>")
+
+
+def first_words(text: str, max_chars: int = 72) -> str:
+    """A file's first tokens as a person reads them: the template's markers (`<bos>`,
+    `<start_of_turn>`, `<|im_start|>`) left out, whitespace folded, cut at a word."""
+    text = " ".join(_MARKERS.sub(" ", text).split())
+    if len(text) <= max_chars:
+        return text
+    cut = text[:max_chars].rsplit(" ", 1)[0] if " " in text[:max_chars] else text[:max_chars]
+    return cut + " …"
+
+
+# -- counters ------------------------------------------------------------------------------
+def _counter(metric: str, help_: str, zero: int | float = 0) -> Any:
+    return field(default=zero, metadata={"metric": metric, "help": help_})
+
+
+@dataclass
+class Counters:
+    """Every counter autosessd keeps; each field is a Prometheus counter named by its metadata."""
+
+    turns: int = _counter("turns_total", "Turns run (requests with a conversation key)")
+    saves: int = _counter("saves_total", "Conversations saved to auto-*.bin")
+    restores: int = _counter("restores_total", "Session files restored into a slot")
+    save_failures: int = _counter("save_failures_total", "Saves that failed")
+    restore_failures: int = _counter("restore_failures_total", "Restores that failed")
+    skipped_min_tokens: int = _counter("skipped_min_tokens_total", "Saves or restores skipped below min tokens")
+    skipped_no_file: int = _counter("skipped_no_file_total",
+                                    "Restores skipped: no file of the conversation, or none sharing enough tokens")
+    skipped_model_mismatch: int = _counter("skipped_model_mismatch_total", "Restores skipped: file of another model")
+    skipped_disk_full: int = _counter("skipped_disk_full_total", "Saves skipped: not enough free space")
+    skipped_engine_busy: int = _counter("skipped_engine_busy_total",
+                                        "Turns skipped: a request that did not come through autosessd ran on the slot")
+    saves_discarded: int = _counter("saves_discarded_total",
+                                    "Saves dropped: a request reached the slot while it was written (tail)")
+    # An engine that empties idle slots emptied one before its end could be saved.
+    saves_missed: int = _counter("saves_missed_total",
+                                 "Conversations not saved: the engine emptied their idle slot before their end save")
+    restores_reused: int = _counter("restores_reused_total", "Restores the engine reused (timings.cache_n)")
+    restores_not_reused: int = _counter("restores_not_reused_total", "Restores the engine did not reuse")
+    restores_unverified: int = _counter("restores_unverified_total",
+                                        "Restores whose reuse could not be seen (no cache_n in the response)")
+    engine_resets: int = _counter("engine_resets_total", "Held states dropped because the engine lost them")
+    bytes_saved: int = _counter("saved_bytes_total", "Bytes saved")
+    bytes_restored: int = _counter("restored_bytes_total", "Bytes restored")
+    ms_saved: float = _counter("save_milliseconds_total", "Engine time spent saving", 0.0)
+    ms_restored: float = _counter("restore_milliseconds_total", "Engine time spent restoring", 0.0)
+    prefill_tokens_avoided: int = _counter("prefill_tokens_avoided_total", "Prompt tokens reused thanks to a restore")
+    bad_log_lines: int = _counter("request_log_bad_lines_total", "Request-log lines skipped as malformed")
+    pruned_files: int = _counter("pruned_files_total", "Auto files removed by prune")
+    pruned_bytes: int = _counter("pruned_bytes_total", "Bytes freed by prune")
+    tokenized: int = _counter("tokenized_turns_total", "Turns that asked the engine for the request's tokens")
+    tokenize_failures: int = _counter("tokenize_failures_total",
+                                      "Turns that got no tokens from the engine (the key rule decided)")
+    restores_by_tokens: int = _counter("restores_by_tokens_total",
+                                       "Restores chosen by the tokens a file shares with the request")
+    saves_covered: int = _counter("saves_covered_total",
+                                  "Saves not kept: a file already held the conversation and more")
+    saves_branched: int = _counter("saves_branched_total",
+                                   "Conversations saved under a branch name (their opener's file is another's)")
+    prefixes_saved: int = _counter("prefixes_saved_total",
+                                   "Shared prefixes (system prompt, tools) read on their own and saved")
+    fetched: int = _counter("fetched_total", "Saves downloaded from the shared bucket for a turn's restore")
+    fetch_failures: int = _counter("fetch_failures_total",
+                                   "Downloads for a turn that failed or ran out of time (the request re-read)")
+    primed: int = _counter("primed_total",
+                           "Requests to a slot the engine emptied, primed so that its RAM cache serves them")
+
+    def bump(self, name: str, by: int | float = 1) -> None:
+        setattr(self, name, getattr(self, name) + by)
+
+
+def counter_rows(c: Counters) -> list[tuple[str, str, str, int | float]]:
+    """(metric, kind, help, value) of every counter, in the order of the fields."""
+    return [(f.metadata["metric"], "counter", f.metadata["help"], getattr(c, f.name)) for f in dataclasses.fields(c)]
+
+
+# What the skip of a step counts as.
+_SKIP_COUNTERS = {policy.BELOW_MIN: "skipped_min_tokens", policy.NO_FILE: "skipped_no_file",
+                  policy.MODEL_MISMATCH: "skipped_model_mismatch"}
+
+
+def skipped(counters: Counters, step: Skip, result: TurnResult | None) -> None:
+    """A save or restore the turn's rules skipped: counted, said, and told to the caller."""
+    msg = f"skipped {step.what} of {auto_name(step.key)}: {step.reason}"
+    if result is not None:
+        result.skipped.append(msg)
+    if step.reason in _SKIP_COUNTERS:
+        counters.bump(_SKIP_COUNTERS[step.reason])
+    # "no file" is the normal first sight of a conversation: not worth an INFO line.
+    (log.debug if step.reason in (policy.NO_FILE, policy.UP_TO_DATE) else log.info)("auto sessions: %s", msg)
+
+
+# -- what one turn did ---------------------------------------------------------------------
+@dataclass
+class TurnResult:
+    key: str | None
+    slot: int | None = None  # the slot the request runs on (pin it there when several)
+    saved: dict[str, Any] | None = None
+    restored: dict[str, Any] | None = None
+    prefix: dict[str, Any] | None = None  # a shared prefix read and saved before the request
+    skipped: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RestoreLog:
+    """What status shows of restores: per slot the last one (and the engine's cache_n for it,
+    once its request ended), and the last one the engine did not reuse."""
+
+    last: dict[int, dict[str, Any]] = field(default_factory=dict)
+    not_reused: dict[str, Any] | None = None
+
+
+# -- events --------------------------------------------------------------------------------
+class Events:
+    """Recent events for `events`, and live followers. A follower that falls behind by
+    more than its queue is dropped rather than slowing the daemon down."""
+
+    def __init__(self, keep: int = 1000):
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._followers: set[asyncio.Queue] = set()
+        self._seq = 0
+
+    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        self._seq += 1
+        ev = {"seq": self._seq, "ts": round(time.time(), 3), "type": type_, **fields}
+        self.recent.append(ev)
+        for q in list(self._followers):
+            try:
+                q.put_nowait(ev)
+            except asyncio.QueueFull:
+                self._followers.discard(q)
+                with contextlib.suppress(asyncio.QueueFull):
+                    q.get_nowait()
+                    q.put_nowait(None)  # None tells the follower it was dropped
+        return ev
+
+    @contextlib.contextmanager
+    def follow(self, maxsize: int = 1000):
+        q: asyncio.Queue = asyncio.Queue(maxsize)
+        self._followers.add(q)
+        try:
+            yield q
+        finally:
+            self._followers.discard(q)
+
+
+# -- status, ls, metrics -------------------------------------------------------------------
+def status(s: Sessions) -> dict[str, Any]:
+    """GET /autosessd/status and `autosessctl status`. Blocking: scans the directory."""
+    entries = s.store.scan(with_meta=False)
+    try:
+        free = s.store.free_bytes()
+    except OSError:
+        free = None
+    cfg = s.cfg
+    return {
+        "version": __version__,
+        "uptime_s": round(time.time() - s.started_at, 1),
+        "auto_sessions": cfg.auto_sessions,
+        "engine": {"kind": s.engine.kind, "url": s.engine.address, "healthy": s.engine_healthy,
+                   "model": s.model_name, "model_fingerprint": s.model, "slots": len(s.slots) or 1,
+                   "slots_visible": s.ctx.slots_visible},
+        "slots": [{**sl.status(), "file": sl.view.file, "last_restore": s.restore_log.last.get(sl.id)}
+                  for sl in sorted(s.slots.values(), key=lambda x: x.id)],
+        "counters": asdict(s.counters),
+        "last_not_reused": s.restore_log.not_reused,
+        "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
+                  "free_bytes": free, "min_tokens": cfg.auto_sessions_min_tokens, "keep": cfg.auto_sessions_keep,
+                  "max_gb": cfg.auto_sessions_max_gb},
+        "index": None if s.index is None else {"files": len(s.index), "skipped": len(s.index.skipped),
+                                               "swa_window": s.ctx.swa_window},
+        "inputs": {name: describe() for name, describe in s.inputs.items()},
+        "shared": None if s.remote is None else s.remote.status(),
+    }
+
+
+class Listing:
+    """`autosessctl ls`: every session file, with its first words once the engine read them."""
+
+    def __init__(self) -> None:
+        self._words: dict[str, tuple[Any, str]] = {}  # a file's first words, by (inode, mtime, size)
+
+    def ls(self, s: Sessions) -> list[dict[str, Any]]:
+        """Every session file: ours (auto: a conversation's, or a shared prefix) and people's
+        (manual), newest first. `line`: the first-message key of the conversation an auto
+        file holds; `words`: its first words, when ls_words() has read them. Blocking: rescans
+        the index (people's files come and go without us)."""
+        index = s.index
+        if index is not None:
+            index.scan()
+        held = {sl.view.file for sl in s.slots.values() if sl.view.conversation() and sl.view.file}
+        rows = [{"name": e.name, "kind": "prefix" if e.meta and e.meta.prefix else "auto", "key": e.key,
+                 "line": e.meta.line if e.meta else None, "bytes": e.bytes, "saved_at": e.saved_at,
+                 "n_tokens": e.meta.n_tokens if e.meta else None,
+                 "model_ok": bool(e.meta and e.meta.model == s.model), "held": e.name in held}
+                for e in s.store.scan()]
+        rows += [{"name": name, "kind": "manual", "key": None, "line": None, "bytes": size, "saved_at": mtime,
+                  "n_tokens": None, "model_ok": None, "held": name in held}
+                 for name, size, mtime in s.store.manual_files()]
+        for r in rows:
+            e = index.get(r["name"]) if index is not None else None
+            if e is not None and r["n_tokens"] is None:
+                r["n_tokens"] = e.n_tokens
+            if e is not None and r["model_ok"] is None and e.model is not None:
+                r["model_ok"] = e.model == s.model
+            hit = self._words.get(r["name"])
+            r["words"] = hit[1] if hit is not None and e is not None and hit[0] == e.ident else None
+        return sorted(rows, key=lambda r: r["saved_at"], reverse=True)
+
+    async def ls_words(self, s: Sessions, n_tokens: int = 40, max_chars: int = 72) -> list[dict[str, Any]]:
+        """ls() with each file's first words (its first tokens detokenized by the engine,
+        the template's markers left out), so a person can tell conversations apart. Read
+        once per file (by its inode, mtime and size) and kept; ls runs off the loop."""
+        rows = await asyncio.get_running_loop().run_in_executor(None, self.ls, s)
+        chat = s.ctx.chat
+        if chat is None or s.index is None:
+            return rows
+        for r in rows:
+            e = s.index.get(r["name"])
+            if r["words"] is not None or e is None or not e.tokens:
+                continue
+            try:
+                text = await chat.detokenize(decode(e.tokens[:4 * n_tokens]))
+            except EngineError as err:
+                log.debug("auto sessions: ls: cannot detokenize %s: %s", r["name"], err)
+                break  # the engine is not answering: the rest would not fare better
+            words = first_words(text, max_chars)
+            self._words[r["name"]] = (e.ident, words)
+            r["words"] = words
+        live = {r["name"] for r in rows}
+        for name in [n for n in self._words if n not in live]:
+            del self._words[name]
+        return rows
+
+
+def _shared_rows(sh: dict[str, Any]) -> list[tuple[str, str, str, int | float]]:
+    return [
+        ("shared_uploads_pending", "gauge", "Saves waiting to be uploaded to the shared bucket", sh["uploads_pending"]),
+        ("shared_uploads_retrying", "gauge", "Of those, uploads that failed and wait to be tried again",
+         sh["uploads_retrying"]),
+        ("shared_uploads_total", "counter", "Saves uploaded to the shared bucket", sh["uploads_done"]),
+        ("shared_upload_failures_total", "counter", "Upload attempts that failed (each is retried)",
+         sh["upload_failures"]),
+        ("shared_uploaded_bytes_total", "counter", "Bytes sent to the shared bucket", sh["bytes_up"]),
+        ("shared_downloads_total", "counter", "Saves downloaded from the shared bucket (hits)", sh["downloads"]),
+        ("shared_download_failures_total", "counter", "Downloads that failed (the request re-read)",
+         sh["download_failures"]),
+        ("shared_downloads_skipped_total", "counter", "Downloads skipped: re-reading was estimated faster",
+         sh["downloads_skipped_slower"]),
+        ("shared_downloads_skipped_unreachable_total", "counter",
+         "Downloads not tried: the bucket's last list or a recent download failed", sh["downloads_skipped_unreachable"]),
+        ("shared_downloads_refused_layout_total", "counter",
+         "Saves not downloaded: another KV layout than this engine's", sh["downloads_refused_layout"]),
+        ("shared_downloaded_bytes_total", "counter", "Bytes received from the shared bucket", sh["bytes_down"]),
+        ("shared_download_milliseconds_total", "counter", "Time spent downloading from the shared bucket",
+         float(sh["download_ms_total"])),
+        ("shared_catalog_saves", "gauge", "Saves of this model in the shared bucket, as last read",
+         sh["catalog"]["saves"]),
+    ]
+
+
+def metrics(s: Sessions, extra: list[tuple[str, str, str, int | float]] = ()) -> str:
+    """GET /autosessd/metrics (Prometheus text format): every counter, the caller's own rows
+    (the gate's), and the shared bucket's when it is configured (so a scraper sees no zeros
+    for a tier that is not there)."""
+    rows = [*counter_rows(s.counters), *extra]
+    if s.remote is not None:
+        rows += _shared_rows(s.remote.status())
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}",
+                f"autosessd_{name} {value:g}" if isinstance(value, float) else f"autosessd_{name} {value}"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,343 @@
+"""One save path: what a slot holds, written to a session file, and the files' facts.
+
+Every save goes through `save()`; every occasion that may or may not save (a switch, a
+keyless request, a request's end on an engine that empties idle slots, the stop, the tail's
+save behind, make-room, a command's restore) asks `save_if_worth()`, which decides with
+policy.plan_save only after the finalizes in flight have landed: a save of the same
+conversation may still be finalizing, and deciding on the file as it was, not as it will
+be, would save the same state twice (at a stop: a second multi-GB save inside
+stop_timeout_s).
+
+    engine writes   .autosessd-<key>.partial        (one save per temporary name at a time:
+                                                     two slots saving one prefix, or one key)
+    checked         size against the engine's answer (Store.verify_temp), header tokens against
+                    its count (_check_header), the KV layout learned from the file
+    named           by its header's tokens (index.save_key): the conversation's own file, a
+                    branch, or none when a file holds it all already ("covered")
+    finalize        fsync → rename → metadata, in a worker thread off the request's path;
+                    the name is held in Store.in_use until then, and the slot's view says
+                    which file holds its conversation now (Slot.saved)
+
+A save returns to its caller as soon as the temporary checked out; a later restore or save
+of that file waits for its finalize (wait_file, settled). Lock order: the slot's ticket, the
+launch gate, then the temporary's lock here, then finalize futures; Store and TokenIndex
+locks are taken only inside their own calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from . import policy, slotfile
+from .engines.base import EngineError
+from .index import SavedFile, comparable, encode, save_key
+from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
+from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
+from .slot import Phase, Slot, View
+from .store import AUTO_BIN, Meta, StoreError, auto_name, temp_name
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .observe import Observer
+
+log = logging.getLogger("autosessd")
+
+
+class Saver:
+    def __init__(self, ctx: Context, observer: Observer):
+        self.ctx = ctx
+        self.observer = observer
+        self._finalizing: dict[str, asyncio.Future] = {}  # by the final file's key
+        self._free_target = 0  # bytes a refused save needed free; the next prune makes room
+
+    # -- the files' facts --------------------------------------------------------------------
+    def meta_of(self, name: str) -> Meta | None:
+        m = AUTO_BIN.match(name)
+        return self.ctx.store.read_meta(m.group(1)) if m else None
+
+    def file_info(self, key: str) -> FileInfo | None:
+        meta = self.ctx.store.read_meta(key)
+        if meta is None:
+            return None
+        return FileInfo(meta.n_tokens, meta.model, slotfile.KVLayout.from_fingerprint(meta.layout) if meta.layout
+                        else None)
+
+    def loadable(self, name: str) -> bool:
+        """Whether this engine can load the file, by the KV layout its metadata records."""
+        meta = self.meta_of(name)
+        layout = slotfile.KVLayout.from_fingerprint(meta.layout) if meta is not None and meta.layout else None
+        return layout is None or self.ctx.engine_layout is None or layout.compatible(self.ctx.engine_layout)
+
+    def held_info(self, v: View) -> FileInfo | None:
+        """The file holding the slot's conversation as last saved or restored (View.file), for
+        plan_save's up-to-date check; None when it has none (yet): it is saved, and the
+        file's tokens then decide its name."""
+        meta = self.meta_of(v.file) if v.file is not None else None
+        return FileInfo(meta.n_tokens, meta.model) if meta else None
+
+    def saved_file(self, key: str) -> SavedFile | None:
+        """auto-<key>.bin as index.save_key needs it: its tokens (the index's, else its header)
+        and the prompt count its metadata recorded."""
+        store, index = self.ctx.store, self.ctx.index
+        meta = store.read_meta(key)
+        e = index.get(auto_name(key)) if index is not None else None
+        if e is not None and meta is not None and e.n_tokens == meta.n_tokens:
+            return SavedFile(e.tokens, meta.n_prompt)
+        try:
+            header = slotfile.read_header(store.bin_path(key))
+        except FileNotFoundError:
+            return None
+        except (slotfile.BadSlotFile, OSError):
+            return SavedFile(b"")  # not a state this engine wrote: ours to replace
+        return SavedFile(encode(comparable(header.tokens)), meta.n_prompt if meta else None)
+
+    def writing(self) -> set[str]:
+        """Files being finalized (the slot that saved them holds them live)."""
+        return {auto_name(k) for k in self._finalizing}
+
+    def busy(self, key: str) -> bool:
+        """A save of temporary `key` is in flight, or its file is being finalized."""
+        return key in self._finalizing
+
+    # -- waiting for finalizes ------------------------------------------------------------------
+    async def wait_file(self, key: str) -> FileInfo | None:
+        pending = self._finalizing.get(key)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+        return self.file_info(key)
+
+    async def settled(self) -> None:
+        """Every finalize in flight: a save's temporary is named by its line's key while its
+        final name is chosen by comparing with the files of that line."""
+        while self._finalizing:
+            fut = next(iter(self._finalizing.values()))
+            if fut.done():
+                # Finished, and its done-callback (_finalized, which removes it) is queued on
+                # the loop: awaiting a done future does not yield, so yield once for it to run
+                # instead of spinning here for ever with the loop blocked.
+                await asyncio.sleep(0)
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+
+    def finalizing(self) -> list[asyncio.Future]:
+        return list(self._finalizing.values())
+
+    def room_wanted(self) -> int:
+        """Bytes a refused save needed free (the prune makes room for them), once."""
+        target, self._free_target = self._free_target, 0
+        return target
+
+    # -- deciding ----------------------------------------------------------------------------
+    async def save_if_worth(self, s: Slot, occasion: Occasion, key: str | None = None,
+                            result: TurnResult | None = None,
+                            check: Callable[[], Awaitable[str | None]] | None = None
+                            ) -> tuple[Save | Skip | None, SaveOutcome]:
+        """Save the slot's conversation if policy.plan_save says so for this occasion (key:
+        the conversation that runs next, at a switch), deciding on its file as it will be once
+        the finalizes in flight have landed. → (the plan's step, what came of it); None: the
+        slot holds no conversation we can name."""
+        held = s.view.conversation()
+        step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
+        if isinstance(step, Save) and held is not None:
+            return step, await self.save(s, held, result, check=check)
+        return step, SaveOutcome.NOT_TRIED
+
+    # -- saving --------------------------------------------------------------------------------
+    async def save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None = None,
+                   check: Callable[[], Awaitable[str | None]] | None = None,
+                   prefix: bytes | None = None) -> SaveOutcome:
+        """Save what slot s holds: the conversation of first-message key held.key (or the
+        manual file `target`, or with `prefix` the shared prefix of key held.key, which must
+        hold exactly those tokens). Blocks on the finalizes in flight and the engine (which
+        waits for a busy slot).
+
+        `check`, when given, runs after the engine wrote the temporary: a reason it returns
+        means the state may not be the held conversation's, and the temporary is dropped."""
+        await self.settled()
+        return await self._save(s, held, result, target, check, prefix)
+
+    async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None,
+                    check: Callable[[], Awaitable[str | None]] | None, prefix: bytes | None) -> SaveOutcome:
+        ctx, store, c = self.ctx, self.ctx.store, self.ctx.counters
+        key = held.key
+        what = f"save to {target or auto_name(key)}"  # a conversation may then go to a branch name
+        short = store.check_space(held.n_tokens or 0)
+        if short:
+            # The prune after this turn evicts the oldest auto files until the next save fits.
+            self._free_target = max(self._free_target, store.space_needed(held.n_tokens or 0))
+            c.skipped_disk_full += 1
+            c.save_failures += 1
+            return self._failed(what, short, key, result)
+        t0 = time.monotonic()
+        ctx.events.emit("saving", slot=s.id, key=key, file=target, n_tokens=held.n_tokens)
+        try:
+            res = await ctx.engine.save(s.id, temp_name(key))
+        except EngineError as e:
+            store.discard_temp(key)
+            c.save_failures += 1
+            return self._failed(what, str(e), key, result)
+        try:
+            store.verify_temp(key, res.n_bytes, ctx.engine.magic)
+            header = self._check_header(key, res.n_tokens)
+        except StoreError as e:
+            store.discard_temp(key)
+            c.save_failures += 1
+            return self._failed(what, str(e), key, result)
+        if res.n_tokens == 0:
+            # The slot holds nothing: not a failed save but a state that is gone (an engine that
+            # empties idle slots, a restart). Nothing held blocks the next restore.
+            store.discard_temp(key)
+            if result is not None:
+                result.skipped.append(f"{what}: the engine's slot was empty (0 tokens saved)")
+            log.info("auto sessions: %s: the engine's slot was empty (0 tokens saved)", what)
+            if target is None:
+                self.observer.lost(s, "the engine's slot was empty when it was saved")
+            return SaveOutcome.NOT_TRIED
+        if held.n_tokens is None and target is None and res.n_tokens < ctx.min_tokens:
+            # The count could not be read before (no GET /slots): the engine's answer decides.
+            store.discard_temp(key)
+            skipped(c, Skip("save", key, policy.BELOW_MIN), result)
+            return SaveOutcome.NOT_TRIED
+        why = await check() if check is not None else None
+        if why:
+            store.discard_temp(key)
+            c.saves_discarded += 1
+            log.warning("auto sessions: %s discarded: %s", what, why)
+            ctx.events.emit("save_discarded", slot=s.id, key=key, why=why)
+            return SaveOutcome.FAILED
+        tokens = encode(comparable(header.tokens)) if header is not None else None
+        # Where it goes: the header's tokens against the files of its line.
+        line: str | None = key
+        how = "key"  # an engine whose files do not show their tokens: by the key, as before
+        file_key = key
+        if prefix is not None:
+            if tokens != prefix:
+                store.discard_temp(key)
+                c.save_failures += 1
+                return self._failed(what, f"the engine saved {res.n_tokens:,} tokens, not the prefix's "
+                                          f"{len(prefix) // 4:,}", key, result)
+            line, how = None, "prefix"
+        elif target is None and tokens is not None:
+            to = save_key(key, tokens, self.saved_file)
+            file_key, how = to.key, to.why
+            if to.why == "covered":
+                store.discard_temp(key)
+                c.saves_covered += 1
+                msg = f"{what} not kept: {auto_name(to.key)} holds its {res.n_tokens:,} tokens and more"
+                log.info("auto sessions: %s", msg)
+                ctx.events.emit("save_covered", slot=s.id, key=key, file=auto_name(to.key), n_tokens=res.n_tokens)
+                if result is not None:
+                    result.skipped.append(msg)
+                return SaveOutcome.SAVED  # the conversation is in a file: as good as saved
+        final = target or auto_name(file_key)
+        ms = (time.monotonic() - t0) * 1000
+        v = s.view
+        mine = target is None and prefix is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED)
+        n_prompt = v.n_prompt if mine and v.n_prompt is not None and v.n_prompt <= res.n_tokens else None
+        layout = self._learn_layout(key)
+        meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=ctx.model,
+                    save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
+                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None)
+        store.acquire(final)
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
+        except BaseException:
+            store.release(final)
+            raise
+        self._finalizing[file_key] = fut
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, meta if target is None else None))
+        if mine:
+            # The engine's count is the truth (a client's usage may differ by one), and the
+            # header says token for token what the slot holds.
+            s.saved(n_tokens=res.n_tokens, tokens=tokens, file=final)
+        c.saves += 1
+        if how == "branch":
+            c.saves_branched += 1
+        c.bytes_saved += res.n_bytes
+        c.ms_saved += res.ms
+        log.info("auto sessions: saved %s tokens (%s) to %s in %.0f ms%s", fmt_tokens(res.n_tokens),
+                 fmt_bytes(res.n_bytes), final, ms,
+                 f" (conversation {key}: {how})" if how not in ("key", "new", "extends") else "")
+        info = {"key": key, "file": final, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
+                "engine_ms": round(res.ms, 2), "ms": round(ms, 2), "named": how}
+        ctx.events.emit("saved", slot=s.id, **info)
+        if result is not None:
+            result.saved = info
+        return SaveOutcome.SAVED
+
+    def _check_header(self, key: str, n_saved: int) -> slotfile.SlotHeader | None:
+        """The file's own header must agree with the engine's answer (llama-server files).
+        Returns it: the tokens the file holds (None for engines whose files we cannot read)."""
+        if self.ctx.engine.magic != slotfile.MAGIC_BYTES:
+            return None
+        path = self.ctx.store.temp_path(key)
+        try:
+            header = slotfile.read_header(path)
+        except (slotfile.BadSlotFile, OSError) as e:
+            raise StoreError(f"{path.name}: {e}") from None
+        if header.n_tokens != n_saved:
+            raise StoreError(f"{path.name} holds {header.n_tokens:,} tokens by its header, the engine reported "
+                             f"{n_saved:,}")
+        return header
+
+    def _learn_layout(self, key: str) -> slotfile.KVLayout | None:
+        """The KV layout of a state file this engine just wrote: it is the engine's layout."""
+        if self.ctx.engine.magic != slotfile.MAGIC_BYTES:
+            return None
+        try:
+            layout = slotfile.read_layout(self.ctx.store.temp_path(key))
+        except (slotfile.BadSlotFile, OSError) as e:
+            log.debug("auto sessions: KV layout of %s: %s", key, e)
+            return None
+        if self.ctx.engine_layout is None or self.ctx.engine_layout.v_trans is None:
+            self.ctx.engine_layout = layout
+        return layout
+
+    def _finalize(self, key: str, meta: Meta, target: str | None, header: slotfile.SlotHeader | None) -> None:
+        """In a worker thread: make the temporary of `key` final, then index it."""
+        store, index = self.ctx.store, self.ctx.index
+        if target is None:
+            store.finalize(key, meta)
+            name = auto_name(meta.key)
+        else:
+            store.finalize_manual(key, target)
+            name = target  # parked by us: its model is known
+        if index is not None and header is not None:
+            try:
+                index.add(name, header.tokens, self.ctx.model)
+            except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
+                log.warning("auto sessions: indexing %s: %s", name, e)
+
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, meta: Meta | None = None) -> None:
+        """meta: an auto file's (a conversation, a branch, a prefix): uploaded to the shared
+        bucket once final. People's parked names stay local."""
+        store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
+        if self._finalizing.get(file_key) is fut:
+            del self._finalizing[file_key]
+        store.release(final)
+        exc = fut.exception() if not fut.cancelled() else None
+        if exc is None and not fut.cancelled() and meta is not None and remote is not None:
+            remote.upload_later(store.bin_path(meta.key), meta)
+        if exc is not None:
+            self.ctx.counters.save_failures += 1
+            store.discard_temp(key)
+            if final == auto_name(file_key) and store.read_meta(file_key) is None:
+                with contextlib.suppress(StoreError, OSError):
+                    store.remove(file_key)
+                if index is not None:
+                    index.remove(final)
+            log.error("auto sessions: finalize of %s: %s", final, exc)
+            self.ctx.events.emit("save_failed", key=key, file=final, error=str(exc))
+
+    def _failed(self, what: str, why: str, key: str, result: TurnResult | None) -> SaveOutcome:
+        log.warning("auto sessions: %s: %s", what, why)
+        self.ctx.events.emit("save_failed", key=key, error=why)
+        if result is not None:
+            result.errors.append(f"{what}: {why}")
+        return SaveOutcome.FAILED

@@ -1,0 +1,273 @@
+"""The turn (DESIGN §1): before a request of conversation K runs on a slot, save what the
+slot holds if worth it, restore the file that serves K best, maybe read K's shared prefix on
+its own; then the slot is SWITCHED to K. In that order, all on the ticket's slot, and it
+never raises (cancellation aside): any failure is logged, counted and turned into "do
+nothing", and the request runs exactly as it would without autosessd.
+
+Files by their tokens (DESIGN §9, issue 11). A turn with an OpenAI chat body asks the engine
+for the request's tokens unless the request goes on from the held one (same key, the held
+request's messages first: View.messages), and then
+
+    save      the held conversation, named by its header's tokens (saves.py): its line's file
+              when it extends or replaces it, a branch name when another conversation of the
+              same opener holds that file, nothing when a file holds it all already. Same key
+              but tokens that depart (Occasion.BRANCH) is a switch too.
+    restore   index.best: the file sharing the longest prefix with the request, if it shares
+              min_tokens more than the slot already does (View.tokens); never by name
+    prefix    a new conversation whose system prompt and tools reach min_tokens and which no
+              file holds: read them on their own and save them as a prefix file (prefix.py)
+
+Without tokens (other APIs, images, the tail, a hook sending a key, an engine that cannot
+tokenize) the key rule of DESIGN §1 decides. With a shared bucket, remote.py's Fetcher is
+asked when nothing local is good enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import policy
+from .engines.base import EngineError
+from .index import common_prefix, encode
+from .keys import chat_signature, continues
+from .policy import Held, Occasion, Restore, RestoreFile, SaveOutcome, Skip
+from .report import TurnResult, skipped
+from .slot import Phase, Slot, View
+from .store import Meta, auto_name
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .observe import Observer
+    from .prefix import PrefixReader
+    from .remote import Fetcher
+    from .restores import Restorer
+    from .saves import Saver
+
+log = logging.getLogger("autosessd")
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What a turn learned about the request it lets through (View.tokens, messages, file)."""
+
+    tokens: bytes | None
+    messages: tuple[str, ...] | None
+    file: str | None
+
+
+class Turn:
+    def __init__(self, ctx: Context, observer: Observer, saver: Saver, restorer: Restorer, prefix: PrefixReader,
+                 fetcher: Fetcher):
+        self.ctx = ctx
+        self.observer = observer
+        self.saver = saver
+        self.restorer = restorer
+        self.prefix = prefix
+        self.fetcher = fetcher
+
+    async def run(self, s: Slot, key: str | None, sees_end: bool, body: dict[str, Any] | None) -> TurnResult:
+        """The turn on slot s (its ticket held). sees_end=False (turn hook): its end will not
+        be reported, so a restore is verified by watching the engine's slot instead. body:
+        the request's OpenAI chat body, whose tokens choose what to restore; None: the key rule."""
+        ctx = self.ctx
+        s.looked = None  # this turn's own look, or none
+        result = TurnResult(key=key, slot=s.id)
+        t0 = time.monotonic()
+        carry: Carry | None = None
+        if key is not None and ctx.cfg.auto_sessions:
+            ctx.counters.turns += 1
+        try:
+            if ctx.cfg.auto_sessions and await self.observer.observe(s, result):
+                carry = await self._turn(s, key, result, body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug must not fail the request either
+            log.exception("auto sessions: turn for %s: %s", key, e)
+            result.errors.append(f"internal error: {e}")
+        finally:
+            if carry is None:
+                s.start(key)
+            else:
+                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file)
+            result.ms = round((time.monotonic() - t0) * 1000, 2)
+            if ctx.cfg.auto_sessions and (key is not None or result.saved or result.errors):
+                ctx.events.emit("turn", **result.to_dict())
+        if not sees_end:
+            self.observer.watch_request(s)
+        return result
+
+    async def _turn(self, s: Slot, key: str | None, result: TurnResult, body: dict[str, Any] | None) -> Carry | None:
+        v = s.view
+        held = v.conversation()
+        sig = chat_signature(body) if key is not None and body is not None else None
+        same = key is not None and held is not None and held.key == key
+        if same and (sig is None or continues(v.messages, sig)):
+            # The same conversation going on: its count is updated when the request ends. No
+            # tokens asked for: the request extends what the slot holds.
+            return Carry(v.tokens, sig, v.file)
+        want = sig is not None and self.ctx.index is not None
+        tokens = await self._request_tokens(body, result) if want and same else None
+        if same and tokens is None:
+            return Carry(v.tokens, sig, v.file)  # the key rule: the same conversation
+        if same and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
+            # Other messages (a client that rewrites what it sent before), the same tokens:
+            # the request still goes on from what the slot holds.
+            return Carry(v.tokens, sig, v.file)
+        # Same first message, but its tokens depart from the held ones (another system prompt,
+        # an edited message): the engine keeps only what they share, so it is a switch too.
+        occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
+        # At a switch the engine tokenizes the request while it saves the held conversation
+        # (/tokenize does not wait for the slot): the save hides the tokens' cost.
+        asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
+            if want and not same else None
+        try:
+            step, outcome = await self.saver.save_if_worth(s, occasion, key, result)
+            if isinstance(step, Skip):
+                skipped(self.ctx.counters, step, result)
+            if asking is not None:
+                tokens = await asking
+        finally:
+            if asking is not None and not asking.done():
+                asking.cancel()
+        if key is None:
+            return None
+        if tokens is None:
+            return await self._restore_by_key(s, key, held, outcome, result, sig)
+        assert body is not None and sig is not None
+        return await self._restore_by_tokens(s, key, held, outcome, result, body, sig, tokens)
+
+    async def _restore_by_key(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome, result: TurnResult,
+                              sig: tuple[str, ...] | None) -> Carry:
+        """DESIGN §1 step 3: auto-<key>.bin, for requests whose tokens are not known; with a
+        shared bucket, its save of that name first when the local one is missing or older."""
+        ctx = self.ctx
+        file = await self.saver.wait_file(key)
+        claim = await self.fetcher.by_key(key, held, outcome, file, result) if ctx.remote else None
+        own = None
+        try:
+            if claim is not None:
+                file = self.saver.file_info(key)
+            step = policy.plan_restore(held, key, outcome, file, ctx.model, ctx.min_tokens, ctx.engine_layout)
+            if isinstance(step, Restore):
+                name = auto_name(key)
+                if await self.restorer.restore(s, key, result, name):
+                    meta = ctx.store.read_meta(key)
+                    own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
+                    self._record_restore(s, result, name, None, None, "key" if claim is None else "key, downloaded")
+            elif isinstance(step, Skip):
+                skipped(ctx.counters, step, result)
+        finally:
+            if claim is not None:
+                claim.release()
+        return Carry(None, sig, own)
+
+    async def _restore_by_tokens(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
+                                 result: TurnResult, body: dict[str, Any], sig: tuple[str, ...], tokens: bytes
+                                 ) -> Carry:
+        """DESIGN §9: restore the file of this model sharing the longest prefix with the
+        request's tokens, when it shares at least min_tokens more than the slot already does
+        (the engine keeps that much of what the slot holds). Its name plays no part: a file
+        under the request's own key that shares less is not restored. Files being written
+        are left out (the slot holds them live); so are files the engine could not reuse
+        after their sliding-window layers (swa_window)."""
+        ctx = self.ctx
+        assert ctx.index is not None
+        min_tokens = ctx.min_tokens
+        shared = self._slot_prefix(s.view, tokens)
+        found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=auto_name(key),
+                               min_lcp=shared + max(min_tokens, 1), window=ctx.swa_window)
+        claim = None
+        if ctx.remote is not None:
+            found, claim = await self.fetcher.by_tokens(key, held, outcome, tokens, shared, found, result)
+        step = policy.plan_restore_by_tokens(held, key, outcome, found, shared, min_tokens)
+        own = None
+        if isinstance(step, RestoreFile) and not self.saver.loadable(step.name):
+            step = Skip("restore", key, policy.LAYOUT_MISMATCH)
+        if isinstance(step, RestoreFile):
+            entry = ctx.index.get(step.name)
+            try:
+                # The engine should now reuse `step.shared` tokens of it: what the next
+                # response's cache_n is checked against.
+                restored = await self.restorer.restore(s, key, result, step.name, expect=step.shared,
+                                                       tokens=entry.tokens if entry is not None else None)
+            finally:
+                if claim is not None:
+                    claim.release()  # read by the engine (or failed): prune may have it now
+            if restored:
+                meta = self.saver.meta_of(step.name)
+                own = step.name if self._own(key, step, meta) else None
+                ctx.counters.restores_by_tokens += 1
+                self._record_restore(s, result, step.name, step.shared, shared,
+                                     "tokens" if claim is None else "tokens, downloaded", meta, len(tokens) // 4)
+                shared = step.shared
+            else:
+                shared = 0  # llama-server cleared the slot
+        else:
+            if claim is not None:
+                claim.release()
+            if step.reason == policy.NO_MATCH:
+                msg = (f"no restore for {key}: no file of this model shares {shared + max(min_tokens, 1):,} "
+                       f"tokens with the request's {len(tokens) // 4:,} (the slot shares {shared:,})")
+                result.skipped.append(msg)
+                ctx.counters.skipped_no_file += 1
+                log.debug("auto sessions: %s", msg)
+            else:
+                skipped(ctx.counters, step, result)
+        if not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
+            await self.prefix.split(s, key, body, tokens, shared, result)
+        return Carry(tokens, sig, own)
+
+    async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
+        """The request's prompt tokens from the engine (/apply-template + /tokenize: neither
+        waits for the slot), or None: the key rule decides then."""
+        chat = self.ctx.chat
+        if chat is None or body is None:
+            return None
+        self.ctx.counters.tokenized += 1
+        try:
+            tokens = await chat.prompt_tokens(body)
+            if not tokens:
+                raise ValueError("no tokens")
+            return encode(tokens)
+        except (EngineError, ValueError) as e:
+            self.ctx.counters.tokenize_failures += 1
+            log.info("auto sessions: no tokens for the request (%s): its key decides what to restore", e)
+            result.skipped.append(f"tokens: {e}")
+            return None
+
+    def _slot_prefix(self, v: View, tokens: bytes) -> int:
+        """Tokens the slot already shares with the request (the engine keeps them live). What
+        the slot is known to start with may be only its last prompt: then this is a floor."""
+        if v.phase not in (Phase.HELD, Phase.RESTORED):
+            return 0
+        known = v.tokens
+        index = self.ctx.index
+        if known is None and v.file is not None and index is not None:
+            e = index.get(v.file)
+            known = e.tokens if e is not None and e.n_tokens == v.n_tokens else None
+        return common_prefix(known, tokens) if known else 0
+
+    @staticmethod
+    def _own(key: str, step: RestoreFile, meta: Meta | None) -> bool:
+        """Is the restored file this conversation's own (the request goes on from its prompt),
+        so that it stays the conversation's file after the request (the up-to-date check)?
+        Not a prefix, not another line's, not one the request departs from inside its prompt."""
+        if meta is None or meta.prefix or meta.line not in (key, None):
+            return False
+        if meta.line is None and meta.key != key:
+            return False
+        return step.shared >= (meta.n_prompt if meta.n_prompt is not None else meta.n_tokens)
+
+    def _record_restore(self, s: Slot, result: TurnResult, name: str, shared: int | None, slot_shared: int | None,
+                        by: str, meta: Meta | None = None, n_prompt: int | None = None) -> None:
+        """What status shows of the slot's last restore; observe.verify adds the engine's cache_n."""
+        info = {"file": name, "chosen_by": by, "shared": shared, "slot_shared": slot_shared,
+                "line": meta.line if meta is not None else None, "prefix": bool(meta is not None and meta.prefix)}
+        if result.restored is not None:
+            result.restored.update(info)
+        self.ctx.restore_log.last[s.id] = {**(result.restored or {}), **info, "n_prompt": n_prompt, "cache_n": None,
+                                           "reused": None, "at": round(time.time(), 3)}
