@@ -142,6 +142,7 @@ class Saver:
         the conversation that runs next, at a switch), deciding on its file as it will be once
         the finalizes in flight have landed. → (the plan's step, what came of it); None: the
         slot holds no conversation we can name."""
+        await self.settled()
         held = s.view.conversation()
         step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
         if isinstance(step, Save) and held is not None:

@@ -3,6 +3,7 @@ and restored, FIFOs per slot, making room, and an engine that empties idle slots
 The real engine with -np 4 and -np auto is in test_slots_real.py."""
 
 import asyncio
+import time
 
 from autosessd import slotfile
 from autosessd.config import parse
@@ -497,3 +498,28 @@ async def test_a_start_waiting_to_go_alone_is_not_starved_by_starts_side_by_side
     assert not later.done()
     g.release(Hold.ALONE)
     await asyncio.wait_for(later, 1)
+
+
+async def test_the_stop_after_an_end_save_asks_the_engine_for_no_second_save(tmp_path):
+    """Issue 18.1: on an engine that empties idle slots each end is saved at once. The stop
+    right after it must decide on A's file as it will be once that save's finalize (fsync,
+    rename, metadata: slow for a multi-GB file) has landed: up to date, not saved again."""
+    s = primed_engine(tmp_path)
+    finalize = s.store.finalize
+
+    def slow_finalize(key, meta):
+        time.sleep(0.1)  # a big file's fsync
+        finalize(key, meta)
+
+    s.store.finalize = slow_finalize
+    t = await s.place(A)
+    async with t:
+        await s.turn(t, A)
+        await s.before_send(t)
+        s.engine.ran(conv(A, 50), slot=t.slot_id)
+        await s.sent(t, bound_s=0)
+        await s.ended(t, A, "ok")  # the end save; its finalize is still running
+    assert len(s.engine.saves) == 1
+    assert await s.save_held(t.slot_id, "stop")  # up to date: done, nothing to write
+    assert len(s.engine.saves) == 1
+    assert file_tokens(tmp_path, A) == conv(A, 50)
