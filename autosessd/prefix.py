@@ -45,6 +45,7 @@ class PrefixReader:
         self.launch = launch
         self.observer = observer
         self.saver = saver
+        self._reading: set[str] = set()  # prefix keys being read or saved now
 
     async def split(self, s: Slot, key: str, body: dict[str, Any], tokens: bytes, shared: int,
                     result: TurnResult) -> None:
@@ -64,9 +65,13 @@ class PrefixReader:
         if ctx.index.best(head, ctx.model, min_lcp=n, window=ctx.swa_window) is not None:
             return  # a file holds it
         pkey = prefix_key(head)
-        if self.saver.busy(pkey):
-            return
-        await self._read_and_save(s, key, n, head, pkey, result)
+        if pkey in self._reading or self.saver.busy(pkey):
+            return  # another slot reads or saves it now: this request reads it live
+        self._reading.add(pkey)
+        try:
+            await self._read_and_save(s, key, n, head, pkey, result)
+        finally:
+            self._reading.discard(pkey)
 
     async def _read_and_save(self, s: Slot, key: str, n: int, head: bytes, pkey: str, result: TurnResult) -> None:
         t0 = time.monotonic()

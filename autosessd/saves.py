@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from . import policy, slotfile
 from .engines.base import EngineError
@@ -52,6 +52,7 @@ class Saver:
         self.ctx = ctx
         self.observer = observer
         self._finalizing: dict[str, asyncio.Future] = {}  # by the final file's key
+        self._temps: dict[str, list] = {}  # temporary's key → [asyncio.Lock, users]
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
 
     # -- the files' facts --------------------------------------------------------------------
@@ -101,7 +102,7 @@ class Saver:
 
     def busy(self, key: str) -> bool:
         """A save of temporary `key` is in flight, or its file is being finalized."""
-        return key in self._finalizing
+        return key in self._temps or key in self._finalizing
 
     # -- waiting for finalizes ------------------------------------------------------------------
     async def wait_file(self, key: str) -> FileInfo | None:
@@ -149,19 +150,35 @@ class Saver:
             return step, await self.save(s, held, result, check=check)
         return step, SaveOutcome.NOT_TRIED
 
+    @contextlib.asynccontextmanager
+    async def _temporary(self, key: str) -> AsyncIterator[None]:
+        """One save per temporary name at a time (two slots reading one system prompt save
+        one prefix file; a client may pin one conversation to two slots): the engine would
+        write both into the same .partial, and one finalize would find it gone."""
+        entry = self._temps.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._temps[key]
+
     # -- saving --------------------------------------------------------------------------------
     async def save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None = None,
                    check: Callable[[], Awaitable[str | None]] | None = None,
                    prefix: bytes | None = None) -> SaveOutcome:
         """Save what slot s holds: the conversation of first-message key held.key (or the
         manual file `target`, or with `prefix` the shared prefix of key held.key, which must
-        hold exactly those tokens). Blocks on the finalizes in flight and the engine (which
-        waits for a busy slot).
+        hold exactly those tokens). Blocks on the temporary's lock, the finalizes in flight and
+        the engine (which waits for a busy slot).
 
         `check`, when given, runs after the engine wrote the temporary: a reason it returns
         means the state may not be the held conversation's, and the temporary is dropped."""
-        await self.settled()
-        return await self._save(s, held, result, target, check, prefix)
+        async with self._temporary(held.key):
+            await self.settled()
+            return await self._save(s, held, result, target, check, prefix)
 
     async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None,
                     check: Callable[[], Awaitable[str | None]] | None, prefix: bytes | None) -> SaveOutcome:

@@ -278,3 +278,41 @@ async def test_with_an_engine_that_empties_idle_slots_a_prefix_is_read_while_no_
         await asyncio.wait_for(s.before_send(t), 1)  # its hold goes on until the request runs
         assert s.launch.gate.no_starts
     assert not s.launch.gate.no_starts  # released with the ticket
+
+
+class SlowStub(StubEngine):
+    """Saves and prefills that take a while, as the real engine's do: two slots' turns overlap.
+    (llama-server runs them side by side too: they are on two slots.)"""
+
+    async def save(self, slot, name):
+        await asyncio.sleep(0.02)
+        return await super().save(slot, name)
+
+    async def prefill(self, slot, tokens):
+        await asyncio.sleep(0.02)
+        return await super().prefill(slot, tokens)
+
+
+async def test_two_slots_starting_with_one_system_prompt_save_one_whole_prefix_file(tmp_path):
+    """Issue 18.2: two new conversations with one long system prompt, placed on two slots at
+    once (four agents starting with one system prompt). One prefix file, whole; no failed save."""
+    eng = SlowStub(tmp_path / "sessions", n_slots=2)
+    s = await make(tmp_path, engine=eng)
+    bodies = [body(("system", SYSTEM), ("user", TASK_1)), body(("system", SYSTEM), ("user", TASK_2))]
+
+    async def turn(b):
+        key = conversation_key(b)
+        t = await s.place(key)
+        async with t:
+            r = await s.turn(t, key, body=b)
+            await s.ended(t, key, "not_run")
+        return t.slot_id, r
+
+    (slot_1, r1), (slot_2, r2) = await asyncio.gather(*(turn(b) for b in bodies))
+    await s.drain()
+    assert slot_1 != slot_2
+    head = tokenize(f"<system>{SYSTEM}<end><user>")
+    pname = f"auto-{prefix_key(head)}.bin"
+    assert s.counters.save_failures == 0 and s.counters.prefixes_saved == 1, (r1.errors, r2.errors)
+    assert header(s, pname) == head and s.store.read_meta(pname[5:21]).prefix
+    assert [p for p in eng.prefills if p == head] == [head]  # read once; the other request reads it live
