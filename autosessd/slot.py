@@ -218,9 +218,11 @@ class Slot:
 
     # -- transitions ---------------------------------------------------------------------
     def start(self, key: str | None, tokens: bytes | None = None, messages: tuple[str, ...] | None = None,
-              file: str | None = None) -> None:
+              file: str | None = None, n_prompt: int | None = None) -> None:
         """START: a request of `key` starts on the slot now, whatever we do (after a turn, with
-        what the turn learned of it; or seen in a request log)."""
+        what the turn learned of it; or seen in a request log). n_prompt: its prompt's length,
+        when the turn asked the engine for its tokens (the turn hook's requests report no end,
+        so nothing else says how much of the state they leave is prompt)."""
         v = self._view
         if v.phase is Phase.SWITCHED:
             # Another request whose end was not seen is still ahead of this one on the slot.
@@ -231,7 +233,7 @@ class Slot:
             prior, restored = v, (v.restored if v.key == key else None)
         self.seen_cache_n = None
         self._change(Event.START, View(Phase.SWITCHED, key, n_tokens=None, restored=restored, prior=prior,
-                                       tokens=tokens, messages=messages, file=file))
+                                       tokens=tokens, messages=messages, file=file, n_prompt=n_prompt))
 
     def note(self, **changes: Any) -> None:
         """NOTE: what the turn learned of the request that runs next (SWITCHED only)."""
@@ -251,6 +253,8 @@ class Slot:
         if v.phase is not Phase.SWITCHED:
             raise InvalidTransition(f"slot {self.id}: settle from {v.phase.value}")
         prior = v.prior or View(Phase.UNKNOWN, n_tokens=None)
+        if n_prompt is None:
+            n_prompt = v.n_prompt  # what the turn learned of the request's prompt
         if st is not None:
             self.task_id = st.task_id
         n = st.n_tokens if st is not None else n_tokens

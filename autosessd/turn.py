@@ -57,6 +57,7 @@ class Carry:
     tokens: bytes | None
     messages: tuple[str, ...] | None
     file: str | None
+    n_prompt: int | None = None  # the request's prompt length, when its tokens were asked for
 
 
 class Turn:
@@ -68,6 +69,7 @@ class Turn:
         self.restorer = restorer
         self.prefix = prefix
         self.fetcher = fetcher
+        self._learning: set[asyncio.Task] = set()  # _learn_prompt's, held until done
 
     async def run(self, s: Slot, key: str | None, sees_end: bool, body: dict[str, Any] | None) -> TurnResult:
         """The turn on slot s (its ticket held). sees_end=False (turn hook): its end will not
@@ -92,13 +94,31 @@ class Turn:
             if carry is None:
                 s.start(key)
             else:
-                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file)
+                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if ctx.cfg.auto_sessions and (key is not None or result.saved or result.errors):
                 ctx.events.emit("turn", **result.to_dict())
         if not sees_end:
             self.observer.watch_request(s)
+            if carry is not None and carry.n_prompt is None and body is not None and self.ctx.index is not None:
+                self._learn_prompt(s, key, body)
         return result
+
+    def _learn_prompt(self, s: Slot, key: str | None, body: dict[str, Any]) -> None:
+        """A hook request that went on from the held one was let through without its tokens,
+        and its end is never reported: ask for them beside it (/tokenize does not wait for the
+        slot), so that the state it leaves is known token for token and how much of it is
+        prompt (index.save_key tells a regenerated reply from an edited message by that)."""
+        v = s.view
+
+        async def learn() -> None:
+            tokens = await self._request_tokens(body, TurnResult(key=key))
+            if tokens is not None and s.view is v:  # still that request, nothing learned since
+                s.note(tokens=tokens, n_prompt=len(tokens) // 4)
+
+        task = asyncio.get_running_loop().create_task(learn())
+        self._learning.add(task)
+        task.add_done_callback(self._learning.discard)
 
     async def _turn(self, s: Slot, key: str | None, result: TurnResult, body: dict[str, Any] | None) -> Carry | None:
         v = s.view
@@ -116,7 +136,7 @@ class Turn:
         if same and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
             # Other messages (a client that rewrites what it sent before), the same tokens:
             # the request still goes on from what the slot holds.
-            return Carry(v.tokens, sig, v.file)
+            return Carry(v.tokens, sig, v.file, len(tokens) // 4)
         # Same first message, but its tokens depart from the held ones (another system prompt,
         # an edited message): the engine keeps only what they share, so it is a switch too.
         occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
@@ -219,7 +239,7 @@ class Turn:
                 skipped(ctx.counters, step, result)
         if not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
             await self.prefix.split(s, key, body, tokens, shared, result)
-        return Carry(tokens, sig, own)
+        return Carry(tokens, sig, own, len(tokens) // 4)
 
     async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither

@@ -316,3 +316,43 @@ async def test_two_slots_starting_with_one_system_prompt_save_one_whole_prefix_f
     assert s.counters.save_failures == 0 and s.counters.prefixes_saved == 1, (r1.errors, r2.errors)
     assert header(s, pname) == head and s.store.read_meta(pname[5:21]).prefix
     assert [p for p in eng.prefills if p == head] == [head]  # read once; the other request reads it live
+
+
+async def test_hook_growth_after_a_regenerated_reply_goes_to_the_conversations_own_file(tmp_path):
+    """Issue 18.3: through the turn hook (no end is ever reported, so no response says how much
+    of a state was prompt): A, B, A again (restored, its answer regenerated), A grown from that
+    answer, then B. The grown A replaces A's own file: it departs from the file inside the file's
+    reply, not inside its prompt (that would make it another conversation: a branch)."""
+    s = await make(tmp_path)
+
+    async def hook(b, reply=None):
+        key = conversation_key(b)
+        async with await s.admit() as t:
+            r = await s.turn(t, key, sees_end=False, body=b)
+        if reply is not None:
+            s.engine.chat(b, reply)  # the serving layer runs the request
+        await s.drain()
+        return r
+
+    a = body(("user", LONG_1))
+    b = body(("user", LONG_2))
+    await hook(a, "Aye, the sea.")
+    await hook(b, "Void.")
+    assert (await hook(a, "Nay, the ships.")).restored["file"] == f"auto-{conversation_key(a)}.bin"
+    grown = body(("user", LONG_1), ("assistant", "Nay, the ships."), ("user", "How many ships? " + LONG_2))
+    await hook(grown, "Many.")
+    r = await hook(b)
+    ka = conversation_key(a)
+    assert r.saved["file"] == f"auto-{ka}.bin" and r.saved["named"] == "replaces", r.saved
+    assert header(s, f"auto-{ka}.bin") == prompt(grown) + [ord(c) for c in "Many."]
+    # Once more, from a state whose last request went on from the held one (no tokens asked
+    # for at its turn): the answer regenerated again, the conversation grown from it.
+    assert (await hook(grown, "Few.")).restored["file"] == f"auto-{ka}.bin"
+    await asyncio.sleep(0)
+    again = body(*[(m["role"], m["content"]) for m in grown["messages"]], ("assistant", "Few."), ("user", "And?"))
+    await hook(again, "Done.")
+    await asyncio.sleep(0)  # the serving layer takes longer than /tokenize
+    r = await hook(b)
+    assert r.saved["file"] == f"auto-{ka}.bin" and r.saved["named"] == "replaces", r.saved
+    assert header(s, f"auto-{ka}.bin") == prompt(again) + [ord(c) for c in "Done."]
+    assert s.counters.saves_branched == 0

@@ -123,6 +123,35 @@ def test_hook_grown_conversation_is_saved_grown_and_its_restore_verified(engines
         d.stop()
 
 
+def test_hook_growth_after_a_regenerated_answer_is_saved_under_the_conversations_own_name(engines, session_dir,
+                                                                                         tmp_path):
+    """Issue 18.3: through the turn hook, A, B, A again (restored, its answer regenerated: a
+    shorter one), then A grown by ~900 tokens from that answer, then B: the switch saves the
+    grown A to A's own file (it departs from the file inside the file's reply), not to a branch."""
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url, gate=False).start()
+    try:
+        hook_turn(d, A)
+        eng.post("/v1/chat/completions", A)
+        hook_turn(d, B)
+        eng.post("/v1/chat/completions", B)
+        assert hook_turn(d, A)["restored"]["key"] == KA
+        before = slotfile.read_header(session_dir / f"auto-{KA}.bin").n_tokens
+        a2 = eng.post("/v1/chat/completions", {**A, "max_tokens": 3})  # regenerated: the client's choice
+        a_more = grow(A, a2["choices"][0]["message"]["content"], "And how many are in box 7? " + long_text(50, "bag"))
+        hook_turn(d, a_more)
+        eng.post("/v1/chat/completions", a_more)
+        t = hook_turn(d, B)
+        assert t["saved"]["key"] == KA and t["saved"]["file"] == f"auto-{KA}.bin", t
+        wait_until(lambda: json.loads((session_dir / f"auto-{KA}.json").read_text())["n_tokens"] ==
+                   t["saved"]["n_tokens"], 15, what="the grown save to be finalized")
+        n, text = file_text(eng, session_dir, KA)
+        assert n > before + 800 and "And how many are in box 7?" in text
+        assert_every_file_holds_its_own_conversation(eng, session_dir)
+    finally:
+        d.stop()
+
+
 def test_a_request_without_a_conversation_waits_and_the_held_one_is_saved_first(engines, session_dir, tmp_path):
     """Item 3: a raw /completion through the gate passes the slot's FIFO; it replaces what the
     slot holds, so the held conversation is saved first, and A's return restores it."""
