@@ -310,8 +310,8 @@ class Daemon:
             log.info("auto sessions: removed %s", what)
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
                                  slots_visible=checked.slots_visible, n_slots=checked.total_slots,
-                                 layout=checked.layout, empties_idle_slots=checked.clears_idle_slots)
-        self.sessions.watch.healthy = True  # the engine check just passed
+                                 layout=checked.layout, empties_idle_slots=checked.clears_idle_slots,
+                                 engine_healthy=True)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
@@ -497,7 +497,7 @@ class Daemon:
         for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
             key = self.sessions.view(sid).key
             self._stopping = f"the stop save of slot {sid}" + (f" (conversation {key})" if key else "")
-            await self.sessions.save_held(sid, "stop")
+            await self.sessions.save_at_stop(sid, "stop")
         self._stopping = "the last session files being written (finalize, prune)"
         await self.sessions.drain()
         self._stopping = "the index cache"

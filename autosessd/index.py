@@ -54,7 +54,6 @@ import bisect
 import hashlib
 import json
 import os
-import re
 import struct
 import sys
 import threading
@@ -66,8 +65,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from .slotfile import TOKEN_NULL, BadSlotFile, read_header
-
-AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
+from .store import AUTO_BIN
 
 # Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
 # entry's token bytes one after another, u32 crc32 of all that precedes it.
@@ -166,12 +164,14 @@ def check_name(name: str) -> str:
     return name
 
 
-class _Run:
+class TokenRun:
     """One model's files in sorted order of their tokens, and the prefix each shares with
     the next (adj[k] = lcp(items[k], items[k+1])). For sorted a ≤ b ≤ c, lcp(a, c) =
     min(lcp(a, b), lcp(b, c)): from a query's insertion point outwards, the prefix each
     file shares with the query follows from the previous one and adj, without comparing
-    tokens again — 1,000 files under one system prompt cost one comparison, not 1,000."""
+    tokens again — 1,000 files under one system prompt cost one comparison, not 1,000.
+    The shared bucket's catalog (remote.py) keeps one of its own, of token lists that are not
+    files in the directory."""
 
     def __init__(self, items: list[tuple[bytes, str]] | None = None):
         self.items = sorted(items or [])
@@ -221,11 +221,6 @@ class _Run:
         yield from self.side(q, floor, +1)
 
 
-# The sorted run on its own, for token lists that are not files in the directory (the
-# shared bucket's saves: autosessd/remote.py).
-TokenRun = _Run
-
-
 class TokenIndex:
     def __init__(self, directory: str | Path, cache_path: str | Path | None = None):
         self.directory = Path(directory)
@@ -233,7 +228,7 @@ class TokenIndex:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         # Per model its files in sorted order; unknown models under None.
-        self._runs: dict[str | None, _Run] = {}
+        self._runs: dict[str | None, TokenRun] = {}
         self.skipped: dict[str, str] = {}
         self.dirty = False  # changed since the cache was last written or loaded
         # add/remove/learn while a scan reads the disk win over what the scan saw: they
@@ -415,7 +410,7 @@ class TokenIndex:
 
     def _insert(self, e: Entry) -> None:
         self._entries[e.name] = e
-        self._runs.setdefault(e.model, _Run()).insert(e.tokens, e.name)
+        self._runs.setdefault(e.model, TokenRun()).insert(e.tokens, e.name)
 
     def _drop(self, e: Entry) -> None:
         del self._entries[e.name]
@@ -428,7 +423,7 @@ class TokenIndex:
         by_model: dict[str | None, list[tuple[bytes, str]]] = {}
         for e in self._entries.values():
             by_model.setdefault(e.model, []).append((e.tokens, e.name))
-        self._runs = {m: _Run(items) for m, items in by_model.items()}
+        self._runs = {m: TokenRun(items) for m, items in by_model.items()}
 
     # -- lookups -------------------------------------------------------------------
     def get(self, name: str) -> Entry | None:

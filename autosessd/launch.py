@@ -16,9 +16,11 @@ returns at once and requests start side by side. Inside it:
 
 A start is "in flight" from before_send until the engine shows it placed (a new task id on
 its slot, watched by sent()), or, going alone, until the engine has taken it in. Every
-request the engine placed is counted once, by count_start (the only writer of `starts`):
-the turn's look remembers `starts`, and a start counted since then means the slot was
-emptied behind the look. Engine calls that start something (the primer's and a prefix's
+start autosessd knows of — a gate request the engine placed, a request it placed itself
+(ran_unplaced), a prefill of autosessd's own — is counted once, by count_start (the only
+writer of `starts`): the turn's look remembers `starts`, and a start counted since then
+means the slot was emptied behind the look. (The hook's and the tail's requests are not
+sent by autosessd and are not counted: the hook cannot promise what this module keeps.) Engine calls that start something (the primer's and a prefix's
 prefill) go through prefill() here, which counts them.
 
 Each hold belongs to one slot's ticket (Slot.launch_hold) and is released exactly once: when
@@ -179,16 +181,17 @@ class Primer:
 
 
 class Launch:
-    def __init__(self, ctx: Context, slots: dict[int, Slot], look: Callable[[Slot], Awaitable[SlotState | None]]):
-        """look: the engine's GET /slots for one slot (observe.py)."""
+    def __init__(self, ctx: Context, slots: dict[int, Slot], empties_idle: bool = False):
+        """empties_idle: the start's probe saw the engine empty idle slots. look (set by the
+        facade): the engine's GET /slots for one slot (observe.py)."""
         self.ctx = ctx
         self.slots = slots
-        self._look = look
+        self.look: Callable[[Slot], Awaitable[SlotState | None]] | None = None
         self.gate = LaunchGate()
         self.primer = Primer(ctx)
         # Seen: the engine empties idle slots (unified KV + --cache-idle-slots); the start's
         # probe says so, or the first slot found emptied without a task of its own.
-        self.empties_idle = False
+        self.empties_idle = empties_idle
         self._starts = 0  # requests the engine placed (count_start)
         # Conversations that ran since the engine started: its RAM cache may hold them.
         self._ran: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -224,6 +227,18 @@ class Launch:
         """The turn's look at the engine's slot, with what came before it (before_look)."""
         s.looked = (*before, st)
 
+    @staticmethod
+    def forget_look(s: Slot) -> None:
+        """A turn begins: an earlier look (a command's) says nothing of its request."""
+        s.looked = None
+
+    def saw_empties_idle(self) -> bool:
+        """A slot was found emptied without a task of its own; True when that is news."""
+        if self.empties_idle or len(self.slots) <= 1:
+            return False
+        self.empties_idle = True
+        return True
+
     def _start_pending_besides(self, s: Slot) -> bool:
         """A request on another slot was sent and not yet seen placed: placed, it empties s."""
         return any(o.start_pending for o in self.slots.values() if o is not s)
@@ -251,6 +266,8 @@ class Launch:
             return
         await self.gate.acquire(Hold.ALONE)
         s.launch_hold = Hold.ALONE
+        if not s.ending(key):
+            return  # lost while it waited (the engine restarted): nothing of it to keep or prime
         starts, pending, st = looked
         # A start placed since the turn's look, or one sent and not yet seen placed (it goes
         # before this one: the engine places its queue in order), empties this idle slot.
@@ -304,16 +321,17 @@ class Launch:
                 self.gate.release(s.launch_hold)
                 s.launch_hold = None
             if not watch.done():
-                s.place_watch = watch  # it goes on: until the engine shows the request, or its end
-                if s.owner is not ticket:
-                    watch.cancel()
+                if s.owner is ticket:
+                    s.place_watch = watch  # it goes on: until the engine shows the request, or its end
+                else:
+                    watch.cancel()  # the ticket went (its release cancels a watch it knows of)
 
     async def _until_placed(self, ticket: Ticket, s: Slot, limit_s: float = 60.0) -> None:
         before = s.task_id
         deadline = time.monotonic() + limit_s
         # Until the request is seen running or ended (ended() confirms it) or its ticket went.
         while s.owner is ticket and s.start_pending and time.monotonic() < deadline:
-            st = await self._look(s)
+            st = await self.look(s) if self.look is not None else None
             if st is None:
                 return
             if st.is_processing and st.task_id != before:
@@ -380,3 +398,9 @@ class Launch:
         self.primer.drop()  # the engine's: made again, by the new one, when next needed
         self.primer.off = False
         self._ran.clear()  # its RAM cache is gone
+
+    def close(self) -> None:
+        """At stop: the watches of starts still in flight end; the primer goes."""
+        for task in list(self._watches):
+            task.cancel()
+        self.primer.drop()

@@ -112,8 +112,7 @@ class Observer:
         """The slot lost its tokens without a task of its own: with a unified KV cache and
         --cache-idle-slots (llama-server's defaults for -np auto), every request that starts on
         any slot moves the idle slots to the engine's RAM cache and empties them."""
-        if not self.launch.empties_idle and len(self.launch.slots) > 1:
-            self.launch.empties_idle = True
+        if self.launch.saw_empties_idle():
             log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
                         "cache with --cache-idle-slots, the defaults of -np auto): autosessd now saves each "
                         "conversation when its request ends, not only when its slot is taken, and a conversation "
@@ -122,12 +121,16 @@ class Observer:
         self.lost(s, EMPTIED)
 
     # -- a request's end -------------------------------------------------------------------
-    async def end(self, s: Slot, status: str, n_tokens: int | None, cache_n: int | None, n_prompt: int | None,
-                  look: bool) -> bool:
-        """The slot's request ended (s.ending() was checked): settle it with the engine's look
-        when `look`. → False when the engine had emptied it before we looked (the end missed
-        its save: counted when it was worth one)."""
+    async def end(self, s: Slot, key: str | None, status: str, n_tokens: int | None, cache_n: int | None,
+                  n_prompt: int | None, look: bool) -> bool:
+        """The slot's request of `key` ended: settle it with the engine's look when `look`, if
+        the slot still runs that request once the look is back (an engine restart, a command or
+        another input may have settled or lost it meanwhile: then this end changes nothing). →
+        False when it changed nothing, or the engine had emptied the slot before we looked (the
+        end missed its save: counted when it was worth one)."""
         st = await self.look(s) if look and status != "not_run" else None
+        if not s.ending(key):
+            return False
         if st is not None and st.is_processing:
             st = None  # the next request runs already (a log read late): this one's end is not visible
         self.settle(s, status, st, n_tokens, cache_n, n_prompt)
@@ -148,6 +151,8 @@ class Observer:
         """SWITCHED → what the slot holds after its request (slot.settle), then verify the
         restore it started from."""
         verify = s.settle(status, st, n_tokens, n_prompt, self.ctx.slots_visible)
+        if st is not None:
+            s.task_id = st.task_id
         if verify is not None:
             self.verify(s, verify.key, verify.restored, cache_n if cache_n is not None else verify.cache_n,
                         n_prompt, status)

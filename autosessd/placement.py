@@ -92,7 +92,8 @@ class Placement:
     def slot_of(self, ticket: Ticket) -> Slot:
         """The slot a ticket holds; a ticket that was released holds none."""
         s = self.slot(ticket.slot_id)
-        assert s.owner is ticket and ticket.active, "the call needs the slot's ticket"
+        if s.owner is not ticket or not ticket.active:
+            raise RuntimeError(f"slot {s.id}: the call needs the slot's ticket, and this one was released")
         return s
 
     # -- taking tickets (each blocks on its slot's FIFO) --------------------------------

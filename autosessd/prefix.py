@@ -65,7 +65,7 @@ class PrefixReader:
         if ctx.index.best(head, ctx.model, min_lcp=n, window=ctx.swa_window) is not None:
             return  # a file holds it
         pkey = prefix_key(head)
-        if pkey in self._reading or self.saver.busy(pkey):
+        if pkey in self._reading or self.saver.in_flight(pkey):
             return  # another slot reads or saves it now: this request reads it live
         self._reading.add(pkey)
         try:
@@ -89,6 +89,8 @@ class PrefixReader:
         if self.ctx.remote is not None:
             self.ctx.remote.saw_prefill(pre.prompt_n, pre.ms)
         v = s.view
+        if not s.at_rest():
+            return  # another input saw a request start on the slot meanwhile: the state is not ours to save
         if v.phase is Phase.RESTORED and v.restored is not None and v.key is not None:
             self.observer.verify(s, v.key, v.restored, pre.cache_n, n, "ok")  # the prefill's timings show the reuse
         s.prefix_read(key, n, head)
@@ -98,7 +100,8 @@ class PrefixReader:
         ms = (time.monotonic() - t0) * 1000
         if outcome is not SaveOutcome.SAVED or sub.saved is None:
             return
-        s.saved(file=sub.saved["file"])
+        if s.view.phase is Phase.HELD and s.view.key == key:  # still the prefix we read (not lost meanwhile)
+            s.saved(file=sub.saved["file"])
         self.ctx.counters.prefixes_saved += 1
         result.prefix = {"file": sub.saved["file"], "n_tokens": n, "cache_n": pre.cache_n, "prompt_n": pre.prompt_n,
                          "prefill_ms": round(pre.ms, 2), "save_ms": sub.saved["ms"], "ms": round(ms, 2)}

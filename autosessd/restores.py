@@ -79,16 +79,16 @@ class Restorer:
         ctx.counters.restores += 1
         ctx.counters.bytes_restored += res.n_bytes
         ctx.counters.ms_restored += res.ms
-        if s.at_rest():
-            s.restored(key, res.n_tokens, name, expect, tokens)
-        else:
-            # A request the log showed starting meanwhile (the tail): the engine ran the
-            # restore before or after it, so what the slot holds is not known.
-            self.observer.lost(s, f"a request started while {name} was restored")
         log.info("auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens), name, ms)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
         ctx.events.emit("restored", slot=s.id, **info)
+        if not s.at_rest():
+            # A request the log showed starting meanwhile (the tail): the engine ran the
+            # restore before or after it, so what the slot holds is not known.
+            self.observer.lost(s, f"a request started while {name} was restored")
+            return False
+        s.restored(key, res.n_tokens, name, expect, tokens)
         if result is not None:
             result.restored = info
         return True
@@ -109,7 +109,10 @@ class Restorer:
                 log.info("auto sessions: emptied slot %d (%s tokens) to make room in the KV cache for %s", o.id,
                          fmt_tokens(n), name)
                 self.ctx.events.emit("slot_emptied", slot=o.id, why=f"room for {name}")
-                o.erased()
+                if o.at_rest():
+                    o.erased()
+                else:  # the tail saw a request start there meanwhile: what it holds is not known
+                    self.observer.lost(o, f"emptied for {name} while a request started on it")
                 return True
             except EngineError as e:
                 log.warning("auto sessions: making room on slot %d for %s: %s", o.id, name, e)

@@ -100,7 +100,7 @@ class Saver:
         """Files being finalized (the slot that saved them holds them live)."""
         return {auto_name(k) for k in self._finalizing}
 
-    def busy(self, key: str) -> bool:
+    def in_flight(self, key: str) -> bool:
         """A save of temporary `key` is in flight, or its file is being finalized."""
         return key in self._temps or key in self._finalizing
 

@@ -43,21 +43,32 @@ call says what it blocks on.
     idle slots another start may come between a restore and its request (the hook's users run
     one slot, or llama-server with --no-cache-idle-slots).
 
-  tail (tail.py): never holds a ticket and never takes a launch hold. s.observed_start(slot,
-    key) when a request's start line is read (it runs already, whatever we do), and
-    s.observed_end(slot, key, status, n_tokens, cache_n) at its end: a compare-and-swap that
-    settles the slot only if it still runs that request, and never saves (the tail's own
-    s.save_behind does, with its ticket). After an engine restart: s.restore_behind.
+  tail (tail.py): what it reads has run already, so it holds no ticket for it and takes no
+    launch hold. s.observed_start(slot, key) when a request's start line is read (it runs
+    already, whatever we do), and s.observed_end(slot, key, status, n_tokens, cache_n) at its
+    end: a compare-and-swap that settles the slot only if it still runs that request (checked
+    again after the look), and never saves. The tail's own s.save_behind does, and after an
+    engine restart s.restore_behind: each takes the slot's ticket for its work.
 
-  daemon: Sessions(...) whole, await s.prepare(), the engine watch (s.watch_engine()), at the
-    stop s.save_held(slot) per slot, s.drain(), s.close(), s.record_held().
+  daemon: Sessions(...) whole from its start checks, await s.prepare(), then s.remote (the
+    shared bucket), s.inputs (what status describes) and s.cfg (at SIGHUP) are set; the engine
+    watch runs s.watch_engine(); at the stop s.save_at_stop(slot) per slot, s.drain(),
+    s.close(), s.record_held().
+
+  Two more writers change a slot without its ticket, both compare-and-swap on a view they
+  read: the engine watch (a restart: every slot lost, the one transition allowed from
+  anywhere) and the hook's background read of a request's tokens (turn.py, noted only while
+  the slot still runs that request). So a caller that checks a slot's phase and then waits
+  checks it again before it changes the slot.
 
 Lock order (what is taken while holding what), never the reverse:
 
-    1. a slot's ticket (placement.py). admit_all takes every slot in id order; while holding
-       one, a second is taken only by try_admit (make-room), which never waits.
+    1. a slot's ticket (placement.py). Only admit_all waits for several, in slot-id order
+       (it holds none when it starts); a caller holding one takes a second only by
+       try_admit (make-room), which never waits.
     2. the launch gate (launch.py), only while holding a ticket.
-    3. a save's temporary lock, then finalize futures (saves.py), awaited under 1 and 2.
+    3. a save's temporary lock, then finalize futures (saves.py), awaited under 1 (and under
+       2 where the caller holds it: an end save, a make-room inside a restore).
     4. Store._lock and TokenIndex._lock (threading): taken only inside their own short calls,
        never across an await; Store.install (downloads) holds it for a look and two renames.
 """
@@ -66,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -91,7 +103,6 @@ from .watch import EngineWatch
 
 if TYPE_CHECKING:
     from .index import TokenIndex
-    from .remote import Remote
     from .slotfile import KVLayout
 
 log = logging.getLogger("autosessd")
@@ -106,18 +117,17 @@ def _done() -> asyncio.Future:
 class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True, n_slots: int = 1, layout: KVLayout | None = None,
-                 empties_idle_slots: bool = False):
-        """n_slots: the engine's slots (0..n-1, all driven); layout: its state files' KV layout
-        as the start probe saw it; empties_idle_slots: the start probe saw it empty idle slots."""
-        import time
-
+                 empties_idle_slots: bool = False, engine_healthy: bool | None = None):
+        """The daemon's start checks give the rest: n_slots, the engine's slots (0..n-1, all
+        driven); layout, its state files' KV layout as the probe saw it; empties_idle_slots, the
+        probe saw it empty idle slots; engine_healthy, it answered /health."""
         self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout)
         self.started_at = time.time()
         self.placement = Placement(cfg.engine.slot, lambda: ctx.cfg.auto_sessions_min_tokens)
         self.placement.add_slots(n_slots)
-        self.observer = Observer(ctx, Launch(ctx, self.placement.slots, lambda s: self.observer.look(s)))
-        self.launch = self.observer.launch
-        self.launch.empties_idle = empties_idle_slots
+        self.launch = Launch(ctx, self.placement.slots, empties_idle_slots)
+        self.observer = Observer(ctx, self.launch)
+        self.launch.look = self.observer.look  # placed yet? the launch gate asks GET /slots
         self.placement.on_release.append(self.launch.released)
         self.saver = Saver(ctx, self.observer)
         self.restorer = Restorer(ctx, self.placement, self.launch, self.observer, self.saver)
@@ -125,7 +135,7 @@ class Sessions:
                           PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver))
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
         self.upkeep = Upkeep(ctx, self.saver)
-        self.watch = EngineWatch(ctx, self.engine_restarted)
+        self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
         self.listing = report.Listing()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
         # Called (awaited) after the engine came back from a restart; the tail restores then.
@@ -210,8 +220,8 @@ class Sessions:
                       s.view.phase.value, s.view.key or "")
             return
         hold = self._end_may_save(s, key, status, n_tokens)
-        async with self.launch.end_save_hold(hold):
-            if await self.observer.end(s, status, n_tokens, cache_n, n_prompt, look=True) and hold:
+        async with self.launch.end_save_hold(hold):  # may wait: observe.end checks the view again
+            if await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True) and hold:
                 step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND)
                 if isinstance(step, Save) and outcome is SaveOutcome.NOT_TRIED and s.view.conversation() is None:
                     self.counters.saves_missed += 1  # a start sent before this end emptied the slot
@@ -266,7 +276,7 @@ class Sessions:
         ours = s.ending(key)
         self.launch.ended(s, key, status, False)
         if ours:
-            await self.observer.end(s, status, n_tokens, cache_n, None, look)
+            await self.observer.end(s, key, status, n_tokens, cache_n, None, look)
 
     async def save_behind(self, slot_id: int, check: Callable[[int | None], Awaitable[str | None]]) -> bool:
         return await self.commands.save_behind(slot_id, check)
@@ -284,10 +294,8 @@ class Sessions:
     def forget(self, key: str) -> int:
         return self.commands.forget(key)
 
-    async def save_held(self, slot_id: int | None = None, why: str = "stop") -> bool:
-        ok = await self.commands.save_at_stop(slot_id, why)
-        await self.drain()
-        return ok
+    async def save_at_stop(self, slot_id: int | None = None, why: str = "stop") -> bool:
+        return await self.commands.save_at_stop(slot_id, why)
 
     async def prune(self, keep: int | None = None, max_gb: float | None = None,
                     dry_run: bool = False) -> dict[str, Any]:
@@ -319,7 +327,8 @@ class Sessions:
     async def close(self) -> None:
         """At stop, after drain(): keep the index for the next start."""
         await self.upkeep.save_index()
-        self.launch.primer.drop()
+        self.launch.close()
+        self._turn.close()
 
     async def watch_engine(self, every_s: float = 2.0, identity_every_s: float = 10.0) -> None:
         await self.watch.run(every_s, identity_every_s)

@@ -164,7 +164,7 @@ class Slot:
     def __init__(self, slot_id: int):
         self.id = slot_id
         self._view = UNKNOWN_AT_START
-        # observe.py: the engine's id_task when we last looked (a new one means a request ran),
+                # observe.py: the engine's id_task when we last looked (a new one means a request ran),
         # and (task id, cache_n) read from GET /slots while a request ran.
         self.task_id: int | None = None
         self.seen_cache_n: tuple[int, int] | None = None
@@ -255,8 +255,6 @@ class Slot:
         prior = v.prior or View(Phase.UNKNOWN, n_tokens=None)
         if n_prompt is None:
             n_prompt = v.n_prompt  # what the turn learned of the request's prompt
-        if st is not None:
-            self.task_id = st.task_id
         n = st.n_tokens if st is not None else n_tokens
         # The engine's slot shows what it showed before the request: the request changed nothing.
         unchanged = st is not None and prior.slot_tokens is not None and st.n_tokens == prior.slot_tokens

@@ -55,8 +55,6 @@ AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
 AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
 TEMP_PREFIX = ".autosessd-"
 MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
-# llama-server's state files start with "qsgg" (0x67677371 little-endian).
-LLAMA_MAGIC = b"qsgg"
 # Headroom kept free on the disk beyond the estimated size of a save.
 FREE_MARGIN = 64 * 1024 * 1024
 
@@ -248,9 +246,6 @@ class Store:
 
     def temp_path(self, key: str) -> Path:
         return self.path / temp_name(key)
-
-    def manual_path(self, name: str) -> Path:
-        return self.path / manual_name(name)
 
     def acquire(self, name: str) -> None:
         """Mark a name as being written or read: prune, remove and install leave it alone.
@@ -546,14 +541,16 @@ class Store:
         """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
         is ever left for a reader). Returns the bytes freed. Refuses a file in use."""
         path = self.bin_path(key)
-        with self._lock:  # no acquire() between the check and the unlink
+        doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
+        with self._lock:  # no acquire() between the check and the rename away
             if auto_name(key) in self.in_use:
                 raise StoreError(f"{auto_name(key)} is being written or read")
             try:
                 size = path.stat().st_size
+                os.rename(path, doomed)  # the name is gone at once; a multi-GB unlink is not held under the lock
             except FileNotFoundError:
                 size = 0
-            self._unlink(path)
+        self._unlink(doomed)
         self._unlink(self.meta_path(key))
         return size
 

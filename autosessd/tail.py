@@ -268,6 +268,8 @@ class Tail:
                 await self.expire_in_flight()
             except OSError as e:
                 log.warning("tail: reading %s: %s", self.path, e)
+            except Exception as e:  # a bug must not end the tail: the next lines may be fine
+                log.exception("tail: acting on %s: %s", self.path, e)
 
     async def read_new_lines(self) -> None:
         """Read and act on what the log gained. One reader at a time: the follower's offset

@@ -58,6 +58,7 @@ class Carry:
     messages: tuple[str, ...] | None
     file: str | None
     n_prompt: int | None = None  # the request's prompt length, when its tokens were asked for
+    went_on: bool = False  # it goes on from the held request, let through without its tokens
 
 
 class Turn:
@@ -76,7 +77,7 @@ class Turn:
         be reported, so a restore is verified by watching the engine's slot instead. body:
         the request's OpenAI chat body, whose tokens choose what to restore; None: the key rule."""
         ctx = self.ctx
-        s.looked = None  # this turn's own look, or none
+        self.observer.launch.forget_look(s)  # this turn's own look, or none
         result = TurnResult(key=key, slot=s.id)
         t0 = time.monotonic()
         carry: Carry | None = None
@@ -100,21 +101,32 @@ class Turn:
                 ctx.events.emit("turn", **result.to_dict())
         if not sees_end:
             self.observer.watch_request(s)
-            if carry is not None and carry.n_prompt is None and body is not None and self.ctx.index is not None:
+            if carry is not None and carry.went_on and body is not None and self.ctx.index is not None:
                 self._learn_prompt(s, key, body)
         return result
+
+    def close(self) -> None:
+        for task in list(self._learning):
+            task.cancel()
 
     def _learn_prompt(self, s: Slot, key: str | None, body: dict[str, Any]) -> None:
         """A hook request that went on from the held one was let through without its tokens,
         and its end is never reported: ask for them beside it (/tokenize does not wait for the
         slot), so that the state it leaves is known token for token and how much of it is
-        prompt (index.save_key tells a regenerated reply from an edited message by that)."""
+        prompt (index.save_key tells a regenerated reply from an edited message by that).
+        Holds no ticket: a compare-and-swap, noted only while the slot runs that request (a
+        SWITCHED view is never anyone's prior again, so `s.view is v` cannot come back)."""
         v = s.view
+        chat = self.ctx.chat
 
         async def learn() -> None:
-            tokens = await self._request_tokens(body, TurnResult(key=key))
-            if tokens is not None and s.view is v:  # still that request, nothing learned since
-                s.note(tokens=tokens, n_prompt=len(tokens) // 4)
+            try:
+                tokens = await chat.prompt_tokens(body) if chat is not None else None
+            except EngineError as e:
+                log.debug("auto sessions: the hook request's tokens: %s", e)
+                return
+            if tokens and s.view is v:  # still that request, nothing learned since
+                s.note(tokens=encode(tokens), n_prompt=len(tokens))
 
         task = asyncio.get_running_loop().create_task(learn())
         self._learning.add(task)
@@ -128,7 +140,7 @@ class Turn:
         if same and (sig is None or continues(v.messages, sig)):
             # The same conversation going on: its count is updated when the request ends. No
             # tokens asked for: the request extends what the slot holds.
-            return Carry(v.tokens, sig, v.file)
+            return Carry(v.tokens, sig, v.file, went_on=sig is not None)
         want = sig is not None and self.ctx.index is not None
         tokens = await self._request_tokens(body, result) if want and same else None
         if same and tokens is None:

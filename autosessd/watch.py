@@ -40,10 +40,10 @@ def engine_identity(kind: str, url: str) -> tuple[int, float] | None:
 
 
 class EngineWatch:
-    def __init__(self, ctx: Context, on_restart: Callable[[str], Awaitable[None]]):
+    def __init__(self, ctx: Context, on_restart: Callable[[str], Awaitable[None]], healthy: bool | None = None):
         self.ctx = ctx
         self.on_restart = on_restart
-        self.healthy: bool | None = None  # the last /health: status shows it
+        self.healthy = healthy  # the last /health (status shows it); None: not asked yet
 
     def identity(self) -> tuple[int, float] | None:
         cfg = self.ctx.cfg.engine

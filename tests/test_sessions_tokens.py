@@ -186,7 +186,7 @@ async def test_a_shared_system_prompt_is_saved_on_its_own_and_restored_after_a_r
     assert meta.prefix and meta.line is None and meta.n_prompt == len(head)
     assert cache_n == len(head)  # the request read only its task: the prefix was read live
     assert s.view().phase is Phase.HELD and s.view().file is None
-    await s.save_held()
+    await s.save_at_stop()
     await s.close()
     # Engine and autosessd restarted: the slot is empty; C's file is past the window.
     s2 = await make(tmp_path, swa=50, engine=StubEngine(tmp_path / "sessions"))

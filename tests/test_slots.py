@@ -141,7 +141,7 @@ async def test_stop_saves_every_slot(tmp_path):
     for key, n in ((A, 50), (B, 40), (C, 30)):
         await request(s, key, n)
     for sid in s.slots:
-        await s.save_held(sid, "stop")
+        await s.save_at_stop(sid, "stop")
     for key, n in ((A, 50), (B, 40), (C, 30)):
         assert file_tokens(tmp_path, key) == conv(key, n)
 
@@ -520,6 +520,41 @@ async def test_the_stop_after_an_end_save_asks_the_engine_for_no_second_save(tmp
         await s.sent(t, bound_s=0)
         await s.ended(t, A, "ok")  # the end save; its finalize is still running
     assert len(s.engine.saves) == 1
-    assert await s.save_held(t.slot_id, "stop")  # up to date: done, nothing to write
+    assert await s.save_at_stop(t.slot_id, "stop")  # up to date: done, nothing to write
     assert len(s.engine.saves) == 1
     assert file_tokens(tmp_path, A) == conv(A, 50)
+
+
+async def test_a_start_that_waited_to_go_alone_while_the_engine_restarted_is_sent_unprimed(tmp_path):
+    """before_send waits for its turn to go alone; the engine restarts meanwhile (every slot
+    lost). The request is sent as it is, nothing primed, no error to the client."""
+    s = await with_primer(tmp_path)
+    t = await s.place(A)
+    await s.turn(t, A)
+    await s.launch.gate.acquire(Hold.SIDE_BY_SIDE)  # another slot's start is in flight
+    sending = asyncio.ensure_future(s.before_send(t))
+    await asyncio.sleep(0.01)
+    await s.engine_restarted("the engine restarted")
+    s.launch.count_start()
+    s.launch.gate.release(Hold.SIDE_BY_SIDE)
+    await asyncio.wait_for(sending, 1)
+    assert s.view(t.slot_id).phase is Phase.UNKNOWN and s.counters.primed == 1  # only with_primer's own
+    t.release()
+
+
+async def test_make_room_on_a_slot_where_a_request_starts_meanwhile_leaves_it_unknown(tmp_path):
+    """Making room empties the least recently used free slot; a request log shows a request
+    starting on it while the engine erases it. That slot is then not known to be empty."""
+    s = make(tmp_path)
+    await request(s, A, 50, ticket=await s.admit(0))
+    await request(s, B, 40, ticket=await s.admit(0))
+    await request(s, C, 40, ticket=await s.admit(1))
+    erase = s.engine.erase
+
+    async def erase_while_a_request_starts(slot):
+        s.observed_start(slot, D)
+        return await erase(slot)
+
+    s.engine.no_room, s.engine.erase = True, erase_while_a_request_starts
+    assert (await s.restore_now(A, 1))["key"] == A
+    assert s.view(0).phase is Phase.UNKNOWN and (s.view(1).phase, s.view(1).key) == (Phase.RESTORED, A)

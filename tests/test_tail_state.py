@@ -2,6 +2,7 @@
 ends without counts, the restore after an engine restart, the first start on a long log.
 (The follower's file handling is in test_tail.py; the real engine in test_tail_real.py.)"""
 
+import asyncio
 import json
 
 from autosessd import slotfile
@@ -142,3 +143,39 @@ async def test_a_tail_end_saves_nothing_under_another_tasks_ticket(tmp_path):
             holder.release()
         await settle(tail, s)
         assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 50 and len(s.engine.saves) == 1
+
+
+class _SlowSlots(StubEngine):
+    """GET /slots that takes a while: something else happens to the slot meanwhile."""
+
+    slow = False
+
+    async def slots(self):
+        if self.slow:
+            await asyncio.sleep(0.05)
+        return await super().slots()
+
+
+async def test_an_end_whose_slot_changed_during_the_look_changes_nothing_and_the_tail_goes_on(tmp_path):
+    """The end line's look at the engine waits; an engine restart (or `autosessctl park`)
+    settles the slot meanwhile. The end is then not the slot's any more: it changes nothing,
+    and the tail reads on (a refused transition once ended the tail's task for good)."""
+    for meanwhile in ("restart", "park"):
+        s, tail, d = make(tmp_path / meanwhile)
+        s.ctx.engine = eng = _SlowSlots(d)
+        await tail.handle(line(event="start", id="r1", slot=0, key=A))
+        eng.ran(50)
+        eng.slow = True
+        end = asyncio.ensure_future(tail.handle(line(event="end", id="r1", slot=0, status="ok", n_tokens=50)))
+        await asyncio.sleep(0.01)
+        if meanwhile == "restart":
+            await s.engine_restarted("the engine restarted")
+        else:
+            eng.slow = False
+            assert (await s.park(0))["file"] == f"auto-{A}.bin"
+        await asyncio.wait_for(end, 2)
+        expect = Phase.UNKNOWN if meanwhile == "restart" else Phase.HELD
+        assert s.view(0).phase is expect, meanwhile
+        eng.slow = False
+        await served(s, tail, "r2", B, 40, n_tokens=40)  # the next lines are acted on
+        assert (s.view(0).phase, s.view(0).key) == (Phase.HELD, B)
