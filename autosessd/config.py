@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from .files import read_small
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
@@ -61,6 +63,15 @@ class GateConfig:
     # covers a chat with images: OpenAI caps a request's images at 50 MB in all, and a
     # base64 image is 4/3 of its file.
     max_body_mb: float = 64.0
+    # While the gate listens on loopback only, a request whose Host is not a loopback name
+    # or address, nor one of these, is refused (403): a web page reaching it through DNS
+    # rebinding. A reverse proxy in front of the gate with its own name lists that name.
+    allowed_hosts: tuple[str, ...] | None = None
+    # Open client connections at most (more are answered 503 and closed); None: what the
+    # process's descriptor limit allows (each request through the gate holds two).
+    max_connections: int | None = None
+    # Seconds a connection may take to send a request's headers, and stay idle between two.
+    header_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,7 @@ def load(explicit: str | None = None, overrides: Mapping[str, Any] | None = None
     must_exist = bool(explicit or os.environ.get("AUTOSESSD_CONFIG"))
     for path in paths:
         try:
-            data = path.read_bytes()
+            data = read_small(path)
         except FileNotFoundError:
             if must_exist:
                 raise ConfigError(str(path), None, "no such file") from None
@@ -325,6 +336,13 @@ def _validate(c: Config, source: str) -> None:
 
     if not c.gate.max_body_mb > 0:
         bad("gate.max_body_mb", f"must be more than 0, got {c.gate.max_body_mb}")
+    if c.gate.max_connections is not None and c.gate.max_connections < 1:
+        bad("gate.max_connections", f"must be 1 or more, got {c.gate.max_connections}")
+    if not c.gate.header_timeout_s > 0:
+        bad("gate.header_timeout_s", f"must be more than 0, got {c.gate.header_timeout_s}")
+    for host in c.gate.allowed_hosts or ():
+        if not host or "/" in host or " " in host:
+            bad("gate.allowed_hosts", f"{host!r} is not a host name")
     if c.gate.listen is not None:
         seen = set()
         for address in c.gate.listen:

@@ -13,6 +13,8 @@ from .engines.base import ChatEngine, Engine
 from .report import Counters, Events, RestoreLog
 from .store import Store
 
+MAX_TOKENS = 1 << 24
+
 if TYPE_CHECKING:
     from .index import TokenIndex
     from .remote import Remote
@@ -35,6 +37,11 @@ class Context:
     index: TokenIndex | None = None
     swa_window: int | None = None
     remote: Remote | None = None  # the shared bucket ([shared]), when configured
+    n_ctx: int | None = None  # tokens one slot can hold: a file of more is never handed to the engine
+    # Set when the engine refused a restore or answered one with a 5xx: a failed restore can
+    # leave written K/V behind that spoils later completions until the engine restarts
+    # (llama.cpp #27068). {"at", "file", "error"}; cleared when the engine restarts.
+    suspect: dict | None = None
     counters: Counters = field(default_factory=Counters)
     events: Events = field(default_factory=Events)
     restore_log: RestoreLog = field(default_factory=RestoreLog)
@@ -47,3 +54,10 @@ class Context:
     @property
     def min_tokens(self) -> int:
         return self.cfg.auto_sessions_min_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a session file's header may claim before it is not even read: the
+        engine's context, or 2^24 when it does not say (a header claiming 50 M tokens would
+        otherwise cost gigabytes at every start)."""
+        return self.n_ctx or MAX_TOKENS

@@ -287,6 +287,11 @@ class ControlServer:
                                                f"{', '.join(map(str, sorted(self.sessions.slots)))})")
         return slot
 
+    @staticmethod
+    async def _until_eof(reader: asyncio.StreamReader) -> None:
+        while await reader.read(4096):
+            pass
+
     async def cmd_events(self, args: dict[str, Any], reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
         limit = args.get("limit", 100)
@@ -296,8 +301,9 @@ class ControlServer:
             return
         with self.sessions.events.follow() as q:
             await self._send(writer, protocol.ok({"following": True, "recent": recent}))
-            # A follower only listens; its hanging up (EOF) ends the follow at once.
-            hangup = asyncio.ensure_future(reader.read())
+            # A follower only listens; its hanging up (EOF) ends the follow at once. What it
+            # sends meanwhile is read in small pieces and dropped, never kept.
+            hangup = asyncio.ensure_future(self._until_eof(reader))
             try:
                 while True:
                     get = asyncio.ensure_future(q.get())

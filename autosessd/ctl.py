@@ -171,6 +171,14 @@ def show_status(st: dict[str, Any]) -> str:
         out += shared_lines(st["shared"])
     out.append("counters  " + "  ".join(f"{k} {tokens(v) if isinstance(v, int) else f'{v:,.0f}'}"
                                         for k, v in c.items() if v))
+    q = store.get("quarantined") or {}
+    if q.get("files"):
+        latest = q["latest"][0]
+        out.append(f"warning   {q['files']:,} session file(s) moved aside ({gb(q['bytes'])}, "
+                   f"{store['path']}/.autosessd-quarantine): the latest, {latest['name']}: {latest['why']}")
+    if e.get("suspect"):
+        out.append(f"warning   the engine refused the restore of {e['suspect']['file']} "
+                   f"{when(e['suspect']['at'])}: it may hold spoiled state until it restarts (llama.cpp #27068)")
     if st.get("last_not_reused"):
         n = st["last_not_reused"]
         out.append(f"warning   restored {tokens(n['n_restored'])} tokens of {n['key']} but the engine reused "
@@ -271,7 +279,9 @@ def ls(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
             return "no sessions"
         return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], r.get("line") or "-",
                        tokens(r["n_tokens"]), gb(r["bytes"]), when(r["saved_at"]),
-                       {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]], r.get("words") or ""]
+                       {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]],
+                       r.get("words") or (f"({r['why']})" if r["kind"] == "quarantined" else "")
+                       or (f"(no words: {r['words_error']})" if r.get("words_error") else "")]
                       for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "SAVED", "THIS MODEL", "FIRST WORDS"])
 
     run(lambda: c.out(call(c.path, "ls", timeout=60), human))

@@ -37,6 +37,7 @@ from . import slotfile
 from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
+from .guard import raise_nofile
 from .engines.base import ChatEngine, Engine, EngineError, SlotSavingOff, SlotsHidden
 from .remote import Remote
 from .requestlog import RequestLogError
@@ -161,6 +162,7 @@ class Checked:
     total_slots: int = 1
     layout: KVLayout | None = None  # of the engine's state files, as far as the probe shows (its streams)
     clears_idle_slots: bool = False
+    n_ctx: int | None = None  # tokens one slot holds (/props)
 
 
 async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
@@ -191,7 +193,7 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
                  info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
         if visible:
             clears = await probe_idle_clearing(engine)
-    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears)
+    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx)
 
 
 async def probe_idle_clearing(engine: Engine) -> bool:
@@ -306,18 +308,20 @@ class Daemon:
             await self._open_shared()
         checked = await check_engine(self.cfg, self.engine, self.store)
         model_name = checked.model_name
-        for what in self.store.cleanup():
+        # A directory of thousands of files, or names that are not what they say: off the loop,
+        # so a stop during it is still heard.
+        for what in await asyncio.get_running_loop().run_in_executor(None, self.store.cleanup):
             log.info("auto sessions: removed %s", what)
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
                                  slots_visible=checked.slots_visible, n_slots=checked.total_slots,
                                  layout=checked.layout, empties_idle_slots=checked.clears_idle_slots,
-                                 engine_healthy=True)
+                                 engine_healthy=True, n_ctx=checked.n_ctx)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
             # worker first queues local saves of this model that the bucket lacks.
             self.shared.start(self.store, checked.model)
-            self.remote = Remote(self.shared, self.cfg.shared, checked.model)
+            self.remote = Remote(self.shared, self.cfg.shared, checked.model, self.sessions.ctx.max_tokens)
             self.remote.start()
             self.sessions.remote = self.remote
         try:
@@ -396,6 +400,9 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        # systemd's default soft limit (1,024 descriptors) is what a flood of half-sent
+        # requests exhausts first; the gate's connection cap is sized from the raised one.
+        log.debug("open-file limit: %d", raise_nofile())
         loop.add_signal_handler(signal.SIGTERM, self.initiate_shutdown, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         loop.add_signal_handler(signal.SIGHUP, self.reload)

@@ -41,6 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from .config import Config, parse_hostport
+from .guard import Guard
 from .keys import conversation_key
 from .requestlog import RequestLog
 from .placement import Ticket
@@ -91,6 +92,8 @@ class Gate:
         self._own_pool = pool is None
         self.pool = pool if pool is not None else Upstream(self.upstream, cfg.engine.timeout_s)
         self.runner: web.AppRunner | None = None
+        self.guard = Guard(self.addresses, cfg.gate.allowed_hosts, cfg.gate.max_connections,
+                           cfg.gate.header_timeout_s)
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -101,12 +104,13 @@ class Gate:
     async def start(self) -> None:
         # The engine restarted: its kept-alive connections are dead.
         self.sessions.on_engine_restart.append(self.pool.renewed)
-        app = web.Application(client_max_size=self.max_body)
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._front_door])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         # shutdown_timeout: at a stop, requests in flight have had the gate's own grace by
         # the time the runner is cleaned up; aiohttp's default would add 60 s more.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
+        self.guard.install(self.runner.server)
         bound = []
         for i, (host, port) in enumerate(self.addresses):
             site = web.TCPSite(self.runner, host, port, reuse_address=True)
@@ -152,7 +156,19 @@ class Gate:
 
     def describe(self) -> dict[str, Any]:
         return {"listen": [_url_host(h, p) for h, p in self.addresses], "upstream": self.upstream,
-                "request_log": self.cfg.gate.request_log}
+                "request_log": self.cfg.gate.request_log, **self.guard.describe()}
+
+    @web.middleware
+    async def _front_door(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """guard.py: the request began (its headers are in); its Host names this machine."""
+        self.guard.request_started(request)
+        try:
+            why = self.guard.host_refused(request)
+            if why is not None:
+                return gate_error(403, why, "permission_error")
+            return await handler(request)
+        finally:
+            self.guard.request_done(request)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)

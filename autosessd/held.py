@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from .files import read_small
 from .slot import Phase, Slot
 
 log = logging.getLogger("autosessd")
@@ -31,7 +32,7 @@ def record(path: Path, model: str, slots: Iterable[Slot]) -> None:
 def recorded(path: Path, model: str) -> dict[int, str]:
     """slot → the conversation it held at the last stop, for this model."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_small(path))
         if data.get("model") != model:
             return {}
         return {int(k): str(v["key"]) for k, v in data.get("slots", {}).items()}

@@ -18,6 +18,7 @@ counts to the responses and cannot show requests that bypass the gate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -38,6 +39,12 @@ log = logging.getLogger("autosessd")
 NOT_REUSED_CAUSE = ("the engine did not reuse the restored state: a sliding-window model (Gemma 2/3, ...) "
                     "run without --swa-full, or a prompt that no longer starts with the saved conversation")
 WATCH_EVERY_S = 0.025  # GET /slots while a request whose restore awaits verification runs (hook, tail)
+# llama-server notices that a client of a non-streaming request went away only when its
+# handler's wait for results times out (HTTP_POLLING_SECONDS, 1 s), and every GET /slots
+# answer wakes that wait and starts its second again (server_response::recv_with_timeout).
+# So while such a request may still run after its client left, GET /slots is asked at most
+# once per QUIET_GAP_S: polling faster would keep the engine generating for nobody.
+QUIET_GAP_S = 1.3
 EMPTIED = "the engine emptied the idle slot (moved to its RAM cache)"
 
 
@@ -45,10 +52,26 @@ class Observer:
     def __init__(self, ctx: Context, launch: Launch):
         self.ctx = ctx
         self.launch = launch
+        self._quiet = 0  # requests whose clients left and whose engine task may still run
+        self._last_look = 0.0  # time.monotonic() of the last GET /slots
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """While a request whose client went away may still run on the engine: GET /slots at
+        most once per QUIET_GAP_S (see there), so the engine can notice and stop it."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
 
     # -- reading the engine ----------------------------------------------------------------
     async def engine_slot(self, slot_id: int) -> SlotState | None:
-        """What the engine itself says of one slot (EngineError when it cannot say)."""
+        """What the engine itself says of one slot (EngineError when it cannot say). Waits for
+        its turn while quiet()."""
+        while self._quiet and (left := self._last_look + QUIET_GAP_S - time.monotonic()) > 0:
+            await asyncio.sleep(left)
+        self._last_look = time.monotonic()
         return next((x for x in await self.ctx.engine.slots() if x.id == slot_id), None)
 
     async def look(self, s: Slot) -> SlotState | None:

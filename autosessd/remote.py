@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import policy, slotfile
 from .config import SharedConfig
-from .index import TokenRun, comparable, encode
+from .index import TokenRun, comparable, encode, swa_usable
 from .policy import Fetch, FileInfo, Held, SaveOutcome
 from .report import TurnResult, fmt_bytes
-from .shared import AlreadyHere, Incompatible, RemoteSession, SharedError, SharedStore
+from .shared import AlreadyHere, BadObject, Incompatible, RemoteSession, SharedError, SharedStore
 from .store import AUTO_BIN, Meta, Store, auto_name
 
 if TYPE_CHECKING:
@@ -91,10 +91,12 @@ class Catalog:
 
 
 class Remote:
-    def __init__(self, shared: SharedStore, cfg: SharedConfig, model: str):
+    def __init__(self, shared: SharedStore, cfg: SharedConfig, model: str, max_tokens: int | None = None):
+        """max_tokens: the engine's context; saves claiming more are left out of the catalog."""
         self.shared = shared
         self.cfg = cfg
         self.model = model
+        self.max_tokens = max_tokens
         self.catalog = Catalog()
         self.prefill_tokens_s: float | None = None
         self.list_ms: float | None = None  # the last LIST of this model's saves
@@ -200,7 +202,7 @@ class Remote:
         if self.closing.is_set():
             return None
         try:
-            return encode(comparable(self.shared.tokens(s)))
+            return encode(comparable(self.shared.tokens(s, self.max_tokens)))
         except SharedError as e:
             # Another reading tries again (the object may be gone: pruned, superseded).
             self.header_failures += 1
@@ -227,7 +229,7 @@ class Remote:
         for step in (-1, 1):
             for n, name in cat.run.side(tokens, max(1, min_lcp), step):
                 s = cat.saves.get(name)
-                if s is None or (window is not None and s.n_tokens - n >= window) or (skip and skip(s)):
+                if s is None or not swa_usable(s.n_tokens, n, window) or (skip and skip(s)):
                     continue
                 if n > top:
                     top, tied = n, [s]
@@ -330,7 +332,7 @@ class Fetcher:
         have = max(shared, found[1] if found is not None else 0)
         writing = self.saver.writing()
         hit = remote.best(tokens, have + max(min_tokens, 1), ctx.swa_window, prefer=auto_name(key),
-                          skip=lambda r: r.name in writing or self._have_locally(r))
+                          skip=lambda r: r.name in writing or remote.shared.is_bad(r.key) or self._have_locally(r))
         fetch = policy.plan_fetch_by_tokens(held, outcome, found, (hit[0].name, hit[1]) if hit else None, shared,
                                             min_tokens)
         if fetch is None or hit is None:
@@ -416,7 +418,7 @@ class Fetcher:
             # meanwhile); restore that, not counted or reported as a download.
             log.debug("auto sessions: shared: %s", e)
             return claim
-        except Incompatible as e:
+        except (Incompatible, BadObject) as e:  # this object, not the bucket: the next turn may download another
             claim.release()
             log.warning("auto sessions: shared: not downloaded: %s", e)
             result.skipped.append(f"shared: {e}")

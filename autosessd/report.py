@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, policy
-from .engines.base import EngineError
+from .engines.base import EngineError, EngineRefused
 from .index import decode
 from .policy import Skip
 from .store import auto_name
@@ -113,6 +113,10 @@ class Counters:
                                    "Downloads for a turn that failed or ran out of time (the request re-read)")
     primed: int = _counter("primed_total",
                            "Requests to a slot the engine emptied, primed so that its RAM cache serves them")
+    restores_refused: int = _counter("restores_refused_total",
+                                     "Restores refused before the engine saw the file: not whole, or it cannot fit")
+    quarantined: int = _counter("quarantined_files_total",
+                                "Session files moved aside because they failed a check (never restored)")
 
     def bump(self, name: str, by: int | float = 1) -> None:
         setattr(self, name, getattr(self, name) + by)
@@ -206,6 +210,7 @@ def status(s: Sessions) -> dict[str, Any]:
         free = s.store.free_bytes()
     except OSError:
         free = None
+    quarantined = s.store.quarantined()
     cfg = s.cfg
     return {
         "version": __version__,
@@ -213,14 +218,16 @@ def status(s: Sessions) -> dict[str, Any]:
         "auto_sessions": cfg.auto_sessions,
         "engine": {"kind": s.engine.kind, "url": s.engine.address, "healthy": s.engine_healthy,
                    "model": s.model_name, "model_fingerprint": s.model, "slots": len(s.slots) or 1,
-                   "slots_visible": s.ctx.slots_visible},
+                   "slots_visible": s.ctx.slots_visible, "n_ctx": s.ctx.n_ctx, "suspect": s.ctx.suspect},
         "slots": [{**sl.status(), "file": sl.view.file, "last_restore": s.restore_log.last.get(sl.id)}
                   for sl in sorted(s.slots.values(), key=lambda x: x.id)],
         "counters": asdict(s.counters),
         "last_not_reused": s.restore_log.not_reused,
         "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
                   "free_bytes": free, "min_tokens": cfg.auto_sessions_min_tokens, "keep": cfg.auto_sessions_keep,
-                  "max_gb": cfg.auto_sessions_max_gb},
+                  "max_gb": cfg.auto_sessions_max_gb,
+                  "quarantined": {"files": len(quarantined), "bytes": sum(q.get("bytes") or 0 for q in quarantined),
+                                  "latest": quarantined[:5]}},
         "index": None if s.index is None else {"files": len(s.index), "skipped": len(s.index.skipped),
                                                "swa_window": s.ctx.swa_window},
         "inputs": {name: describe() for name, describe in s.inputs.items()},
@@ -251,8 +258,12 @@ class Listing:
         rows += [{"name": name, "kind": "manual", "key": None, "line": None, "bytes": size, "saved_at": mtime,
                   "n_tokens": None, "model_ok": None, "held": name in held}
                  for name, size, mtime in s.store.manual_files()]
+        rows += [{"name": q["name"], "kind": "quarantined", "key": None, "line": None, "bytes": q.get("bytes") or 0,
+                  "saved_at": q.get("at") or 0, "n_tokens": None, "model_ok": None, "held": False,
+                  "quarantined_as": q["file"], "why": q.get("why")}
+                 for q in s.store.quarantined()]
         for r in rows:
-            e = index.get(r["name"]) if index is not None else None
+            e = index.get(r["name"]) if index is not None and r["kind"] != "quarantined" else None
             if e is not None and r["n_tokens"] is None:
                 r["n_tokens"] = e.n_tokens
             if e is not None and r["model_ok"] is None and e.model is not None:
@@ -275,6 +286,12 @@ class Listing:
                 continue
             try:
                 text = await chat.detokenize(decode(e.tokens[:4 * n_tokens]))
+            except EngineRefused as err:
+                # This file's tokens (one outside the vocabulary: another model's file, a damaged
+                # one): its words only are missing, said on its row.
+                log.debug("auto sessions: ls: cannot detokenize %s: %s", r["name"], err)
+                r["words_error"] = str(err)
+                continue
             except EngineError as err:
                 log.debug("auto sessions: ls: cannot detokenize %s: %s", r["name"], err)
                 break  # the engine is not answering: the rest would not fare better
@@ -305,6 +322,9 @@ def _shared_rows(sh: dict[str, Any]) -> list[tuple[str, str, str, int | float]]:
          "Downloads not tried: the bucket's last list or a recent download failed", sh["downloads_skipped_unreachable"]),
         ("shared_downloads_refused_layout_total", "counter",
          "Saves not downloaded: another KV layout than this engine's", sh["downloads_refused_layout"]),
+        ("shared_downloads_refused_bad_total", "counter",
+         "Objects refused as not the save their host made (size, digest, header); never fetched again",
+         sh["downloads_refused_bad"]),
         ("shared_downloaded_bytes_total", "counter", "Bytes received from the shared bucket", sh["bytes_down"]),
         ("shared_download_milliseconds_total", "counter", "Time spent downloading from the shared bucket",
          float(sh["download_ms_total"])),

@@ -3,6 +3,12 @@
     keep starts out   on an engine that empties idle slots, no other request starts between
                       the restore and the slot's own request (launch.no_starts)
     in use            the name is held in Store.in_use while the engine reads it (no prune)
+    checked           the file must be the one saved (Store.check_whole: a regular file of its
+                      metadata's size; its digest again when its identity changed) and fit
+                      the slot (no more tokens than the engine's context): llama-server aborts
+                      on a file one byte short, and a refused restore can leave spoiled K/V
+                      behind (llama.cpp #27068). A file that is not whole is moved aside
+                      (Store.quarantine); the engine never sees it, and the slot is unchanged
     restore           the engine's answer; "No available space in KV cache" on a cache all
                       slots share → make room once (the least recently used free slot, its
                       conversation saved first when worth it), then try again
@@ -15,15 +21,17 @@ restart (commands.py). Each holds the slot's ticket.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
 
+from . import files, slotfile
 from .engines.base import EngineError, EngineRefused
 from .policy import Occasion
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot
-from .store import auto_name
+from .store import AUTO_BIN, auto_name
 
 if TYPE_CHECKING:
     from .context import Context
@@ -56,6 +64,8 @@ class Restorer:
         t0 = time.monotonic()
         try:
             with ctx.store.using(name):
+                if await self._refused(s, key, name, result):
+                    return False
                 try:
                     res = await ctx.engine.restore(s.id, name)
                 except EngineRefused as e:
@@ -67,6 +77,13 @@ class Restorer:
         except EngineError as e:
             ctx.counters.restore_failures += 1
             log.warning("auto sessions: restore of %s: %s", name, e)
+            if isinstance(e, EngineRefused):
+                # The engine read some of the file before it refused it: what it wrote may stay
+                # in its KV cache and spoil later completions until it restarts (llama.cpp #27068).
+                ctx.suspect = {"at": time.time(), "file": name, "error": str(e)[:300]}
+                log.warning("engine: it refused the restore of %s after reading it: it may hold spoiled K/V "
+                            "state until it restarts (llama.cpp #27068); restart llama-server if answers go wrong",
+                            name)
             ctx.events.emit("restore_failed", slot=s.id, key=key, file=name, error=str(e))
             if result is not None:
                 result.errors.append(f"restore of {name}: {e}")
@@ -91,6 +108,45 @@ class Restorer:
         s.restored(key, res.n_tokens, name, expect, tokens)
         if result is not None:
             result.restored = info
+        return True
+
+    async def refuse_if_damaged(self, s: Slot, key: str | None, name: str, result: TurnResult | None) -> None:
+        """A file under the conversation's name that its metadata does not vouch for (its
+        size differs, or it is a link): the key rule passes over it as no file; it is said,
+        counted and moved aside here, so that nothing restores it later."""
+        with self.ctx.store.using(name):
+            await self._refused(s, key, name, result)
+
+    async def _refused(self, s: Slot, key: str | None, name: str, result: TurnResult | None) -> bool:
+        """Whether the file may not be handed to the engine (said, counted, and a file that is
+        not whole moved aside). The check is a stat or two, in a thread (a digest when the
+        file changed since it was last checked)."""
+        ctx = self.ctx
+        loop = asyncio.get_running_loop()
+        seen = files.regular_ident(ctx.store.path / name)
+        n_blocks = (2 if ctx.swa_window else 1) if ctx.engine.magic == slotfile.MAGIC_BYTES else None
+        why = await loop.run_in_executor(None, ctx.store.check_whole, name, n_blocks)
+        bad = why is not None
+        if not bad and ctx.n_ctx is not None:
+            entry = ctx.index.get(name) if ctx.index is not None else None
+            meta = self.saver.meta_of(name)
+            n = entry.n_tokens if entry is not None else meta.n_tokens if meta is not None else None
+            if n is not None and n > ctx.n_ctx:
+                why = f"{name} holds {n:,} tokens, more than the engine's context of {ctx.n_ctx:,} per slot"
+        if why is None:
+            return False
+        ctx.counters.restores_refused += 1
+        log.warning("auto sessions: restore of %s refused: %s", name, why)
+        ctx.events.emit("restore_refused", slot=s.id, key=key, file=name, why=why)
+        if result is not None:
+            result.errors.append(f"restore of {name} refused: {why}")
+        if bad and AUTO_BIN.match(name):
+            if ctx.index is not None:
+                ctx.index.remove(name)
+            moved = await loop.run_in_executor(None, ctx.store.quarantine, name, why, seen)
+            if moved is not None:
+                ctx.counters.quarantined += 1
+                ctx.events.emit("quarantined", file=name, moved_to=moved, why=why)
         return True
 
     async def _make_room(self, s: Slot, name: str) -> bool:

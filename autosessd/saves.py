@@ -89,7 +89,7 @@ class Saver:
         if e is not None and meta is not None and e.n_tokens == meta.n_tokens:
             return SavedFile(e.tokens, meta.n_prompt)
         try:
-            header = slotfile.read_header(store.bin_path(key))
+            header = slotfile.read_header(store.bin_path(key), self.ctx.max_tokens)
         except FileNotFoundError:
             return None
         except (slotfile.BadSlotFile, OSError):
@@ -269,7 +269,7 @@ class Saver:
             store.release(final)
             raise
         self._finalizing[file_key] = fut
-        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, meta if target is None else None))
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None))
         if mine:
             # The engine's count is the truth (a client's usage may differ by one), and the
             # header says token for token what the slot holds.
@@ -317,11 +317,12 @@ class Saver:
             self.ctx.engine_layout = layout
         return layout
 
-    def _finalize(self, key: str, meta: Meta, target: str | None, header: slotfile.SlotHeader | None) -> None:
-        """In a worker thread: make the temporary of `key` final, then index it."""
+    def _finalize(self, key: str, meta: Meta, target: str | None, header: slotfile.SlotHeader | None) -> Meta:
+        """In a worker thread: make the temporary of `key` final (its metadata with the file's
+        digest: what is returned), then index it."""
         store, index = self.ctx.store, self.ctx.index
         if target is None:
-            store.finalize(key, meta)
+            meta = store.finalize(key, meta)
             name = auto_name(meta.key)
         else:
             store.finalize_manual(key, target)
@@ -331,16 +332,18 @@ class Saver:
                 index.add(name, header.tokens, self.ctx.model)
             except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
                 log.warning("auto sessions: indexing %s: %s", name, e)
+        return meta
 
-    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, meta: Meta | None = None) -> None:
-        """meta: an auto file's (a conversation, a branch, a prefix): uploaded to the shared
-        bucket once final. People's parked names stay local."""
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool) -> None:
+        """auto: a conversation's, a branch's or a prefix's file, uploaded to the shared bucket
+        once final (with the metadata finalize wrote). People's parked names stay local."""
         store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
         if self._finalizing.get(file_key) is fut:
             del self._finalizing[file_key]
         store.release(final)
         exc = fut.exception() if not fut.cancelled() else None
-        if exc is None and not fut.cancelled() and meta is not None and remote is not None:
+        if exc is None and not fut.cancelled() and auto and remote is not None:
+            meta = fut.result()
             remote.upload_later(store.bin_path(meta.key), meta)
         if exc is not None:
             self.ctx.counters.save_failures += 1

@@ -81,7 +81,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from . import held, report
+from . import held, observe, report
 from .commands import Commands
 from .config import Config
 from .context import Context
@@ -117,11 +117,12 @@ def _done() -> asyncio.Future:
 class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True, n_slots: int = 1, layout: KVLayout | None = None,
-                 empties_idle_slots: bool = False, engine_healthy: bool | None = None):
+                 empties_idle_slots: bool = False, engine_healthy: bool | None = None, n_ctx: int | None = None):
         """The daemon's start checks give the rest: n_slots, the engine's slots (0..n-1, all
         driven); layout, its state files' KV layout as the probe saw it; empties_idle_slots, the
-        probe saw it empty idle slots; engine_healthy, it answered /health."""
-        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout)
+        probe saw it empty idle slots; engine_healthy, it answered /health; n_ctx, the tokens one
+        of its slots holds."""
+        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx)
         self.started_at = time.time()
         self.placement = Placement(cfg.engine.slot, lambda: ctx.cfg.auto_sessions_min_tokens)
         self.placement.add_slots(n_slots)
@@ -238,17 +239,20 @@ class Sessions:
         return ran or kept
 
     async def wait_idle(self, ticket: Ticket, timeout_s: float) -> None:
-        """Until the engine stops working on the ticket's slot (a client went away), bounded."""
+        """Until the engine stops working on the ticket's slot (its client went away), bounded.
+        GET /slots is asked sparingly meanwhile (observe.QUIET_GAP_S): asked often, it keeps
+        llama-server from noticing that a non-streaming request's client is gone."""
         s = self.placement.slot_of(ticket)
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
-            try:
-                st = await self.observer.engine_slot(s.id)
-            except EngineError:
-                return
-            if st is None or not st.is_processing:
-                return
-            await asyncio.sleep(0.05)
+        with self.observer.quiet():
+            while asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(observe.QUIET_GAP_S)
+                try:
+                    st = await self.observer.engine_slot(s.id)
+                except EngineError:
+                    return
+                if st is None or not st.is_processing:
+                    return
 
     def lost(self, ticket: Ticket, why: str) -> None:
         """Someone else replaced what the ticket's slot holds (a client's own slot action)."""
@@ -337,6 +341,7 @@ class Sessions:
         """What the engine held is gone: every slot lost, the launch gate's memory of it too."""
         for s in list(self.slots.values()):
             self.observer.lost(s, why)
+        self.ctx.suspect = None  # a new engine: whatever a failed restore left is gone
         self.launch.engine_restarted()
         for callback in list(self.on_engine_restart):
             try:

@@ -13,7 +13,10 @@ writes (llama_state_seq_save_file + server_tokens::serialize):
     …             the KV state (read only by the engine)
 
 Only the header is read: a 20 GB file costs one small read per token block. The
-loader in llama.cpp checks n_words against the file size before it reads on; so do we.
+loader in llama.cpp checks n_words against the file size before it reads on; so do we, and
+against the most tokens the engine could hold (max_tokens: its context), so a small sparse
+file whose header claims 50 million tokens costs nothing. Files are opened as
+files.open_regular opens them: never through a link, never blocking on a FIFO.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import open_regular
+
 MAGIC = 0x67677371
 MAGIC_BYTES = struct.pack("<I", MAGIC)  # b"qsgg"
 VERSION = 4
 TOKEN_NULL = -1
 PAYLOAD_VERSION = 1
+MEDIA_WORDS = 1 << 16  # words of media chunks allowed beyond the tokens (images are rare and small here)
 
 
 class BadSlotFile(ValueError):
@@ -42,7 +48,12 @@ class SlotHeader:
         return len(self.tokens)
 
 
-def parse_header(data: bytes, file_size: int | None = None) -> SlotHeader:
+def max_words(max_tokens: int | None) -> int | None:
+    """The most header words a file of at most max_tokens tokens can have."""
+    return None if max_tokens is None else 4 + max_tokens + MEDIA_WORDS
+
+
+def parse_header(data: bytes, file_size: int | None = None, max_tokens: int | None = None) -> SlotHeader:
     """The header at the start of `data` (which must hold at least the whole header)."""
     if len(data) < 12:
         raise BadSlotFile(f"{len(data)} bytes: too short for a slot file header")
@@ -54,6 +65,10 @@ def parse_header(data: bytes, file_size: int | None = None) -> SlotHeader:
     end = 12 + 4 * n_words
     if file_size is not None and end > file_size:
         raise BadSlotFile(f"header claims {n_words:,} words, more than the file's {file_size:,} bytes hold")
+    bound = max_words(max_tokens)
+    if bound is not None and n_words > bound:
+        raise BadSlotFile(f"header claims {n_words:,} words, more than {max_tokens:,} tokens take (the engine's "
+                          f"context): not read")
     if len(data) < end:
         raise BadSlotFile(f"header of {end:,} bytes, only {len(data):,} read")
     words = struct.unpack_from(f"<{n_words}i", data, 12)
@@ -63,22 +78,29 @@ def parse_header(data: bytes, file_size: int | None = None) -> SlotHeader:
         n = words[2]
         if n < 0 or 3 + n > n_words:
             raise BadSlotFile(f"payload claims {n:,} tokens in {n_words:,} words")
+        if max_tokens is not None and n > max_tokens:
+            raise BadSlotFile(f"holds {n:,} tokens, more than the engine's context of {max_tokens:,}")
         return SlotHeader(tuple(words[3:3 + n]))
     return SlotHeader(tuple(words))  # an older server's plain token list
 
 
-def read_header(path: str | Path) -> SlotHeader:
-    """Read only the header of a slot file. BadSlotFile or OSError when it cannot."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
+def read_header(path: str | Path, max_tokens: int | None = None) -> SlotHeader:
+    """Read only the header of a slot file (a regular file: NotRegular, an OSError, for a
+    link or a FIFO). BadSlotFile or OSError when it cannot."""
+    f, st = open_regular(path)
+    with f:
+        size = st.st_size
         head = f.read(12)
         if len(head) < 12:
             raise BadSlotFile(f"{path}: {len(head)} bytes, too short for a slot file")
         _, _, n_words = struct.unpack("<III", head)
         if 12 + 4 * n_words > size:
             raise BadSlotFile(f"{path}: header claims {n_words:,} words, more than the file's {size:,} bytes hold")
-        return parse_header(head + f.read(4 * n_words), size)
+        bound = max_words(max_tokens)
+        if bound is not None and n_words > bound:
+            raise BadSlotFile(f"{path}: header claims {n_words:,} words, more than {max_tokens:,} tokens take (the "
+                              f"engine's context): not read")
+        return parse_header(head + f.read(4 * n_words), size, max_tokens)
 
 
 def build(tokens: list[int] | tuple[int, ...], state: bytes = b"") -> bytes:
@@ -129,9 +151,9 @@ def read_layout(path: str | Path) -> KVLayout:
     u32 n_stream; per stream u32 cell_count; for the stream with cells, 12 bytes per cell
     (24 for models with per-cell extensions), then u32 v_trans, u32 n_layer, u32 n_rot_k,
     u32 n_rot_v, then per layer i32 k_type, u64 row size, the data. Reads a few small pieces."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
+    f, st = open_regular(path)
+    with f:
+        size = st.st_size
         head = f.read(12)
         if len(head) < 12:
             raise BadSlotFile(f"{path}: too short for a slot file")
@@ -168,3 +190,76 @@ def read_layout(path: str | Path) -> KVLayout:
             if v_trans in (0, 1) and 0 < n_layer <= 4096 and 0 <= k_type < 256:
                 return KVLayout(n_stream, v_trans, n_layer, k_type)
         raise BadSlotFile(f"{path}: cannot find the KV layout after {cells:,} cells")
+
+
+def state_end(path: str | Path, n_blocks: int) -> int | None:
+    """Where the file's KV state ends by its own fields (b11434: llama_kv_cache::state_write,
+    one block per KV cache: 1, or 2 for a sliding-window model's base and SWA caches), or None
+    when its fields are not what this reader understands (another architecture: cells with
+    extensions, layers without V). A value past the file's size means the file is short:
+    llama-server would abort on it (GGML_ASSERT(nread <= state_size)); shorter means padding
+    after the state, which the engine ignores. Reads the small fields only, seeking over data.
+
+    Per block: u32 n_stream; per stream u32 cell_count, and for a stream with cells: per cell
+    i32 pos, u32 n_seq_id, n_seq_id × i32; then u32 v_trans, u32 n_layer, u32 n_rot_k, u32
+    n_rot_v; K per layer: i32 type, u64 row, cells × row bytes; V per layer: not transposed
+    i32 type, u64 row, cells × row; transposed i32 type, u32 element size, u32 n_embd, n_embd ×
+    cells × element size."""
+    f, st = open_regular(path)
+    size = st.st_size
+    with f:
+
+        def u32() -> int:
+            b = f.read(4)
+            if len(b) != 4:
+                raise EOFError
+            return struct.unpack("<I", b)[0]
+
+        def skip(n: int) -> None:
+            f.seek(f.tell() + n)
+
+        try:
+            magic, version, n_words = struct.unpack("<III", f.read(12))
+        except struct.error:
+            return None
+        if magic != MAGIC or version != VERSION:
+            return None
+        skip(4 * n_words)
+        for _ in range(n_blocks):
+            try:
+                n_stream = u32()
+                if not 0 < n_stream <= 4096:
+                    return None
+                for _ in range(n_stream):
+                    cells = u32()
+                    if not cells:
+                        continue
+                    if cells > 1 << 26:
+                        return None
+                    for _ in range(cells):
+                        _pos, n_seq = struct.unpack("<iI", f.read(8))
+                        if n_seq != 1:
+                            return None  # a single sequence's save has one per cell; anything else: not understood
+                        skip(4)
+                    v_trans, n_layer, _rk, _rv = (u32() for _ in range(4))
+                    if v_trans > 1 or not 0 < n_layer <= 4096:
+                        return None
+                    for _ in range(n_layer):
+                        k_type, row = struct.unpack("<iQ", f.read(12))
+                        if not 0 <= k_type < 64 or row == 0:
+                            return None
+                        skip(cells * row)
+                    for _ in range(n_layer):
+                        v_type = struct.unpack("<i", f.read(4))[0]
+                        if not 0 <= v_type < 64:
+                            return None
+                        if v_trans:
+                            el, n_embd = u32(), u32()
+                            skip(n_embd * cells * el)
+                        else:
+                            skip(cells * struct.unpack("<Q", f.read(8))[0])
+                    if f.tell() > size:
+                        return f.tell()  # its data runs past the end: short
+            except (EOFError, struct.error):
+                return size + 1  # a field the state needs is past the end: short
+        return f.tell()

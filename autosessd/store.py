@@ -8,8 +8,16 @@ How a save becomes visible (no torn `auto-*.bin`, ever):
 
     engine writes  .autosessd-<key>.partial           (a name no reader looks at)
     verify_temp    size == engine's n_written, header magic if the engine has one
-    finalize       chmod(temp) → fsync(temp) → rename to auto-<target>.bin → fsync(dir)
-                   → metadata to .autosessd-<target>.json.partial → fsync → rename → fsync(dir)
+    finalize       chmod(temp) → fsync(temp) → digest (files.DIGEST, the file is in the page
+                   cache) → rename to auto-<target>.bin → fsync(dir) → metadata (with the
+                   digest and the file's identity) to .autosessd-<target>.json.partial →
+                   fsync → rename → fsync(dir)
+
+Before a restore, check_whole() says whether the file is still the one saved: a regular
+file (never a link), its size that of its metadata, always; and when its identity (inode,
+mtime, size) is not the one its digest was last checked at, its digest again (a file copied
+back from a backup, touched by a tool, or damaged in place). The engine aborts on a state
+file one byte short: no file reaches it unchecked.
 
 <key> is the conversation's first-message key; <target> is that key, or the branch key
 sessions.py chose from the file's tokens (index.save_key) when another conversation of
@@ -35,12 +43,14 @@ the lock is let go. See install() for what a crash leaves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -49,11 +59,17 @@ from typing import Iterator
 
 import psutil
 
+from . import files, slotfile
+from .files import Ident
+
 log = logging.getLogger("autosessd")
 
 AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
 AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
 TEMP_PREFIX = ".autosessd-"
+# Files that failed a check before a restore are moved here, with why: never deleted by
+# autosessd, never indexed or restored, listed by status and ls (a person decides).
+QUARANTINE = ".autosessd-quarantine"
 MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 # Headroom kept free on the disk beyond the estimated size of a save.
 FREE_MARGIN = 64 * 1024 * 1024
@@ -122,17 +138,32 @@ class Meta:
     # None: saved here. A restart uploads only this host's own saves (and never re-uploads
     # what the bucket prune removed from another host's).
     host: str | None = None
+    # files.DIGEST of the whole .bin ("xxh3-128:<hex>"), taken at finalize or while a download
+    # arrived; None in metadata written before it existed (then only the size is checked).
+    digest: str | None = None
+    # The .bin's identity when the digest was last checked: the same one needs no new check.
+    ident: Ident | None = None
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
         d = json.loads(data)
-        layout, line, n_prompt = d.get("layout"), d.get("line"), d.get("n_prompt")
+        layout, line, n_prompt, digest = d.get("layout"), d.get("line"), d.get("n_prompt"), d.get("digest")
         return cls(key=str(d["key"]), n_tokens=int(d["n_tokens"]), bytes=int(d["bytes"]),
                    saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)),
                    layout=layout if isinstance(layout, str) else None,
                    line=str(line) if line is not None else None,
                    n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)),
-                   host=str(d["host"]) if d.get("host") is not None else None)
+                   host=str(d["host"]) if d.get("host") is not None else None,
+                   digest=digest if isinstance(digest, str) else None, ident=Ident.from_list(d.get("ident")))
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        for k in ("host", "digest", "ident"):
+            if d[k] is None:
+                del d[k]  # absent, as in metadata written before these existed
+        if self.ident is not None:
+            d["ident"] = self.ident.to_list()
+        return json.dumps(d, sort_keys=True).encode() + b"\n"
 
 
 @dataclass(frozen=True)
@@ -211,8 +242,8 @@ class Store:
     Every method is safe from any thread. in_use and the metadata cache are read and
     changed only under _lock; acquire, release, using and users take it for a counter
     change. What else runs under _lock, and so bounds how long acquire() waits on the loop:
-      remove()    the in_use check, one stat and one unlink: once acquire(name) has
-                  returned, no prune or remove deletes that file
+      remove()    the in_use check, one stat and one rename away (the unlink comes after):
+                  once acquire(name) has returned, no prune or remove deletes that file
       install()   the in_use check, one metadata read and two renames: no acquire() and no
                   other install between the look and the renames
       scan()      the metadata cache's updates (no I/O)
@@ -232,10 +263,13 @@ class Store:
         self._per_token: float | None = None
         # Names being written or read right now; prune never removes them. Under _lock.
         self.in_use: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # install() reads metadata (its cache) under it
         # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
         # of thousands of sessions stats them instead of reading every JSON again.
-        self._meta_cache: dict[str, tuple[tuple[int, int, int], Meta]] = {}
+        self._meta_cache: dict[str, tuple[Ident, Meta]] = {}
+        # Files whose identity changed since their metadata's digest check, checked again this
+        # run and found whole: name → (identity, digest).
+        self._checked: dict[str, tuple[Ident, str]] = {}
 
     # -- names -------------------------------------------------------------
     def bin_path(self, key: str) -> Path:
@@ -317,15 +351,20 @@ class Store:
             if head != magic:
                 raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
 
-    def finalize(self, key: str, meta: Meta) -> None:
+    def finalize(self, key: str, meta: Meta) -> Meta:
         """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
-        or the name index.save_key chose for it), then its metadata. Blocking."""
+        or the name index.save_key chose for it), then its metadata, with the file's digest.
+        Returns the metadata written. Blocking."""
         temp, final = self.temp_path(key), self.bin_path(meta.key)
         self._seal(temp)
+        digest, _ = files.digest_file(temp)
         os.replace(temp, final)
         _fsync_dir(self.path)
+        ident = files.regular_ident(final)  # after the rename, which moves the ctime
+        meta = dataclasses.replace(meta, digest=digest, ident=ident)
         self._write_meta(meta)
         self._saw(meta)
+        return meta
 
     def finalize_manual(self, key: str, name: str) -> None:
         """A parked session under a person's name: the same atomic rename, no metadata."""
@@ -364,10 +403,7 @@ class Store:
 
     def _meta_temp(self, meta: Meta, tmp: Path) -> None:
         """The metadata, whole and fsynced, under the temporary name tmp."""
-        d = asdict(meta)
-        if d["host"] is None:
-            del d["host"]  # a save made here: the metadata as it always was
-        data = json.dumps(d, sort_keys=True).encode() + b"\n"
+        data = meta.to_json()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             self._own(fd, tmp)  # the umask may have taken more than we asked, or less
@@ -423,6 +459,10 @@ class Store:
                 if meta_tmp is not None:
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
+                    now = files.regular_ident(final)
+                    if meta.digest is not None and now is not None:
+                        # The rename moved the ctime the metadata recorded: checked as it arrived.
+                        self._checked[name] = (now, meta.digest)
         finally:
             if meta_tmp is not None:
                 self._unlink(meta_tmp)
@@ -436,15 +476,121 @@ class Store:
 
     # -- reading -----------------------------------------------------------
     def read_meta(self, key: str) -> Meta | None:
-        """Metadata of auto-<key>.bin, or None when the pair is missing or disagrees."""
+        """Metadata of auto-<key>.bin, or None when the pair is missing or disagrees (a .bin
+        that is not a regular file has none). Read as files.read_small reads (a FIFO, a link
+        or a huge file under the name is refused, never waited on), and cached by the
+        metadata file's identity: a turn on the loop costs two lstats."""
         try:
-            meta = Meta.from_json(self.meta_path(key).read_bytes())
-            size = self.bin_path(key).stat().st_size
+            size = os.lstat(self.bin_path(key)).st_size if files.regular_ident(self.bin_path(key)) else None
+            meta = self._meta_at(self.meta_path(key)) if size is not None else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if meta.key != key or meta.bytes != size:
+        if meta is None or meta.key != key or meta.bytes != size:
             return None
         return meta
+
+    def _meta_at(self, path: Path) -> Meta | None:
+        ident = files.regular_ident(path)
+        if ident is None:
+            return None
+        with self._lock:
+            hit = self._meta_cache.get(path.name)
+        if hit is not None and hit[0] == ident:
+            return hit[1]
+        meta = Meta.from_json(files.read_small(path))
+        with self._lock:
+            self._meta_cache[path.name] = (ident, meta)
+        return meta
+
+    def check_whole(self, name: str, n_blocks: int | None = None) -> str | None:
+        """None when `name` may be handed to the engine: the file it was when saved or
+        downloaded. Otherwise why not (the caller quarantines it). Auto files: a regular
+        file whose size is its metadata's, and whose digest is checked again when its
+        identity changed since the last check (blocking then: seconds for a multi-GB file,
+        run it in a thread). People's files, and auto files from before digests: a regular
+        file, not shorter than its own KV fields say (slotfile.state_end, with n_blocks KV
+        caches: 2 for a sliding-window model; None: not looked at)."""
+        path = self.path / name
+        ident = files.regular_ident(path)
+        if ident is None:
+            return f"{name} is missing or not a regular file (a link, a FIFO?)"
+        m = AUTO_BIN.match(name)
+        if not m:
+            return self._short(path, ident, n_blocks)
+        meta = self._meta_at(self.meta_path(m.group(1))) if files.regular_ident(self.meta_path(m.group(1))) else None
+        if meta is None or meta.key != m.group(1):
+            return f"{name} has no valid metadata"
+        if ident.size != meta.bytes:
+            return f"{name} has {ident.size:,} bytes, {meta.bytes:,} were saved"
+        if meta.digest is None:
+            return self._short(path, ident, n_blocks)
+        if meta.ident == ident or self._checked.get(name) == (ident, meta.digest):
+            return None
+        digest, now = files.digest_file(path)
+        if digest != meta.digest:
+            return f"{name}'s digest is {digest}, {meta.digest} was saved: its bytes changed"
+        with self._lock:
+            self._checked[name] = (now, digest)  # the next restore of the same file needs a stat only
+        return None
+
+    @staticmethod
+    def _short(path: Path, ident: Ident, n_blocks: int | None) -> str | None:
+        if n_blocks is None:
+            return None
+        try:
+            end = slotfile.state_end(path, n_blocks)
+        except OSError as e:
+            return f"{path.name}: {e}"
+        if end is not None and end > ident.size:
+            return f"{path.name} has {ident.size:,} bytes, its own fields need {end:,}: it is cut short"
+        return None
+
+    # -- quarantine --------------------------------------------------------
+    def quarantine(self, name: str, why: str, seen: Ident | None = None) -> str | None:
+        """Move `name` (and an auto file's metadata) aside into QUARANTINE/, with a note of
+        why. seen: the identity of the file judged bad; a file that changed since (a save
+        finalized over it) is left in place. Returns the name it has there, or None when it
+        was not moved. Blocking."""
+        qdir = self.path / QUARANTINE
+        qdir.mkdir(mode=0o700, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dest = qdir / f"{name}.{stamp}.{uuid.uuid4().hex[:6]}"
+        m = AUTO_BIN.match(name)
+        with self._lock:
+            now = files.regular_ident(self.path / name)
+            if seen is not None and now != seen:
+                return None
+            try:
+                os.rename(self.path / name, dest)  # a link moves as a link
+            except FileNotFoundError:
+                return None
+            if m:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.meta_path(m.group(1)), dest.with_name(dest.name + ".json"))
+        note = json.dumps({"name": name, "why": why, "at": time.time(), "bytes": now.size if now else None})
+        fd = os.open(dest.with_name(dest.name + ".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "w") as f:
+            f.write(note + "\n")
+        _fsync_dir(self.path)
+        log.warning("auto sessions: %s moved aside to %s/%s: %s", name, QUARANTINE, dest.name, why)
+        return dest.name
+
+    def quarantined(self) -> list[dict]:
+        """What quarantine() moved aside, newest first: name, why, at, bytes, and its name there."""
+        out = []
+        try:
+            it = os.scandir(self.path / QUARANTINE)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        with it:
+            for d in it:
+                if d.name.endswith(".why"):
+                    try:
+                        note = json.loads(files.read_small(d.path, 64 * 1024))
+                        out.append({**note, "file": d.name[:-4]})
+                    except (OSError, ValueError):
+                        continue
+        return sorted(out, key=lambda r: r.get("at") or 0, reverse=True)
 
     def scan(self, with_meta: bool = True) -> list[Entry]:
         """The auto files. Without metadata (status, prune: sizes and ages are enough) a scan
@@ -486,15 +632,9 @@ class Store:
         return entries
 
     def _cached_meta(self, d: os.DirEntry) -> Meta:
-        st = d.stat(follow_symlinks=False)
-        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-        with self._lock:
-            hit = self._meta_cache.get(d.name)
-        if hit is not None and hit[0] == ident:
-            return hit[1]
-        meta = Meta.from_json(Path(d.path).read_bytes())
-        with self._lock:
-            self._meta_cache[d.name] = (ident, meta)
+        meta = self._meta_at(Path(d.path))
+        if meta is None:
+            raise ValueError(f"{d.name} is not a regular file")
         return meta
 
     def manual_files(self) -> list[tuple[str, int, float]]:

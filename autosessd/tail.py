@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .files import open_regular, read_small
 from .requestlog import BadLine, LogEvent, parse_line
 from .sessions import Sessions
 
@@ -77,7 +78,7 @@ class Follower:
 
     def _load_state(self) -> None:
         try:
-            d = json.loads(self.state_path.read_text())
+            d = json.loads(read_small(self.state_path))
             if d.get("path") == str(self.path):
                 self.ident, self.offset = (int(d["dev"]), int(d["ino"])), int(d["offset"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -127,7 +128,7 @@ class Follower:
             return lines
         if self.fh is None:
             try:
-                self.fh = open(self.path, "rb")
+                self.fh, _ = open_regular(self.path, follow_links=True)  # a FIFO is refused, not waited on
             except FileNotFoundError:
                 return lines
             st = os.fstat(self.fh.fileno())

@@ -178,6 +178,9 @@ class Turn:
         shared bucket, its save of that name first when the local one is missing or older."""
         ctx = self.ctx
         file = await self.saver.wait_file(key)
+        path = ctx.store.bin_path(key)
+        if file is None and (path.is_symlink() or path.exists()):  # a file its metadata does not vouch for
+            await self.restorer.refuse_if_damaged(s, key, auto_name(key), result)
         claim = await self.fetcher.by_key(key, held, outcome, file, result) if ctx.remote else None
         own = None
         try:

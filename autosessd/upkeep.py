@@ -36,7 +36,7 @@ class Upkeep:
         state directory when their files did not change) and learn the model's sliding
         window. Without an index every restore follows the key rule."""
         ctx = self.ctx
-        index = TokenIndex(ctx.store.path, ctx.cfg.effective_state_dir() / "index.cache")
+        index = TokenIndex(ctx.store.path, ctx.cfg.effective_state_dir() / "index.cache", ctx.max_tokens)
         try:
             rep = await asyncio.get_running_loop().run_in_executor(None, index.scan)
         except OSError as e:

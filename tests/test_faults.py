@@ -127,17 +127,17 @@ def test_slow_and_oversized_clients_do_not_stall_the_gate(session_dir, tmp_path)
     try:
         for _ in range(50):  # slowloris: headers that never end
             s = socket.create_connection(("127.0.0.1", d.gate_port))
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
             slow.append(s)
         s = socket.create_connection(("127.0.0.1", d.gate_port))  # a body that never arrives
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{")
         slow.append(s)
         t0 = time.monotonic()
         status, _ = post(d.gate_url, A, timeout=10)
         assert status == 200 and time.monotonic() - t0 < 5
         # A body over the gate's limit is refused without reading it.
         big = socket.create_connection(("127.0.0.1", d.gate_port))
-        big.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        big.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 5000000000\r\n\r\n{")
         big.settimeout(10)
         assert big.recv(100).startswith(b"HTTP/1.1 413")

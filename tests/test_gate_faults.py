@@ -125,15 +125,26 @@ def test_file_from_another_model_is_not_restored(fake, session_dir, tmp_path):
 def test_gate_never_reaches_another_host(fake, session_dir, tmp_path):
     eng = fake()
     d = Daemon(tmp_path, session_dir, eng.url).start()
-    try:
+
+    def raw(request: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", d.gate_port)) as s:
-            s.sendall(b"GET http://203.0.113.9:81/health HTTP/1.1\r\nHost: 203.0.113.9:81\r\n"
-                      b"Connection: close\r\n\r\n")
+            s.sendall(request)
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
-        # Absolute-form and a foreign Host still go to the configured engine (which answers ok).
+        return data
+
+    try:
+        # An absolute-form URI goes to the configured engine (which answers ok), never to its host.
+        data = raw(b"GET http://203.0.113.9:81/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         assert data.startswith(b"HTTP/1.1 200") and (b'"status": "ok"' in data or b'"status":"ok"' in data)
+        # A foreign Host while the gate listens on loopback: a page reaching it through DNS
+        # rebinding. Refused before anything is forwarded, in the API's error shape (issue 19.9).
+        data = raw(b"GET /health HTTP/1.1\r\nHost: rebind.example:8080\r\nConnection: close\r\n\r\n")
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 403")
+        err = json.loads(body)["error"]
+        assert err["src"] == "autosessd" and "DNS rebinding" in err["message"] and "allowed_hosts" in err["message"]
     finally:
         d.stop()
 
@@ -236,4 +247,51 @@ def test_gate_listens_on_every_address_in_the_list(fake, session_dir, tmp_path):
         assert st["inputs"]["gate"]["listen"] == [f"127.0.0.1:{port}", f"[::1]:{port}"]
         assert st["counters"]["turns"] == 2
     finally:
+        d.stop()
+
+
+def test_a_flood_of_connections_is_capped_timed_out_and_logged_once(fake, session_dir, tmp_path):
+    """19.11: 1,100 half-sent requests used to exhaust systemd's 1,024 descriptors and make the
+    gate, /autosessd/status and autosessctl status all time out, logging ~17 MB/s. Now the
+    open-file limit is raised at start, connections past gate.max_connections get a 503 and
+    are closed, a connection that sends no whole request within gate.header_timeout_s gets a
+    408 and is closed, the refusals are logged once per interval, and requests go on."""
+    import resource
+
+    eng = fake()
+    soft0, hard0 = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard0), hard0))  # systemd's default soft limit
+    try:
+        d = Daemon(tmp_path, session_dir, eng.url, gate_toml="max_connections = 20\nheader_timeout_s = 1.0\n").start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft0, hard0))
+    held = []
+    try:
+        soft = int(next(line.split()[3] for line in open(f"/proc/{d.proc.pid}/limits")
+                        if line.startswith("Max open files")))
+        hard = int(next(line.split()[4] for line in open(f"/proc/{d.proc.pid}/limits")
+                        if line.startswith("Max open files")))
+        assert soft == hard == hard0  # raised from the 1,024 it was started with
+        for _ in range(60):  # half-sent requests, far more than the cap
+            s = socket.create_connection(("127.0.0.1", d.gate_port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            held.append(s)
+        answers = []
+        for s in held[20:]:
+            s.settimeout(5)
+            answers.append(s.recv(200))
+        assert all(a.startswith(b"HTTP/1.1 503") and b"max_connections" in a for a in answers), answers[:3]
+        t0 = time.monotonic()
+        for s in held[:20]:  # the first 20 never finished their headers: closed after 1 s
+            s.settimeout(5)
+            data = s.recv(200)
+            assert data.startswith(b"HTTP/1.1 408") or data == b""
+        assert time.monotonic() - t0 < 4
+        assert post(d.gate_url, A, timeout=10)[0] == 200  # the gate serves again
+        assert d.status()["inputs"]["gate"]["refused"]["connections"] == 40
+        log = d.logtext()
+        assert 1 <= log.count("gate: refused") <= 3  # once per interval, not 60 lines
+    finally:
+        for s in held:
+            s.close()
         d.stop()

@@ -82,7 +82,7 @@ def test_best_and_matches_are_the_brute_force(tmp_path_factory, files, query, mo
                                               window):
     idx = index_of(tmp_path_factory.mktemp("d"), files)
     allowed = {n: brute_lcp(t, query) for n, (m, t) in files.items() if m == model and n not in exclude
-               and (window is None or len(t) - brute_lcp(t, query) < window)}
+               and (window is None or len(t) <= window or len(t) - brute_lcp(t, query) <= 1)}
     wanted = {n: v for n, v in allowed.items() if v >= max(1, min_lcp)}
     got = idx.best(query, model, exclude=exclude, prefer=prefer, min_lcp=min_lcp, window=window)
     if not wanted:
@@ -154,17 +154,24 @@ def test_best_prefers_the_requests_own_line_then_the_smaller_file(tmp_path):
                                           Match("auto-aaaaaaaaaaaaaaaa.bin", 5, 8)]
 
 
-def test_a_sliding_window_passes_over_files_that_go_on_too_long_after_the_prefix(tmp_path):
+def test_a_sliding_window_restores_only_what_the_engine_can_go_on_from(tmp_path):
+    """A file's sliding-window layers hold only its last `window` cells: a request may restore
+    it only when the file is no longer than the window, or when the request goes on from its
+    end (index.swa_usable; a departure inside the file was measured to change the answer)."""
     S = list(range(100, 130))  # a system prompt
-    idx = index_of(tmp_path, {"task1.bin": (M, S + [1] * 40), "prefix.bin": (M, S + [2] * 5)})
+    idx = index_of(tmp_path, {"task1.bin": (M, S + [1] * 40), "prefix.bin": (M, S + [2] * 5),
+                              "short.bin": (M, S[:10] + [7] * 4)})
     q = S + [3] * 10
     assert idx.best(q, M) == ("prefix.bin", 30)  # the smaller of two equals
     assert idx.best(q, M, exclude={"prefix.bin"}) == ("task1.bin", 30)
-    # Gemma 3 keeps its last 512 tokens; here a window of 16: task1.bin holds 40 past the prefix.
-    assert idx.best(q, M, window=16, exclude={"prefix.bin"}) is None
-    assert idx.best(S[:18] + [9], M, window=16) is None  # both go on 16+ tokens past the 18 shared
-    assert idx.best(S[:20] + [9], M, window=16) == ("prefix.bin", 20)  # 15 past: the engine keeps it
-    assert idx.matches(q, M, window=16) == [Match("prefix.bin", 30, 35)]
+    # Gemma 3 keeps its last 512 tokens; here a window of 16. task1 and prefix depart from q
+    # inside the file: only short.bin, all inside the window, may be restored for q.
+    assert idx.best(q, M, window=16) == ("short.bin", 10)
+    assert idx.matches(q, M, window=16) == [Match("short.bin", 10, 14)]
+    assert idx.best(q, M, window=16, exclude={"short.bin"}) is None
+    assert idx.best(S + [2] * 5 + [8], M, window=16) == ("prefix.bin", 35)  # it goes on from its end
+    assert idx.best(S + [2] * 4 + [8], M, window=16) == ("prefix.bin", 34)  # from its last token
+    assert idx.best(S[:10] + [5], M, window=16) == ("short.bin", 10)  # 14 tokens: all in the window
 
 
 def test_media_placeholders_end_what_a_prompt_can_share(tmp_path):
@@ -229,13 +236,13 @@ def test_a_change_during_a_scan_wins_over_what_the_scan_saw(tmp_path, monkeypatc
     idx = TokenIndex(tmp_path)
     real = index_mod.read_header
 
-    def racing(path):  # a prune removes b.bin and a save adds c.bin while the scan reads
+    def racing(path, max_tokens=None):  # a prune removes b.bin and a save adds c.bin while the scan reads
         if str(path).endswith("a.bin") and "b.bin" in os.listdir(tmp_path):
             (tmp_path / "b.bin").unlink()
             idx.remove("b.bin")
             write_bin(tmp_path, "c.bin", [3])
             idx.add("c.bin", [3], M)
-        return real(path)
+        return real(path, max_tokens)
 
     monkeypatch.setattr(index_mod, "read_header", racing)
     idx.scan()
@@ -256,7 +263,7 @@ def test_cache_spares_the_headers_at_the_next_start(tmp_path, monkeypatch):
     assert idx.save_cache() and not idx.save_cache()  # nothing changed since
     assert stat.S_IMODE(cache.stat().st_mode) == 0o600  # it holds conversations' tokens
 
-    def no_reads(path):
+    def no_reads(path, max_tokens=None):
         raise AssertionError(f"read {path} although the cache knew it")
 
     monkeypatch.setattr(index_mod, "read_header", no_reads)

@@ -48,12 +48,13 @@ def test_skipped_saves_and_the_sliding_window_are_passed_over(remote):
     assert remote.best(q, 1) == (a[0], 150)
     # A local copy as new as `a`: the next best is offered.
     assert remote.best(q, 1, skip=lambda s: s.name == "auto-a.bin") == (b[0], 60)
-    # Both share 60 with this one; a holds 90 tokens past that, b 20. With a window of 50 the
-    # engine would re-read a whole (index.TokenIndex.best): only b is offered, then nothing.
+    # Both share 60 with this one and go on past it (a 90 tokens, b 20). With a sliding window
+    # of 50 neither may be restored for it (index.swa_usable); with one of 100, b (80 tokens)
+    # lies inside it. A request that goes on from b's end may restore b.
     assert remote.best(encode(BASE[:60]), 1, skip=lambda s: s.name == "auto-b.bin") == (a[0], 60)
-    assert remote.best(encode(BASE[:60]), 1, window=50, skip=lambda s: s.name == "auto-b.bin") is None
-    assert remote.best(encode(BASE[:60]), 1, window=50) == (b[0], 60)
-    assert remote.best(encode(BASE[:60]), 1, window=15) is None
+    assert remote.best(encode(BASE[:60]), 1, window=50) is None
+    assert remote.best(encode(BASE[:60]), 1, window=100) == (b[0], 60)
+    assert remote.best(encode(BASE[:60] + [2] * 20 + [5]), 1, window=50) == (b[0], 80)
 
 
 def test_among_equals_the_request_s_own_name_then_the_smaller_save(remote):
@@ -93,7 +94,7 @@ class _Bucket:
     def find(self, model):
         return [s for s, _ in self.saves]
 
-    def tokens(self, s):
+    def tokens(self, s, max_tokens=None):
         return next(tuple(range(len(t) // 4)) for r, t in self.saves if r is s)
 
 
@@ -118,7 +119,7 @@ def test_a_stop_does_not_wait_for_header_reads_of_a_slow_bucket():
     gate = threading.Event()
 
     class Slow(_Bucket):
-        def tokens(self, s):
+        def tokens(self, s, max_tokens=None):
             gate.wait()
             return super().tokens(s)
 

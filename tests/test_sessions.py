@@ -160,7 +160,7 @@ async def test_hook_turn_for_a_request_that_never_ran_keeps_what_was_held(tmp_pa
 async def test_a_manual_restore_never_leads_to_a_file_outside_the_owned_names(tmp_path):
     """Issue 10.4: `autosessctl restore mine` then a switch."""
     s = make(tmp_path)
-    (tmp_path / "mine.bin").write_bytes(slotfile.build(conv(B, 70)))
+    (tmp_path / "mine.bin").write_bytes(slotfile.build(conv(B, 70), b"\0" * 700))  # the stub engine's layout
     await request(s, A, 50)
     await s.restore_now("mine")
     assert s.view().phase is Phase.UNKNOWN

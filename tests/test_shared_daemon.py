@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -323,3 +324,62 @@ def test_sigterm_gives_an_upload_waiting_out_its_backoff_its_try_before_the_exit
     names = sorted(k.split("/")[3] for k in objects(s3_gateway, s3_bucket))
     assert names == sorted([auto_name(conversation_key(a))[:-4],
                             auto_name(conversation_key(chat_body(long_text(30, "jar") + "\nJar 2?")))[:-4]])
+
+
+@pytest.mark.s3
+@pytest.mark.engine
+def test_a_torn_save_in_the_bucket_ends_in_a_re_read_never_an_engine_abort(engines, s3_gateway, s3_bucket, aws_env,
+                                                                            tmp_path, stopping):
+    """19.1: a newer object for conversation A, one byte short, with its host's metadata (a
+    torn upload of a broken peer). Host 2's turn for A's next request used to download it,
+    keep it and restore it: the engine aborted (GGML_ASSERT), and again after every restart.
+    Now it is refused as it arrives and remembered; the request re-reads, the engine lives on,
+    and A's next request there gets A's whole, older save."""
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    s1.mkdir()
+    s2.mkdir()
+    e1, e2 = engines(s1), engines(s2)
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h2").mkdir()
+    d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1"))
+    d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2"))
+    stopping(d1)
+    stopping(d2)
+    d1.start()
+    a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")
+    b = chat_body(long_text(20, "jar") + "\nWhich jar is red?")
+    first = post(d1.gate_url, a)
+    wait_until(lambda: shared(d1)["prefill_tokens_s"], 30, what="host 1's prompt rate")
+    post(d1.gate_url, b)
+    wait_until(lambda: shared(d1)["uploads_done"] >= 1, 60, what="host 1's upload of A")
+    key = conversation_key(a)
+    c = s3_gateway.client()
+    [good] = [k for k in objects(s3_gateway, s3_bucket) if f"/auto-{key}/" in k]
+    obj = c.get_object(Bucket=s3_bucket, Key=good)
+    data, md = obj["Body"].read(), obj["Metadata"]
+    us, n, _ = good.rsplit("/", 1)[1][:-4].split("-")
+    torn_key = good.rsplit("/", 1)[0] + f"/{int(us) + 10_000_000:020d}-{n}-host9.bin"
+    c.put_object(Bucket=s3_bucket, Key=torn_key, Body=data[:-1],
+                 Metadata={**md, "host": "host9", "saved-at": repr(int(us) / 1e6 + 10)})
+    d2.start()  # its first reading of the bucket has the torn object as A's newest save
+    # Host 2's estimate needs its own engine's prompt rate: one request of another conversation.
+    post(d2.gate_url, chat_body(long_text(20, "cup") + "\nWhich cup?"))
+    wait_until(lambda: shared(d2)["catalog"]["with_tokens"] >= 1 and shared(d2)["prefill_tokens_s"], 30,
+               what="host 2 to read the bucket")
+    pid = e2.proc.pid
+    a2 = {**a, "messages": a["messages"] + [first["choices"][0]["message"],
+                                            {"role": "user", "content": "And how many are in box 7?"}]}
+    second = post(d2.gate_url, a2)
+    assert second["timings"]["cache_n"] < 100  # re-read
+    assert e2.proc.poll() is None and e2.proc.pid == pid and e2.healthy()
+    st = shared(d2)
+    assert st["downloads_refused_bad"] == 1 and st["bad_objects"] == 1
+    assert not (s2 / auto_name(key)).exists() or json.loads((s2 / f"auto-{key}.json").read_text())["host"] == "host1"
+    # The next reading of the bucket passes over the torn object: A's whole save is current.
+    post(d2.gate_url, b)  # A leaves host 2's slot
+    (s2 / auto_name(key)).unlink(missing_ok=True)
+    (s2 / f"auto-{key}.json").unlink(missing_ok=True)
+    time.sleep(1.5)  # list_every_s = 0.5
+    third = post(d2.gate_url, a2)
+    assert third["timings"]["cache_n"] >= 0.9 * third["usage"]["prompt_tokens"] - 200
+    assert shared(d2)["downloads"] == 1 and shared(d2)["downloads_refused_bad"] == 1

@@ -70,8 +70,7 @@ def save(store: Store, key: str, tokens, state: bytes, saved_at: float | None = 
     store.temp_path(key).write_bytes(data)
     meta = Meta(key=key, n_tokens=len(tokens), bytes=len(data), saved_at=saved_at or time.time(), model=MODEL,
                 save_ms=1.0)
-    store.finalize(key, meta)
-    return meta
+    return store.finalize(key, meta)  # with the file's digest, as an upload sends it
 
 
 def sha(path) -> str:
@@ -262,14 +261,15 @@ def test_a_download_carries_what_the_turn_reads_of_a_save(hosts, meta_fields):
     data = slotfile.build([1] * 40, b"x" * 1000)
     s1.temp_path(KEY).write_bytes(data)
     meta = Meta(key=KEY, n_tokens=40, bytes=len(data), saved_at=time.time(), model=MODEL, save_ms=2.5, **meta_fields)
-    s1.finalize(KEY, meta)
+    meta = s1.finalize(KEY, meta)
     assert h1.upload_now(s1.bin_path(KEY), meta) == "done"
     [found] = h2.find(MODEL)
     h2.download(found, s2)
     got = s2.read_meta(KEY)
-    assert abs(got.saved_at - meta.saved_at) < 1e-6
-    # ... and the host it came from (a restart does not upload it as this host's own).
-    assert dataclasses.replace(got, saved_at=meta.saved_at) == dataclasses.replace(meta, host="host1")
+    assert abs(got.saved_at - meta.saved_at) < 1e-6 and got.digest == meta.digest
+    # ... and the host it came from (a restart does not upload it as this host's own). The
+    # identity is each directory's own (the download's is checked as it arrived).
+    assert dataclasses.replace(got, saved_at=meta.saved_at) == dataclasses.replace(meta, host="host1", ident=None)
 
 
 def test_a_download_past_its_time_limit_stops_and_leaves_nothing(hosts):
@@ -537,3 +537,54 @@ async def test_a_conversation_saved_on_one_host_continues_on_another(engines, ho
     second = e2.post("/v1/chat/completions", body)
     assert second["timings"]["cache_n"] >= 0.9 * second["usage"]["prompt_tokens"]
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+# -- integrity (issue 19) -------------------------------------------------------------------
+def put_broken(gw, bucket, h1, meta, data: bytes, host: str = "host9", saved_at: float | None = None) -> str:
+    """What a broken peer leaves in the bucket: a newer object for the conversation with the
+    saving host's metadata as autosessd writes it (its own byte count and digest), but other
+    bytes (a torn or damaged upload). Returns its key."""
+    newer = dataclasses.replace(meta, saved_at=saved_at or meta.saved_at + 10)
+    key = h1.object_key(newer, NAME).replace(f"-{h1.host}.bin", f"-{host}.bin")
+    md = {"autosessd-format": "1", "key": meta.key, "model": MODEL, "n-tokens": str(meta.n_tokens),
+          "saved-at": repr(newer.saved_at), "save-ms": "1.0", "bytes": str(meta.bytes), "host": host,
+          "digest": meta.digest}
+    gw.client().put_object(Bucket=bucket, Key=key, Body=data, Metadata=md)
+    return key
+
+
+@pytest.mark.parametrize("damage", ["one byte short", "one byte flipped"])
+def test_a_broken_object_is_refused_remembered_and_does_not_stop_other_downloads(hosts, s3_gateway, s3_bucket,
+                                                                                 damage):
+    """19.1, 19.5, and a flipped byte in the bucket: a newer object of A that is one byte short
+    (or has one byte changed) with its host's metadata. It used to be downloaded (checked only
+    against the LIST's size and the header), kept and restored: the engine aborted, at every
+    host, after every restart. Now: refused while it arrives, nothing under the name changes,
+    its key is remembered (never fetched again), and no backoff stops the next good download."""
+    from autosessd.shared import BadObject
+
+    (h1, s1), (h2, s2) = hosts(2)
+    meta = save(s1, KEY, list(range(2, 42)), b"kv state" * 300, saved_at=1000.0)
+    assert h1.upload_now(s1.bin_path(KEY), meta) == "done"
+    whole = s1.bin_path(KEY).read_bytes()
+    broken = whole[:-1] if damage == "one byte short" else whole[:-5] + bytes([whole[-5] ^ 1]) + whole[-4:]
+    bad_key = put_broken(s3_gateway, s3_bucket, h1, meta, broken)
+    other = "fedcba9876543210"
+    h1.upload_now(s1.bin_path(other), save(s1, other, list(range(100, 140)), b"other" * 300, saved_at=1000.0))
+    newest = h2.newest(MODEL, NAME)
+    assert newest.key == bad_key  # the broken one is the newest save of A
+    with pytest.raises(BadObject, match="its host saved" if damage == "one byte short" else "digest"):
+        h2.download(newest, s2)
+    assert not s2.bin_path(KEY).exists() and not list(s2.path.glob(".autosessd-*"))
+    assert h2.is_bad(bad_key) and h2.status()["downloads_refused_bad"] == 1
+    est = h2.decide(newest, prefill_tokens_s=1.0)
+    assert not est.worth and "refused before" in est.blocked  # never fetched again
+    assert h2.download_blocked() is None  # the bucket is not taken for down: the next save comes at once
+    [good] = h2.find(MODEL, f"auto-{other}.bin")
+    h2.download(good, s2)
+    assert s2.bin_path(other).read_bytes() == s1.bin_path(other).read_bytes()
+    # The broken object passed over, A's current save here is its older, whole one.
+    [older] = h2.find(MODEL, NAME)
+    assert older.key != bad_key
+    h2.download(older, s2)
+    assert s2.bin_path(KEY).read_bytes() == whole and s2.read_meta(KEY).digest == meta.digest

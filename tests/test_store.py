@@ -37,8 +37,11 @@ def test_finalize_makes_bin_and_metadata(tmp_path):
     assert not s.temp_path(K[0]).exists()
     assert s.bin_path(K[0]).read_bytes()[:4] == b"qsgg"
     meta = json.loads(s.meta_path(K[0]).read_text())
+    st = s.bin_path(K[0]).stat()
+    digest = "xxh3-128:" + __import__("xxhash").xxh3_128(s.bin_path(K[0]).read_bytes()).hexdigest()
     assert meta == {"key": K[0], "n_tokens": 77, "bytes": 200, "saved_at": 1.0, "model": MODEL, "save_ms": 1.0,
-                    "layout": None, "line": None, "n_prompt": None, "prefix": False}
+                    "layout": None, "line": None, "n_prompt": None, "prefix": False, "digest": digest,
+                    "ident": [st.st_ino, st.st_ctime_ns, 200]}
     assert s.read_meta(K[0]).n_tokens == 77
     [e] = s.scan()
     assert e.key == K[0] and e.bytes == 200 and e.meta.n_tokens == 77

@@ -48,6 +48,7 @@ class EngineInfo:
     model_name: str
     total_slots: int
     model_path: str = ""  # where the engine loaded its model from (llama-server /props), when it says
+    n_ctx: int | None = None  # tokens one slot can hold (llama-server /props default_generation_settings.n_ctx)
 
 
 class EngineError(Exception):

@@ -197,8 +197,11 @@ class LlamaServer:
         # own numbers (size in bytes, parameter count, vocabulary).
         ident = {"name": name, **{k: meta.get(k) for k in ("size", "n_params", "n_vocab", "n_embd")}}
         fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        dgs = props.get("default_generation_settings")
+        n_ctx = dgs.get("n_ctx") if isinstance(dgs, dict) else None
         return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1),
-                          model_path=str(props.get("model_path") or ""))
+                          model_path=str(props.get("model_path") or ""),
+                          n_ctx=n_ctx if type(n_ctx) is int and n_ctx > 0 else None)
 
 
 def _error_message(data: Any, text: str) -> str:

@@ -22,14 +22,15 @@ client is thread-safe). Nothing here raises into a request for a tier failure ex
 SharedError, which the caller logs and answers by running the turn as if there were no bucket.
 """
 
-from .bucket import (FORMAT, LEASE, SESSIONS, AlreadyHere, BucketPrunePlan, Estimate, Incompatible, RemoteSession,
+from .bucket import (FORMAT, LEASE, SESSIONS, AlreadyHere, BadObject, BucketPrunePlan, Estimate, Incompatible,
+                     RemoteSession,
                      SharedError, Unavailable, default_host, estimate, model_id, parse_key, plan_bucket_prune,
                      read_credentials, stem_of)
 from .downloads import CHUNK, DOWN_BACKOFF_S, DOWN_RATE_MIN_S
 from .lease import STALE_MULTIPART_S, Lease
 from .tier import Counters, SharedStore
 
-__all__ = ["AlreadyHere", "BucketPrunePlan", "CHUNK", "Counters", "DOWN_BACKOFF_S", "DOWN_RATE_MIN_S", "Estimate",
+__all__ = ["AlreadyHere", "BadObject", "BucketPrunePlan", "CHUNK", "Counters", "DOWN_BACKOFF_S", "DOWN_RATE_MIN_S", "Estimate",
            "FORMAT", "Incompatible", "LEASE", "Lease", "RemoteSession", "SESSIONS", "STALE_MULTIPART_S",
            "SharedError", "SharedStore", "Unavailable", "default_host", "estimate", "model_id", "parse_key",
            "plan_bucket_prune", "read_credentials", "stem_of"]

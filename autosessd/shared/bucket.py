@@ -66,6 +66,12 @@ class AlreadyHere(SharedError):
     """A download found the local save as new as the bucket's: nothing was downloaded (not a failure)."""
 
 
+class BadObject(SharedError):
+    """The object is not the save its host made: fewer or more bytes than its own metadata
+    says, another digest, a header that disagrees. Remembered by its key (SharedStore.bad):
+    never fetched again, and the bucket is not taken for down because of it."""
+
+
 class Incompatible(SharedError):
     """The bucket's save has a KV layout this engine cannot load: refused, the local file stays."""
 

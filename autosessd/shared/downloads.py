@@ -4,10 +4,14 @@ decide() weighs downloading a save (bytes at the measured rate, plus the restore
 re-reading its tokens (the engine's prompt rate) and says both numbers; no download is tried
 while the bucket does not answer or after a failed download, until its backoff has run out
 (doubling per failure up to retry_max_s, reset by a success): a dead or crawling bucket costs
-one turn its timeout, not every turn. A failed download still teaches the rate.
+one turn its timeout, not every turn. A failed download still teaches the rate. An object
+that arrived whole but is not what its host saved (BadObject) says nothing of the bucket: it
+starts no backoff, and its key is remembered (bad) so that it is never fetched again.
 
-download(): temporary (.autosessd-*.partial, removed by Store.cleanup after a crash) → size and
-slot-file header verified → KV layout checked (refused when this engine cannot load it) →
+download(): temporary (.autosessd-*.partial, removed by Store.cleanup after a crash), its
+digest (files.DIGEST) computed as the bytes arrive → size against the LIST and against the
+saving host's own record (x-amz-meta-bytes), digest against its x-amz-meta-digest, slot-file
+header against the name → KV layout checked (refused when this engine cannot load it) →
 fsync → Store.install: the file and the metadata taken from the same GET renamed in place
 together, after the store's last look, as a local finalize makes a save visible. A name that
 is in use locally (being saved, restored or downloaded: Store.in_use) is never replaced, and
@@ -25,9 +29,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from .. import slotfile
+from .. import files, slotfile
 from ..store import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
-from .bucket import AlreadyHere, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate, stem_of
+from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate,
+                     stem_of)
 
 log = logging.getLogger("autosessd.shared")
 
@@ -36,12 +41,27 @@ CHUNK = 1 << 20
 # long: a refused connection says nothing about the link's speed.
 DOWN_RATE_MIN_S = 1.0
 DOWN_BACKOFF_S = 10.0  # the first pause of downloads after a failed one; doubles up to retry_max_s
+BAD_KEPT = 10_000  # bad objects remembered (the oldest forgotten first)
 
 
 class Downloads:
     """SharedStore's downloads (a mixin: the state it uses is made in SharedStore.__init__ —
     _client, bucket, cfg, _errors, counters under _lock, _down_rate, _down_backoff_until,
-    _down_backoff_s, _blocked_said, progress)."""
+    _down_backoff_s, _blocked_said, progress, bad)."""
+
+    def is_bad(self, key: str) -> bool:
+        """An object refused as not whole (BadObject): never fetched again."""
+        with self._lock:
+            return key in self.bad
+
+    def _remember_bad(self, key: str, why: str) -> None:
+        with self._lock:
+            self.bad[key] = why
+            while len(self.bad) > BAD_KEPT:
+                del self.bad[next(iter(self.bad))]
+            self.counters.downloads_refused_bad += 1
+            self.counters.last_download_error = why
+        log.warning("auto sessions: shared: %s; this object is not fetched again", why)
 
     def decide(self, s: RemoteSession, prefill_tokens_s: float | None, n_tokens: int | None = None,
                restore_bytes_s: float | None = None, unreachable: str | None = None) -> Estimate:
@@ -50,6 +70,8 @@ class Downloads:
         bucket is failing (unreachable: why) or a failed download's backoff runs."""
         n = s.n_tokens if n_tokens is None else n_tokens
         est = estimate(s.bytes, n, self._down_rate, prefill_tokens_s, restore_bytes_s)
+        if self.is_bad(s.key):
+            return dataclasses.replace(est, blocked=f"{s.key} was refused before: {self.bad.get(s.key)}")
         blocked = self.download_blocked(unreachable)
         if blocked is not None:
             est = dataclasses.replace(est, blocked=blocked)
@@ -121,6 +143,7 @@ class Downloads:
             store.acquire(name)
         t0 = time.monotonic()
         got = 0
+        hasher = files.Hasher()
         try:
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -141,6 +164,7 @@ class Downloads:
                             raise SharedError(f"download of {s.key}: stopped after {got:,} of {s.bytes:,} bytes: "
                                               f"past its time limit (download_timeout_s)")
                         out.write(chunk)
+                        hasher.update(chunk)
                         got += len(chunk)
                         with self._lock:
                             self.counters.bytes_down += len(chunk)
@@ -150,10 +174,15 @@ class Downloads:
                     os.fsync(out.fileno())
                 if got != s.bytes:
                     raise SharedError(f"download of {s.key}: {got:,} bytes arrived, the object has {s.bytes:,}")
-                header = slotfile.read_header(temp)
+                digest = hasher.hexdigest()
+                self._check_whole(s, md, got, digest)
+                try:
+                    header = slotfile.read_header(temp)
+                except slotfile.BadSlotFile as e:
+                    raise BadObject(f"download of {s.key}: not a slot file: {e}") from None
                 if header.n_tokens != s.n_tokens:
-                    raise SharedError(f"download of {s.key}: its header holds {header.n_tokens:,} tokens, "
-                                      f"its name says {s.n_tokens:,}")
+                    raise BadObject(f"download of {s.key}: its header holds {header.n_tokens:,} tokens, "
+                                    f"its name says {s.n_tokens:,}")
                 if theirs is None:
                     # Older objects lack it in their metadata: the file's own KV block says.
                     try:
@@ -165,6 +194,10 @@ class Downloads:
             except (slotfile.BadSlotFile, *self._errors) as e:
                 raise SharedError(f"download of {s.key}: {_why(e)}") from e
             meta = self._local_meta(s, conv, md, theirs) if conv else None
+            if meta is not None:
+                # Its identity changes with the rename: Store.install remembers it as checked
+                # for this run; after a restart its first restore checks the digest once.
+                meta = dataclasses.replace(meta, digest=digest)
             # The last look and the renames, in one section of the store's lock: the name is
             # not taken by anyone but this download (which holds one count of it, claimed or
             # acquired above), and a local save finalized meanwhile (another slot) stays.
@@ -178,6 +211,9 @@ class Downloads:
                     self.counters.downloads_kept_local += 1
                 raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") from None
         except AlreadyHere:
+            raise
+        except BadObject as e:
+            self._remember_bad(s.key, str(e))
             raise
         except Incompatible as e:
             with self._lock:
@@ -217,6 +253,18 @@ class Downloads:
         log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
                  f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
         return final
+
+    @staticmethod
+    def _check_whole(s: RemoteSession, md: dict[str, str], got: int, digest: str) -> None:
+        """The bytes that arrived are the save its host made: its own count (x-amz-meta-bytes,
+        written by the host that saved it; the LIST's size is only the object's), and its
+        digest when the host recorded one (older objects did not)."""
+        recorded = md.get("bytes")
+        if recorded is not None and recorded != str(got):
+            raise BadObject(f"download of {s.key}: {got:,} bytes arrived, its host saved {recorded} "
+                            f"(a torn or damaged upload)")
+        if md.get("digest") and md["digest"] != digest:
+            raise BadObject(f"download of {s.key}: its digest is {digest}, its host saved {md['digest']}")
 
     def _check_layout(self, s: RemoteSession, theirs: slotfile.KVLayout, ours: slotfile.KVLayout | None,
                       body: Any) -> None:

@@ -40,6 +40,7 @@ class Counters:
     downloads_skipped_unreachable: int = 0  # the bucket was failing, or a download's backoff ran
     downloads_kept_local: int = 0  # the local file was as new: nothing downloaded
     downloads_refused_layout: int = 0  # a KV layout this engine cannot load: the local file stayed
+    downloads_refused_bad: int = 0  # not the save its host made (size, digest, header): remembered, not retried
     bytes_down: int = 0
     download_ms_total: float = 0.0
     last_download_ms: float | None = None
@@ -121,6 +122,8 @@ class SharedStore(Uploads, Downloads, BucketPrune):
         self._down_backoff_until = 0.0
         self._down_backoff_s = 0.0
         self._blocked_said = False  # the skip is logged once per outage, not at every turn
+        # Objects refused as not whole (downloads.BadObject): key → why. Under _lock.
+        self.bad: dict[str, str] = {}
         # Observers of transfer progress (tests stop the gateway mid-transfer with it):
         # called with ("up" | "down", key, bytes so far) from the transferring thread.
         self.progress: Callable[[str, str, int], None] | None = None
@@ -161,9 +164,13 @@ class SharedStore(Uploads, Downloads, BucketPrune):
             kw["ContinuationToken"] = r["NextContinuationToken"]
 
     def list(self, model: str | None = None) -> list[RemoteSession]:
-        """The current save of every conversation (newest first): what another host would restore."""
+        """The current save of every conversation (newest first): what another host would restore.
+        An object this host refused as not whole (bad) is passed over: the conversation's newest
+        good save is its current one here."""
         best: dict[tuple[str, str], RemoteSession] = {}
         for s in self.versions(model):
+            if self.is_bad(s.key):
+                continue
             k = (s.model, s.name)
             if k not in best or s.order > best[k].order:
                 best[k] = s
@@ -179,18 +186,24 @@ class SharedStore(Uploads, Downloads, BucketPrune):
         saves = self._list(model, stem_of(name))[0]
         return max(saves, key=lambda s: s.order, default=None)
 
-    def tokens(self, s: RemoteSession) -> tuple[int, ...]:
+    def tokens(self, s: RemoteSession, max_tokens: int | None = None) -> tuple[int, ...]:
         """The token list the save holds, from its slot-file header: one ranged GET. Not cached
-        here: remote.Remote's catalog keeps each save's tokens (encoded) and reads only new ones."""
+        here: remote.Remote's catalog keeps each save's tokens (encoded) and reads only new ones.
+        max_tokens: a save claiming more (by its name or its header) is not read."""
+        if max_tokens is not None and s.n_tokens > max_tokens:
+            raise SharedError(f"{s.key}: its name says {s.n_tokens:,} tokens, more than the engine's context "
+                              f"of {max_tokens:,}: not read")
         # The server's payload is -1, 1, n, the tokens, n_media (0 without media): n + 4 words.
         # Media chunks (rare) make it longer: then a second GET of the exact length.
         data = self._range(s.key, 0, min(s.bytes, 12 + 4 * (s.n_tokens + 4 + 256)))
         if len(data) >= 12:
-            end = 12 + 4 * struct.unpack_from("<I", data, 8)[0]
-            if len(data) < end <= s.bytes:
+            n_words = struct.unpack_from("<I", data, 8)[0]
+            end = 12 + 4 * n_words
+            bound = slotfile.max_words(max_tokens)
+            if len(data) < end <= s.bytes and (bound is None or n_words <= bound):
                 data = self._range(s.key, 0, end)
         try:
-            return slotfile.parse_header(data, s.bytes).tokens
+            return slotfile.parse_header(data, s.bytes, max_tokens).tokens
         except slotfile.BadSlotFile as e:
             raise SharedError(f"{s.key}: {e}") from None
 
@@ -216,7 +229,9 @@ class SharedStore(Uploads, Downloads, BucketPrune):
                 "downloads_skipped_slower": c.downloads_skipped_slower,
                 "downloads_skipped_unreachable": c.downloads_skipped_unreachable,
                 "downloads_kept_local": c.downloads_kept_local,
-                "downloads_refused_layout": c.downloads_refused_layout, "last_download_error": c.last_download_error,
+                "downloads_refused_layout": c.downloads_refused_layout,
+                "downloads_refused_bad": c.downloads_refused_bad, "bad_objects": len(self.bad),
+                "last_download_error": c.last_download_error,
                 "bytes_down": c.bytes_down, "download_ms_total": round(c.download_ms_total, 1),
                 "last_download_ms": None if c.last_download_ms is None else round(c.last_download_ms, 1),
                 "download_mb_s": None if self._down_rate is None else round(self._down_rate / 1e6, 1),

@@ -260,6 +260,8 @@ class Uploads:
                 md["prefix"] = "1"
             if meta.layout is not None:
                 md["layout"] = meta.layout
+            if meta.digest is not None:
+                md["digest"] = meta.digest  # a download checks the bytes that arrive against it
             try:
                 # upload_fileobj's own steps, keeping the future: stop() cancels it, so that
                 # s3transfer's threads (joined at the interpreter's exit) send no further part.
