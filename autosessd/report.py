@@ -113,6 +113,14 @@ class Counters:
                                    "Downloads for a turn that failed or ran out of time (the request re-read)")
     primed: int = _counter("primed_total",
                            "Requests to a slot the engine emptied, primed so that its RAM cache serves them")
+    # The logs autosessd follows (tail.py, enginetail.py).
+    log_rotations: int = _counter("log_rotations_total",
+                                  "Followed logs (request log, engine log) found rotated: another file at their path")
+    log_truncations: int = _counter("log_truncations_total",
+                                    "Followed logs found truncated, or written again from their start")
+    restores_not_trusted: int = _counter("restores_not_trusted_total",
+                                         "Restores after an engine restart not trusted: a request reached the slot "
+                                         "while it was read (tail, engine log)")
 
     def bump(self, name: str, by: int | float = 1) -> None:
         setattr(self, name, getattr(self, name) + by)
