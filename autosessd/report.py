@@ -121,6 +121,12 @@ class Counters:
     restores_not_trusted: int = _counter("restores_not_trusted_total",
                                          "Restores after an engine restart not trusted: a request reached the slot "
                                          "while it was read (tail, engine log)")
+    engine_log_bad_lines: int = _counter("engine_log_bad_lines_total",
+                                         "Engine-log lines of a format autosessd does not know, skipped")
+    engine_log_starts: int = _counter("engine_log_starts_total", "Engine starts seen in the engine's own log")
+    engine_log_unseen: int = _counter("engine_log_unseen_requests_total",
+                                      "Requests the engine ran that its log did not show (a build that logs "
+                                      "otherwise, or a log level that hides them)")
 
     def bump(self, name: str, by: int | float = 1) -> None:
         setattr(self, name, getattr(self, name) + by)
