@@ -97,6 +97,13 @@ def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, sess
             wait_until(lambda: ctl_status(d)["counters"]["engine_log_bad_lines"] == 3, 15, 0.1, "garbage counted")
             os.rename(log, log.with_suffix(".log.1"))
             eng.start()
+        elif fmt == "jsonl" and slots == "auto":
+            # A service stop and start: autosessd stops first (its stop save), then the engine;
+            # the engine starts first (its log written again), then autosessd.
+            d.stop()
+            eng.restart()
+            d = Daemon(tmp_path, session_dir, eng.url, gate=False, min_tokens=1000,
+                       args=["--engine-log", str(log)]).start()
         else:
             eng.restart()
         wait_until(lambda: ctl_status(d)["counters"]["restores"] == 1, 60, 0.1, "the restore after the restart")
