@@ -85,6 +85,7 @@ class EngineTail(Following):
     name = "engine_log"
     what = "engine log"
     bad_counter = "engine_log_bad_lines"
+    missing_hint = ": is llama-server run with --log-file at this path (and can autosessd's user read it)?"
 
     def __init__(self, cfg: Any, sessions: Sessions, path: str):
         super().__init__(cfg, sessions, path, "engine-log")

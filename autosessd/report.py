@@ -118,6 +118,8 @@ class Counters:
                                   "Followed logs (request log, engine log) found rotated: another file at their path")
     log_truncations: int = _counter("log_truncations_total",
                                     "Followed logs found truncated, or written again from their start")
+    log_missing: int = _counter("log_missing_total",
+                                "Times a followed log was found missing or unreadable (not written yet, removed, no permission)")
     restores_not_trusted: int = _counter("restores_not_trusted_total",
                                          "Restores after an engine restart not trusted: a request reached the slot "
                                          "while it was read (tail, engine log)")

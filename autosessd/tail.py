@@ -8,13 +8,21 @@ The follower remembers (dev, inode, offset):
     same inode, size < offset   truncated in place (copytruncate): start again at 0
     another inode at the path   rotated by rename: finish the old handle, then the new file at 0
     no file                     wait for it
+    same inode, size ≥ offset, the bytes before the offset changed
+                                written again from its start (llama-server, at each of its
+                                starts): start again at 0
+      ... to NULs               truncated under a writer that goes on at its own offset: read
+                                on, skipping the hole
 
 Only complete lines are acted on; a partial last line waits for its newline. A line over
 MAX_LINE is skipped up to its newline. Bad lines (not UTF-8, not JSON, wrong fields) are
-counted in bad_log_lines and logged once per burst. (dev, inode, offset) is written
-atomically to the state directory after each batch, so a restart neither replays nor
-misses a line; the very first start begins at the end of an existing log (its history
-is not happening now).
+counted in bad_log_lines and logged once per burst; rotations, truncations and a log found
+missing or unreadable are counted (log_rotations, log_truncations, log_missing) and said
+once each. (dev, inode, offset, the bytes before it) are written atomically to the state
+directory after each batch, so a restart neither replays nor misses a line; the very first
+start begins at the end of an existing log (its history is not happening now). All of this
+is the class Following, which the engine-log tail (enginetail.py) shares; Tail below is the
+request log's meaning of a line.
 
 What a line means for the slot is decided by Sessions, in the tail's own protocol (no
 ticket, no launch hold): a `start` is observed_start (the engine switches now, whatever we
@@ -73,10 +81,11 @@ class Follower:
     its own offset (copytruncate with a writer not in append mode): the offset stays, and the
     NUL run ahead of the writer's next line is skipped."""
 
-    def __init__(self, path: Path, state_path: Path, what: str = "tail"):
+    def __init__(self, path: Path, state_path: Path, what: str = "tail", hint: str = ""):
         self.path = path
         self.state_path = state_path
         self.what = what  # for messages
+        self.hint = hint  # what to check when the log is missing
         self.fh: Any = None
         self.ident: tuple[int, int] | None = None
         self.offset = 0
@@ -86,6 +95,9 @@ class Follower:
         self.too_long = 0
         self.rotations = 0  # a new file at the path (counted since the start)
         self.truncations = 0  # truncated, or written again from its start
+        self.missing = 0  # found missing (at the start, or after it was there)
+        self._present: bool | None = None
+        self._unreadable = False
         self._load_state()
 
     def _load_state(self) -> None:
@@ -136,6 +148,11 @@ class Follower:
         except FileNotFoundError:
             st = None
         ident = (st.st_dev, st.st_ino) if st else None
+        if st is None and self._present is not False:
+            self.missing += 1
+            log.warning("%s: %s does not exist%s; it is read as soon as it appears%s", self.what, self.path,
+                        " (yet)" if self._present is None else " any more", self.hint)
+        self._present = st is not None
         if self.fh is not None and ident != self.ident:
             lines += self._drain()  # rotated: what the old file still has comes first
             self._close()
@@ -149,6 +166,14 @@ class Follower:
                 self.fh = open(self.path, "rb")
             except FileNotFoundError:
                 return lines
+            except PermissionError as e:
+                if not self._unreadable:  # said once, until it is read again
+                    self.missing += 1
+                    log.warning("%s: cannot read %s: %s; tried again every %g s%s", self.what, self.path,
+                                e.strerror or e, POLL_S, self.hint)
+                self._unreadable = True
+                return lines
+            self._unreadable = False
             st = os.fstat(self.fh.fileno())
             new_ident = (st.st_dev, st.st_ino)
             if new_ident != self.ident:  # not the file the saved offset belongs to
@@ -235,6 +260,7 @@ class Following:
     name = "tail"
     what = "tail"  # in messages
     bad_counter = "bad_log_lines"  # the Counters field bad lines go to
+    missing_hint = ""  # said when the log is missing
 
     def __init__(self, cfg: Any, sessions: Sessions, path: str, state_name: str):
         # Policy keys are read from sessions.cfg, which a reload replaces; cfg holds only
@@ -244,7 +270,7 @@ class Following:
         self.path = Path(path)
         digest = hashlib.sha1(str(self.path).encode()).hexdigest()[:12]
         self.state_path = cfg.effective_state_dir() / f"{state_name}-{digest}.json"
-        self.follower = Follower(self.path, self.state_path, self.what)
+        self.follower = Follower(self.path, self.state_path, self.what, self.missing_hint)
         self.lines = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -254,7 +280,7 @@ class Following:
         self._save_tasks: dict[int, asyncio.Task] = {}  # per slot
         self._save_wanted: set[int] = set()
         self._read_lock = asyncio.Lock()
-        self._rotations = self._truncations = 0  # the follower's, already counted
+        self._rotations = self._truncations = self._missing = 0  # the follower's, already counted
 
     # -- life ------------------------------------------------------------------
     async def start(self) -> None:
@@ -329,7 +355,8 @@ class Following:
             f, c = self.follower, self.sessions.counters
             c.log_rotations += f.rotations - self._rotations
             c.log_truncations += f.truncations - self._truncations
-            self._rotations, self._truncations = f.rotations, f.truncations
+            c.log_missing += f.missing - self._missing
+            self._rotations, self._truncations, self._missing = f.rotations, f.truncations, f.missing
             if f.too_long:
                 self._bad(f.too_long, f"a line over {MAX_LINE:,} bytes")
                 f.too_long = 0

@@ -443,3 +443,31 @@ def test_follower_hole_and_rewrite(tmp_path):
     p.write_bytes(b"new engine line 1\nnew engine line 2\n")  # longer than the offset (14)
     g = Follower(p, state)
     assert g.read() == [b"new engine line 1", b"new engine line 2"] and g.truncations == 1
+
+
+async def test_a_missing_then_unreadable_log_is_said_once_each_and_counted(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, "autosessd")
+    s, tail, d = make(tmp_path)
+    await tail.read_new_lines()
+    await tail.read_new_lines()
+    assert s.counters.log_missing == 1
+    assert [r.getMessage() for r in caplog.records if "does not exist (yet)" in r.getMessage()] == [
+        f"engine log: {tail.path} does not exist (yet); it is read as soon as it appears: is llama-server run with "
+        f"--log-file at this path (and can autosessd's user read it)?"]
+    tail.path.write_bytes(b"".join(text(x) + b"\n" for x in STARTED))
+    await tail.read_new_lines()
+    assert s.counters.engine_log_starts == 1
+    tail.follower._close()
+
+    def no_permission(*a, **k):  # a log autosessd's user may not read (the tests run as root)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("autosessd.tail.open", no_permission, raising=False)
+    await tail.read_new_lines()
+    await tail.read_new_lines()
+    assert s.counters.log_missing == 2
+    assert len([r for r in caplog.records if "cannot read" in r.getMessage()]) == 1
+    monkeypatch.undo()
+    tail.path.unlink()
+    await tail.read_new_lines()
+    assert any("does not exist any more" in r.getMessage() for r in caplog.records)
