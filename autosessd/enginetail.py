@@ -380,6 +380,8 @@ class EngineTail(Following):
             self._restore_task = asyncio.get_running_loop().create_task(self._restore_after_restart())
 
     async def _restore_after_restart(self) -> None:
+        if not self.sessions.cfg.auto_sessions:
+            return
         try:
             async with self._restore_lock:
                 if not await self._engine_up():

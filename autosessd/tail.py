@@ -387,6 +387,8 @@ class Following:
 
     # -- save behind ---------------------------------------------------------------
     def _schedule_save_behind(self, slot: int) -> None:
+        if not self.sessions.cfg.auto_sessions:  # auto_sessions = false (a reload may set it)
+            return
         self._save_wanted.add(slot)
         task = self._save_tasks.get(slot)
         if task is None or task.done():
@@ -509,6 +511,8 @@ class Tail(Following):
 
     # -- after an engine restart ---------------------------------------------------
     async def _engine_restarted(self) -> None:
+        if not self.sessions.cfg.auto_sessions:
+            return
         for slot, key in sorted(self._last_held.items()):
             if slot not in self.sessions.slots or self._in_flight_on(slot):
                 continue

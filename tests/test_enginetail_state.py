@@ -471,3 +471,24 @@ async def test_a_missing_then_unreadable_log_is_said_once_each_and_counted(tmp_p
     tail.path.unlink()
     await tail.read_new_lines()
     assert any("does not exist any more" in r.getMessage() for r in caplog.records)
+
+
+async def test_auto_sessions_off_saves_and_restores_nothing(tmp_path):
+    """auto_sessions = false (at the start, or by a reload): both tails only follow."""
+    import dataclasses
+
+    from autosessd.tail import Tail
+
+    s, tail, d = make(tmp_path)
+    await served(s, tail, A)
+    await settle(s, tail)
+    assert len(s.engine.saves) == 1
+    s.cfg = dataclasses.replace(s.cfg, auto_sessions=False)  # a reload turns them off
+    await served(s, tail, A2)
+    await restart(s, tail)
+    request_tail = Tail(s.cfg, s, str(tmp_path / "requests.jsonl"))
+    await request_tail.handle(json.dumps({"event": "start", "id": "r1", "slot": 0, "key": "a" * 16}).encode())
+    s.engine.ran(list(B), 0)
+    await request_tail.handle(json.dumps({"event": "end", "id": "r1", "slot": 0, "n_tokens": len(B)}).encode())
+    await settle(s, tail)
+    assert len(s.engine.saves) == 1 and s.counters.restores == 0 and request_tail._save_tasks == {}
