@@ -79,6 +79,9 @@ Lock order (what is taken while holding what), never the reverse:
        2 where the caller holds it: an end save, a make-room inside a restore).
     4. Store._lock and TokenIndex._lock (threading): taken only inside their own short calls,
        never across an await; Store.install (downloads) holds it for a look and two renames.
+    5. a tail's read lock (tail.Following): a save's or restore's check reads the log's new
+       lines under 1-3; the read loop holding it never waits for a ticket (the tail's calls
+       above take none). The engine log's restore lock is taken before 1.
 """
 
 from __future__ import annotations
