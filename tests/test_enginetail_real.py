@@ -147,7 +147,9 @@ async def test_a_request_arriving_while_a_save_behind_is_written_never_lands_und
     await s.prepare()
     tail = EngineTail(cfg, s, str(log))
     await tail.start()
-    http = aiohttp.ClientSession()
+    # No keep-alive: llama-server closes an idle connection after 5 s, and a busy machine's
+    # waits between these requests can be longer (the gate's pool retries; this client need not).
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
     real_save = engine.save
 
     async def chat(body):
