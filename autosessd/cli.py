@@ -28,6 +28,7 @@ RUN_FLAGS = {
     "gate": "gate.listen",
     "gate_request_log": "gate.request_log",
     "request_log": "tail.request_log",
+    "engine_log": "engine.log",
     "state_dir": "state_dir",
 }
 
@@ -61,6 +62,9 @@ def autosessd_main() -> None:
 @click.option("--gate", metavar="HOST:PORT", help="gate.listen: run the HTTP gate there")
 @click.option("--gate-request-log", metavar="PATH", help="gate.request_log: the gate writes a JSONL request log")
 @click.option("--request-log", metavar="PATH", help="tail.request_log: follow a serving layer's request log")
+@click.option("--engine-log", metavar="PATH",
+              help="engine.log: follow llama-server's own log (its --log-file, text or --log-jsonl): save behind "
+                   "and restore after engine restarts with nothing in front of the engine")
 @click.option("--state-dir", metavar="DIR", help="state_dir: where what was held at the last stop is kept")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)

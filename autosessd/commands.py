@@ -8,8 +8,9 @@ the slot's ticket for its whole work (blocks on the slot's FIFO, then on the eng
     save_at_stop  the stop: save if worth it and the engine is idle
     save_behind   the tail: after a request's end, save if the file is stale and nothing else
                   reached the slot meanwhile (its check)
-    restore_behind  the tail, after an engine restart: restore what the slot held, trusted
-                  only if nothing reached the slot meanwhile
+    restore_behind  the tail, after an engine restart: restore what the slot held (the engine
+                  log's tail: the file it last saved), trusted only if nothing reached the
+                  slot meanwhile (not trusted: counted in restores_not_trusted)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from . import policy
+from .engines.base import SlotState
 from .keys import is_key
 from .policy import Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_tokens, skipped
@@ -121,38 +123,41 @@ class Commands:
         await self.saver.settled()
         return outcome is SaveOutcome.SAVED
 
-    async def save_behind(self, slot_id: int, check: Callable[[int | None], Awaitable[str | None]]) -> bool:
+    async def save_behind(self, slot_id: int, check: Callable[[SlotState | None], Awaitable[str | None]]) -> bool:
         """Save the held conversation if its file is stale, keeping the file only if check(the
-        slot's count before the save) finds that nothing else reached the slot meanwhile."""
+        engine's slot as seen before the save) finds that nothing else reached the slot meanwhile."""
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
             st = await self.observer.look(s)
             if st is not None and st.is_processing:
                 return False
-            n_before = st.n_tokens if st is not None else None
-            step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND, check=lambda: check(n_before))
+            step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND, check=lambda: check(st))
         return isinstance(step, Save) and outcome is SaveOutcome.SAVED
 
-    async def restore_behind(self, slot_id: int, key: str, check: Callable[[], Awaitable[str | None]]) -> bool:
-        """Restore auto-<key>.bin if the turn's rules allow it, and trust it only if check()
-        finds that no request reached the slot meanwhile (the engine defers a restore on a busy
-        slot, so it may land after someone's request)."""
+    async def restore_behind(self, slot_id: int, key: str, check: Callable[[], Awaitable[str | None]],
+                             file_key: str | None = None) -> bool:
+        """Restore auto-<file_key>.bin (default: auto-<key>.bin) as conversation `key` if the
+        turn's rules allow it, and trust it only if check() finds that no request reached the
+        slot meanwhile (the engine defers a restore on a busy slot, so it may land after
+        someone's request)."""
         ctx = self.ctx
+        file_key = file_key or key
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
             if not s.at_rest():
                 return False  # the log shows a request on it
-            file = await self.saver.wait_file(key)
-            step = policy.plan_restore(None, key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,
+            file = await self.saver.wait_file(file_key)
+            step = policy.plan_restore(None, file_key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,
                                        ctx.engine_layout)
             if isinstance(step, Skip):
                 skipped(ctx.counters, step, None)
                 return False
-            if not await self.restorer.restore(s, key, None):
+            if not await self.restorer.restore(s, key, None, auto_name(file_key)):
                 return False
             why = await check()
             if why:
-                log.warning("auto sessions: the restore of %s is not trusted: %s", auto_name(key), why)
+                ctx.counters.restores_not_trusted += 1
+                log.warning("auto sessions: the restore of %s is not trusted: %s", auto_name(file_key), why)
                 self.observer.lost(s, why)
                 return False
         return True

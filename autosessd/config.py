@@ -51,6 +51,9 @@ class EngineConfig:
     # with the prompt. None: read it from the model file the engine names (/props model_path,
     # GGUF `<arch>.attention.sliding_window`), none when that cannot be read; 0: no window.
     swa_window: int | None = None
+    # llama-server's own log (its --log-file, text or --log-jsonl), followed to save behind
+    # each request and restore after an engine restart with no proxy in front (enginetail.py).
+    log: str | None = None
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,17 @@ def _validate(c: Config, source: str) -> None:
                       ("control.socket", c.control.socket)):
         if path is not None and not os.path.isabs(path):
             bad(key, f"must be an absolute path, got {path!r}")
+    if e.log is not None:
+        if not os.path.isabs(e.log):
+            bad("engine.log", f"must be an absolute path (llama-server's --log-file), got {e.log!r}")
+        if e.kind != "llama-server":
+            bad("engine.log", f"is llama-server's own log: engine.kind must be llama-server, got {e.kind!r}")
+        if c.gate.listen:
+            bad("engine.log", "cannot be followed with the gate on (gate.listen): the gate already runs every "
+                              "request's turn, and the engine's log would show them again; use one of the two")
+        if c.tail.request_log:
+            bad("engine.log", "cannot be followed with a request log (tail.request_log): both would report the "
+                              "same requests; use one of the two")
     if c.gate.request_log and c.tail.request_log and c.gate.request_log == c.tail.request_log:
         bad("tail.request_log", "is the gate's own request log; the gate already runs every turn itself")
     if c.control.group is not None:

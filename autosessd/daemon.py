@@ -300,6 +300,10 @@ class Daemon:
             from .tail import Tail
 
             inputs.append(Tail(self.cfg, self.sessions, self.cfg.tail.request_log))
+        if self.cfg.engine.log:
+            from .enginetail import EngineTail
+
+            inputs.append(EngineTail(self.cfg, self.sessions, self.cfg.engine.log))
         return inputs
 
     async def start(self) -> None:

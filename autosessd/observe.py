@@ -145,18 +145,21 @@ class Observer:
 
     # -- a request's end -------------------------------------------------------------------
     async def end(self, s: Slot, key: str | None, status: str, n_tokens: int | None, cache_n: int | None,
-                  n_prompt: int | None, look: bool) -> bool:
+                  n_prompt: int | None, look: bool, task_id: int | None = None) -> bool:
         """The slot's request of `key` ended: settle it with the engine's look when `look`, if
         the slot still runs that request once the look is back (an engine restart, a command or
         another input may have settled or lost it meanwhile: then this end changes nothing). →
         False when it changed nothing, or the engine had emptied the slot before we looked (the
-        end missed its save: counted when it was worth one)."""
+        end missed its save: counted when it was worth one). task_id: the engine's id of the
+        request, when the input knows it (the engine's log): the slot's task id without a look."""
         st = await self.look(s) if look and status != "not_run" else None
         if not s.ending(key):
             return False
         if st is not None and st.is_processing:
             st = None  # the next request runs already (a log read late): this one's end is not visible
         self.settle(s, status, st, n_tokens, cache_n, n_prompt)
+        if st is None and task_id is not None:
+            s.task_id = task_id
         if self.launch.empties_idle and s.view.phase is Phase.HELD and st is not None and st.n_tokens == 0:
             # Another request started between this one's end and our look, and the engine moved
             # this slot to its RAM cache: its latest state never reaches the disk.

@@ -117,6 +117,22 @@ class Counters:
                                      "Restores refused before the engine saw the file: not whole, or it cannot fit")
     quarantined: int = _counter("quarantined_files_total",
                                 "Session files moved aside because they failed a check (never restored)")
+    # The logs autosessd follows (tail.py, enginetail.py).
+    log_rotations: int = _counter("log_rotations_total",
+                                  "Followed logs (request log, engine log) found rotated: another file at their path")
+    log_truncations: int = _counter("log_truncations_total",
+                                    "Followed logs found truncated, or written again from their start")
+    log_missing: int = _counter("log_missing_total",
+                                "Times a followed log was found missing or unreadable (not written yet, removed, no permission)")
+    restores_not_trusted: int = _counter("restores_not_trusted_total",
+                                         "Restores after an engine restart not trusted: a request reached the slot "
+                                         "while it was read (tail, engine log)")
+    engine_log_bad_lines: int = _counter("engine_log_bad_lines_total",
+                                         "Engine-log lines of a format autosessd does not know, skipped")
+    engine_log_starts: int = _counter("engine_log_starts_total", "Engine starts seen in the engine's own log")
+    engine_log_unseen: int = _counter("engine_log_unseen_requests_total",
+                                      "Requests the engine ran that its log did not show (a build that logs "
+                                      "otherwise, or a log level that hides them)")
 
     def bump(self, name: str, by: int | float = 1) -> None:
         setattr(self, name, getattr(self, name) + by)

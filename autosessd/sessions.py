@@ -50,6 +50,14 @@ call says what it blocks on.
     again after the look), and never saves. The tail's own s.save_behind does, and after an
     engine restart s.restore_behind: each takes the slot's ticket for its work.
 
+  engine log (enginetail.py): the tail's protocol, for llama-server's own log. Every request
+    is of one line key (enginetail.LINE: the log names no conversation), and its saves are
+    named by their tokens (index.save_key under that key). A launch line is observed_start,
+    a release observed_end (with the engine's count, and cache_n and n_prompt from the timing
+    lines); the engine's start in its log is s.engine_started(why) (a restart, reported once
+    per engine process with the engine watch), after which s.restore_behind(slot, LINE, check,
+    file_key) puts back each slot's last saved file.
+
   daemon: Sessions(...) whole from its start checks, await s.prepare(), then s.remote (the
     shared bucket), s.inputs (what status describes) and s.cfg (at SIGHUP) are set; the engine
     watch runs s.watch_engine(); at the stop s.save_at_stop(slot) per slot, s.drain(),
@@ -71,6 +79,9 @@ Lock order (what is taken while holding what), never the reverse:
        2 where the caller holds it: an end save, a make-room inside a restore).
     4. Store._lock and TokenIndex._lock (threading): taken only inside their own short calls,
        never across an await; Store.install (downloads) holds it for a look and two renames.
+    5. a tail's read lock (tail.Following): a save's or restore's check reads the log's new
+       lines under 1-3; the read loop holding it never waits for a ticket (the tail's calls
+       above take none). The engine log's restore lock is taken before 1.
 """
 
 from __future__ import annotations
@@ -274,19 +285,28 @@ class Sessions:
         self.observer.watch_request(s)
 
     async def observed_end(self, slot_id: int, key: str | None, status: str, n_tokens: int | None = None,
-                           cache_n: int | None = None, look: bool = True) -> None:
-        """Compare-and-swap: settles the slot only while it runs that request of `key`."""
+                           cache_n: int | None = None, look: bool = True, n_prompt: int | None = None,
+                           task_id: int | None = None) -> None:
+        """Compare-and-swap: settles the slot only while it runs that request of `key`
+        (n_prompt, task_id: what the engine's log tells of it)."""
         s = self.placement.slot(slot_id)
         ours = s.ending(key)
         self.launch.ended(s, key, status, False)
         if ours:
-            await self.observer.end(s, key, status, n_tokens, cache_n, None, look)
+            await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look, task_id)
 
-    async def save_behind(self, slot_id: int, check: Callable[[int | None], Awaitable[str | None]]) -> bool:
+    async def save_behind(self, slot_id: int, check: Callable[[SlotState | None], Awaitable[str | None]]) -> bool:
         return await self.commands.save_behind(slot_id, check)
 
-    async def restore_behind(self, slot_id: int, key: str, check: Callable[[], Awaitable[str | None]]) -> bool:
-        return await self.commands.restore_behind(slot_id, key, check)
+    async def restore_behind(self, slot_id: int, key: str, check: Callable[[], Awaitable[str | None]],
+                             file_key: str | None = None) -> bool:
+        return await self.commands.restore_behind(slot_id, key, check, file_key)
+
+    async def engine_started(self, why: str) -> bool:
+        """The engine's own log shows a new engine process: handled as a restart (every slot
+        lost, on_engine_restart called), unless the engine watch already reported this very
+        process. → whether it was reported now."""
+        return await self.watch.seen_in_log(why)
 
     # -- commands -------------------------------------------------------------------------------
     async def park(self, slot_id: int | None = None, name: str | None = None) -> dict[str, Any]:
@@ -357,3 +377,7 @@ class Sessions:
 
     def recorded_held(self) -> dict[int, str]:
         return held.recorded(self.state_file(), self.model)
+
+    def recorded_files(self) -> tuple[dict[int, str], float]:
+        """slot → the file holding what it held at the last stop, and when that was recorded."""
+        return held.recorded_files(self.state_file(), self.model)

@@ -46,6 +46,27 @@ def test_autosessd_unit_has_what_the_daemon_relies_on():
     assert "UMask=0077" in text and "UMask=0077" in (UNITS / "llama-server.service").read_text()
 
 
+def test_the_engine_unit_writes_the_log_autosessd_is_told_to_follow():
+    """The engine log way in (issue 21): llama-server writes its own log where its unit may
+    (LogsDirectory), and autosessd's unit, ordered after it, names that path for [engine] log."""
+    import re
+
+    from autosessd.config import parse
+
+    engine_unit = (UNITS / "llama-server.service").read_text()
+    path = re.search(r"--log-file (\S+)", engine_unit).group(1)
+    assert path.startswith("/var/log/llama-server/") and "LogsDirectory=llama-server" in engine_unit
+    assert "--slot-save-path /var/lib/llm-sessions" in engine_unit
+    ours = (UNITS / "autosessd.service").read_text()
+    assert f'[engine] log = "{path}"' in ours
+    assert "After=llama-server.service" in ours and "WantedBy=multi-user.target llama-server.service" in ours
+    assert parse(f'slot_save_path = "/var/lib/llm-sessions"\n[engine]\nlog = "{path}"\n'.encode()).engine.log == path
+    with open(AGENTS / "org.autosessd.llama-server.plist", "rb") as f:
+        args = plistlib.load(f)["ProgramArguments"]
+    agent_log = args[args.index("--log-file") + 1]
+    assert f'[engine] log = "{agent_log}"' in (AGENTS / "org.autosessd.autosessd.plist").read_text()
+
+
 @pytest.mark.parametrize("name", ["org.autosessd.autosessd.plist", "org.autosessd.llama-server.plist"])
 def test_launchd_agents_parse(name):
     with open(AGENTS / name, "rb") as f:

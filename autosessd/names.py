@@ -1,0 +1,117 @@
+"""What autosessd calls things in the session directory, and what an auto file's metadata says.
+
+    auto-<16 hex>.bin / .json   autosessd's own session files and their metadata (Meta)
+    .autosessd-*.partial        its temporaries: a save, a download, a removal under way
+    .autosessd-quarantine/      files that failed a check before a restore, with why
+    anything else               a person's: never touched (a parked NAME.bin is one)
+
+The store (store.py) does the I/O; this module only names and parses. Everything here is
+imported from store.py as well, which is where the rest of the code reads it from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from .files import Ident
+
+AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
+AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
+TEMP_PREFIX = ".autosessd-"
+# Files that failed a check before a restore are moved here, with why: never deleted by
+# autosessd, never indexed or restored, listed by status and ls (a person decides).
+QUARANTINE = ".autosessd-quarantine"
+MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+
+
+class StoreError(Exception):
+    pass
+
+
+class InUse(StoreError):
+    """install(): someone else holds the name (a save, a restore or another download)."""
+
+
+class NewerHere(StoreError):
+    """install(): a local save at least as new as the one offered is in place; it stays."""
+
+
+def auto_name(key: str) -> str:
+    return f"auto-{key}.bin"
+
+
+def meta_name(key: str) -> str:
+    return f"auto-{key}.json"
+
+
+def temp_name(key: str) -> str:
+    return f"{TEMP_PREFIX}{key}.partial"
+
+
+def manual_name(name: str) -> str:
+    """A person's name for a parked session → the file name, or StoreError saying why not.
+
+    Limited to [A-Za-z0-9._-], no leading dot, never a path; `.bin` is added when missing;
+    `auto-<16 hex>` is reserved for automatic files (prune would remove it)."""
+    if not isinstance(name, str) or not name:
+        raise StoreError("name is empty")
+    if "/" in name or "\x00" in name or name in (".", ".."):
+        raise StoreError(f"name {name[:64]!r} is a path; give a bare name of letters, digits, '.', '_' or '-'")
+    if not MANUAL_NAME.match(name):
+        raise StoreError(f"name {name[:64]!r} is not allowed: use 1-128 of A-Z a-z 0-9 . _ - and no leading dot")
+    file = name if name.endswith(".bin") else f"{name}.bin"
+    if AUTO_BIN.match(file):
+        raise StoreError(f"name {name!r} is reserved for automatic sessions")
+    return file
+
+
+@dataclass(frozen=True)
+class Meta:
+    key: str  # the file's: auto-<key>.bin
+    n_tokens: int
+    bytes: int
+    saved_at: float
+    model: str
+    save_ms: float
+    layout: str | None = None  # slotfile.KVLayout.fingerprint(): the KV streams, cache types, layers
+    # The conversation's line: the key of its first user message. It names the file too,
+    # unless the conversation departs from another one of the same line (index.save_key:
+    # the file is then a branch, auto-<branch key>.bin). None: a prefix, or older metadata.
+    line: str | None = None
+    # Of n_tokens, how many were the prompt the last reply was generated from (None: not known).
+    n_prompt: int | None = None
+    # A shared prefix (a system prompt and tools, read on its own before a new conversation):
+    # no conversation of its own, restored for any request that starts with it.
+    prefix: bool = False
+    # The host whose save it is, for a file downloaded from the shared bucket (shared/);
+    # None: saved here. A restart uploads only this host's own saves (and never re-uploads
+    # what the bucket prune removed from another host's).
+    host: str | None = None
+    # files.DIGEST of the whole .bin ("xxh3-128:<hex>"), taken at finalize or while a download
+    # arrived; None in metadata written before it existed (then only the size is checked).
+    digest: str | None = None
+    # The .bin's identity when the digest was last checked: the same one needs no new check.
+    ident: Ident | None = None
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Meta":
+        d = json.loads(data)
+        layout, line, n_prompt, digest = d.get("layout"), d.get("line"), d.get("n_prompt"), d.get("digest")
+        return cls(key=str(d["key"]), n_tokens=int(d["n_tokens"]), bytes=int(d["bytes"]),
+                   saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)),
+                   layout=layout if isinstance(layout, str) else None,
+                   line=str(line) if line is not None else None,
+                   n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)),
+                   host=str(d["host"]) if d.get("host") is not None else None,
+                   digest=digest if isinstance(digest, str) else None, ident=Ident.from_list(d.get("ident")))
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        for k in ("host", "digest", "ident"):
+            if d[k] is None:
+                del d[k]  # absent, as in metadata written before these existed
+        if self.ident is not None:
+            d["ident"] = self.ident.to_list()
+        return json.dumps(d, sort_keys=True).encode() + b"\n"
