@@ -54,6 +54,10 @@ class EngineConfig:
     # llama-server's own log (its --log-file, text or --log-jsonl), followed to save behind
     # each request and restore after an engine restart with no proxy in front (enginetail.py).
     log: str | None = None
+    # llama-server's --sleep-idle-seconds: its conversations are saved before it sleeps
+    # (sleep.py). None: read from its command line where autosessd sees it (a router's
+    # models, the --exec child, a local engine's process); 0: the engine does not sleep.
+    sleep_idle_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -325,6 +329,8 @@ def _validate(c: Config, source: str) -> None:
         bad("engine.url", f"has an invalid port: {e.url!r}")
     if e.slot < 0:
         bad("engine.slot", f"must be 0 or more, got {e.slot}")
+    if e.sleep_idle_s is not None and e.sleep_idle_s < 0:
+        bad("engine.sleep_idle_s", f"must be 0 (the engine does not sleep) or more seconds, got {e.sleep_idle_s}")
     if e.swa_window is not None and e.swa_window < 0:
         bad("engine.swa_window", f"must be 0 (no sliding window) or more, got {e.swa_window}")
     if not e.timeout_s > 0:

@@ -26,12 +26,13 @@ import socket
 import stat
 import struct
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from . import protocol
 from .config import Config
 from .keys import is_key, messages_key
 from .protocol import Code, ProtocolError
+from .models import Router
 from .sessions import Sessions
 from .shared import SharedError
 from .store import StoreError
@@ -60,9 +61,12 @@ def peer_credentials(sock: socket.socket) -> tuple[int | None, int | None, int |
 class ControlServer:
     name = "socket"
 
-    def __init__(self, cfg: Config, sessions: Sessions):
+    def __init__(self, cfg: Config, sessions: Sessions | Router):
+        """sessions: the engine's Sessions, or behind a llama-server router the Router (its
+        per-model commands then name the model)."""
         self.cfg = cfg
         self.sessions = sessions
+        self.router = sessions if isinstance(sessions, Router) else None
         self.path = cfg.effective_socket()
         self.gid = grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None
         self.server: asyncio.AbstractServer | None = None
@@ -226,13 +230,41 @@ class ControlServer:
         return await asyncio.get_running_loop().run_in_executor(None, self.sessions.status)
 
     async def cmd_ls(self, args: dict[str, Any]) -> Any:
+        if self.router is not None:
+            return await self.router.ls_words(args.get("model"))
         return await self.sessions.ls_words()
 
     async def cmd_park(self, args: dict[str, Any]) -> Any:
-        return await self.sessions.park(self._slot_arg("park", args), args.get("name"))
+        async with self._target("park", args, load=False) as s:
+            return await s.park(self._slot_arg("park", args, s), args.get("name"))
 
     async def cmd_restore(self, args: dict[str, Any]) -> Any:
-        return await self.sessions.restore_now(args["what"], self._slot_arg("restore", args))
+        async with self._target("restore", args) as s:
+            return await s.restore_now(args["what"], self._slot_arg("restore", args, s))
+
+    @contextlib.asynccontextmanager
+    async def _target(self, cmd: str, args: dict[str, Any], load: bool = True) -> AsyncIterator[Sessions]:
+        """The Sessions a command about a slot acts on: the engine's; behind a router the one
+        of the model it names, loaded for it (blocks on the model switch; with load=False, only
+        a loaded one: a park has nothing to save in a model that is not) and counted in use."""
+        if self.router is None:
+            yield self.sessions  # type: ignore[misc]
+            return
+        model = args.get("model")
+        names = ", ".join(sorted(self.router.models)) or "none"
+        if not model:
+            raise ProtocolError(Code.BAD_ARGS, f"{cmd}: the engine is a router: name the model (--model; it serves "
+                                               f"{names})")
+        s = await self.router.acquire(model, load)
+        if s is None and not load and model in self.router.models:
+            raise ProtocolError(Code.NOT_FOUND, f"{cmd}: model {model!r} is not loaded: its slots hold nothing")
+        if s is None:
+            raise ProtocolError(Code.NOT_FOUND, f"{cmd}: the router has no model {model!r} whose conversations "
+                                                f"autosessd keeps, or it did not load (it serves {names})")
+        try:
+            yield s
+        finally:
+            self.router.release(model)
 
     async def cmd_prune(self, args: dict[str, Any]) -> Any:
         keep, max_gb = args.get("keep"), args.get("max_gb")
@@ -268,23 +300,27 @@ class ControlServer:
             key = messages_key(args["messages"])
         else:
             raise ProtocolError(Code.BAD_ARGS, "turn: give \"key\" or \"messages\"")
-        slot = self._slot_arg("turn", args)
-        # The serving layer runs the request after our answer and does not report its end:
-        # the next turn finds it ended (sessions: SWITCHED, end not seen). Without a slot,
-        # autosessd places the conversation; the answer's "slot" is where to pin the request.
-        ticket = await (self.sessions.admit(slot) if slot is not None else self.sessions.place(key))
-        async with ticket:
-            # The messages are the request's chat body as far as the hook knows it: its tokens
-            # choose what to restore (a serving layer's tools or template options are not sent).
-            body = {"messages": args["messages"]} if "messages" in args else None
-            result = await self.sessions.turn(ticket, key, sees_end=False, body=body)
+        async with self._target("turn", args) as s:
+            if self.router is not None:
+                key = self.router.key(args["model"], key)  # a model's files are its own
+            slot = self._slot_arg("turn", args, s)
+            # The serving layer runs the request after our answer and does not report its end:
+            # the next turn finds it ended (sessions: SWITCHED, end not seen). Without a slot,
+            # autosessd places the conversation; the answer's "slot" is where to pin the request.
+            ticket = await (s.admit(slot) if slot is not None else s.place(key))
+            async with ticket:
+                # The messages are the request's chat body as far as the hook knows it: its tokens
+                # choose what to restore (a serving layer's tools or template options are not sent).
+                body = {"messages": args["messages"]} if "messages" in args else None
+                result = await s.turn(ticket, key, sees_end=False, body=body)
         return result.to_dict()
 
-    def _slot_arg(self, cmd: str, args: dict[str, Any]) -> int | None:
+    @staticmethod
+    def _slot_arg(cmd: str, args: dict[str, Any], s: Sessions) -> int | None:
         slot = args.get("slot")
-        if slot is not None and slot not in self.sessions.slots:
+        if slot is not None and slot not in s.slots:
             raise ProtocolError(Code.BAD_ARGS, f"{cmd}: the engine has no slot {slot} (it has "
-                                               f"{', '.join(map(str, sorted(self.sessions.slots)))})")
+                                               f"{', '.join(map(str, sorted(s.slots)))})")
         return slot
 
     @staticmethod

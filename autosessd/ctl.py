@@ -155,8 +155,16 @@ def show_status(st: dict[str, Any]) -> str:
     out = [f"autosessd {st['version']}, up {int(st['uptime_s'])} s, auto sessions "
            f"{'on' if st['auto_sessions'] else 'off'}",
            f"engine    {e['kind']} {e['url']}  {'healthy' if e['healthy'] else 'NOT healthy'}  {e['model']}"]
-    for s in st["slots"] or [{"id": 0, "state": "unknown"}]:
-        out.append(f"slot {s['id']}    {slot_line(s)}" + (f"  ({s['file']})" if s.get("file") else ""))
+    router = st.get("router")
+    if router:
+        out.append(f"router    at most {router['max_loaded'] or 'any number of'} model(s) loaded")
+        for m in router["models"]:
+            kept = "" if m["managed"] else "  (its slots are not saved into autosessd's directory: not kept)"
+            out.append(f"model {m['id']}  {m['status']}, loaded {m['loads']} time(s) through autosessd"
+                       + (f", {m['in_flight']} request(s) now" if m["in_flight"] else "") + kept)
+    for s in st["slots"] or ([] if router else [{"id": 0, "state": "unknown"}]):
+        where = f"{s['model']} slot {s['id']}" if "model" in s else f"slot {s['id']}   "
+        out.append(f"{where} {slot_line(s)}" + (f"  ({s['file']})" if s.get("file") else ""))
         r = s.get("last_restore")
         if r:
             shared = f", sharing {tokens(r['shared'])} tokens with the request" if r.get("shared") is not None else ""
@@ -268,33 +276,42 @@ def status(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
     run(lambda: c.out(call(c.path, "status", timeout=30), show_status))
 
 
+MODEL = click.option("--model", metavar="ID", help="behind a llama-server router: the model (GET /models id)")
+
+
 @cli.command()
+@MODEL
 @common
-def ls(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
-    """Session files, newest first (auto and manual)."""
+def ls(ctx: click.Context, model: str | None, sock: str | None, as_json: bool | None) -> None:
+    """Session files, newest first (auto and manual); behind a router, each with its model."""
     c = ctx.obj.merged(sock, as_json)
 
     def human(rows: list[dict[str, Any]]) -> str:
         if not rows:
             return "no sessions"
+        models = any("model" in r for r in rows)  # a router's: the model column
         return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], r.get("line") or "-",
                        tokens(r["n_tokens"]), gb(r["bytes"]), when(r["saved_at"]),
                        {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]],
                        r.get("words") or (f"({r['why']})" if r["kind"] == "quarantined" else "")
                        or (f"(no words: {r['words_error']})" if r.get("words_error") else "")]
-                      for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "SAVED", "THIS MODEL", "FIRST WORDS"])
+                      + ([r.get("model") or "-"] if models else [])
+                      for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "SAVED", "THIS MODEL", "FIRST WORDS"]
+                     + (["MODEL"] if models else []))
 
-    run(lambda: c.out(call(c.path, "ls", timeout=60), human))
+    run(lambda: c.out(call(c.path, "ls", timeout=60, model=model), human))
 
 
 @cli.command()
 @click.option("--name", metavar="NAME", help="save to NAME.bin, a manual file prune never touches")
 @click.option("--slot", type=click.IntRange(min=0), help="the engine slot (default: engine.slot)")
+@MODEL
 @common
-def park(ctx: click.Context, name: str | None, slot: int | None, sock: str | None, as_json: bool | None) -> None:
+def park(ctx: click.Context, name: str | None, slot: int | None, model: str | None, sock: str | None,
+         as_json: bool | None) -> None:
     """Save the held conversation now, whatever its size."""
     c = ctx.obj.merged(sock, as_json)
-    run(lambda: c.out(call(c.path, "park", timeout=None, name=name, slot=slot),
+    run(lambda: c.out(call(c.path, "park", timeout=None, name=name, slot=slot, model=model),
                       lambda r: f"saved {tokens(r['n_tokens'])} tokens ({gb(r['bytes'])}) to {r['file']} "
                                 f"in {r['ms']:,.0f} ms"))
 
@@ -302,11 +319,13 @@ def park(ctx: click.Context, name: str | None, slot: int | None, sock: str | Non
 @cli.command()
 @click.argument("what", metavar="KEY|NAME")
 @click.option("--slot", type=click.IntRange(min=0), help="the engine slot (default: engine.slot)")
+@MODEL
 @common
-def restore(ctx: click.Context, what: str, slot: int | None, sock: str | None, as_json: bool | None) -> None:
-    """Load auto-KEY.bin or NAME.bin into an engine slot."""
+def restore(ctx: click.Context, what: str, slot: int | None, model: str | None, sock: str | None,
+            as_json: bool | None) -> None:
+    """Load auto-KEY.bin or NAME.bin into an engine slot (behind a router: of --model, loaded for it)."""
     c = ctx.obj.merged(sock, as_json)
-    run(lambda: c.out(call(c.path, "restore", timeout=None, what=what, slot=slot),
+    run(lambda: c.out(call(c.path, "restore", timeout=None, what=what, slot=slot, model=model),
                       lambda r: f"restored {tokens(r['n_tokens'])} tokens from {r['file']} in {r['ms']:,.0f} ms"))
 
 

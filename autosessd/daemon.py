@@ -39,10 +39,15 @@ from .config import Config, ConfigError
 from .engines import make_engine
 from .guard import raise_nofile
 from .engines.base import ChatEngine, Engine, EngineError, SlotSavingOff, SlotsHidden
+from .engines.llama_server import LlamaServer
 from .remote import Remote
 from .requestlog import RequestLogError
 from .report import fmt_bytes
 from .sessions import Sessions
+from . import sleep
+from .models import UP, Model, Router
+from .sleep import SleepWatch
+from .upkeep import Upkeep
 from .control import SocketInUse
 from .store import TEMP_PREFIX, Store
 from .upstream import Upstream
@@ -163,6 +168,8 @@ class Checked:
     layout: KVLayout | None = None  # of the engine's state files, as far as the probe shows (its streams)
     clears_idle_slots: bool = False
     n_ctx: int | None = None  # tokens one slot holds (/props)
+    router: bool = False  # llama-server in router mode: its models are checked as they load (models.py)
+    max_loaded: int | None = None  # the router's --models-max
 
 
 async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
@@ -172,6 +179,8 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         info = await engine.info()
     except EngineError as e:
         raise StartupError(f"cannot read the engine's properties: {e}") from None
+    if info.router:
+        return Checked("router", "router", True, 0, router=True, max_loaded=info.max_loaded)
     if cfg.engine.slot >= info.total_slots:
         raise StartupError(f"engine.slot is {cfg.engine.slot}, but the engine at {engine.address} runs "
                            f"{info.total_slots} slot(s) (0-{info.total_slots - 1}): fix engine.slot")
@@ -253,6 +262,16 @@ async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None
         path.unlink(missing_ok=True)
 
 
+def router_refusals(cfg: Config) -> None:
+    """What autosessd does not do behind a router yet: each refused with the reason."""
+    for key, on in (("tail.request_log", cfg.tail.request_log), ("engine.log", cfg.engine.log),
+                    ("[shared]", cfg.shared is not None)):
+        if on:
+            raise StartupError(f"{key} is set, but the engine at {cfg.engine.url} is a router (--models-dir): "
+                               f"behind a router autosessd learns about requests through the gate and the turn "
+                               f"hook only, and keeps its files locally; unset {key}")
+
+
 def check_store(cfg: Config) -> Store:
     path = Path(cfg.slot_save_path)
     if not path.is_dir():
@@ -277,6 +296,8 @@ class Daemon:
         self.engine: Engine = make_engine(cfg, self.pool)
         self.store: Store | None = None
         self.sessions: Sessions | None = None
+        self.router: Router | None = None  # llama-server in router mode: one Sessions per model
+        self.house: Any = None  # what the inputs, status and the stop act on: the Sessions or the Router
         self.inputs: list[Input] = []
         self._stop = asyncio.Event()
         self._stop_reason = ""
@@ -288,14 +309,14 @@ class Daemon:
 
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
-        assert self.sessions is not None
+        assert self.house is not None
         from .control import ControlServer
 
-        inputs: list[Input] = [ControlServer(self.cfg, self.sessions)]
+        inputs: list[Input] = [ControlServer(self.cfg, self.house)]
         if self.cfg.gate.listen:
             from .gate import Gate
 
-            inputs.append(Gate(self.cfg, self.sessions, self.pool))
+            inputs.append(Gate(self.cfg, self.sessions, self.pool, self.router))
         if self.cfg.tail.request_log:
             from .tail import Tail
 
@@ -312,22 +333,16 @@ class Daemon:
             await self._open_shared()
         checked = await check_engine(self.cfg, self.engine, self.store)
         model_name = checked.model_name
+        if checked.router:
+            router_refusals(self.cfg)
         # A directory of thousands of files, or names that are not what they say: off the loop,
         # so a stop during it is still heard.
         for what in await asyncio.get_running_loop().run_in_executor(None, self.store.cleanup):
             log.info("auto sessions: removed %s", what)
-        self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
-                                 slots_visible=checked.slots_visible, n_slots=checked.total_slots,
-                                 layout=checked.layout, empties_idle_slots=checked.clears_idle_slots,
-                                 engine_healthy=True, n_ctx=checked.n_ctx)
-        await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
-        if self.shared is not None:
-            # After cleanup (only whole saves are queued) and once the model is known: the
-            # worker first queues local saves of this model that the bucket lacks.
-            self.shared.start(self.store, checked.model)
-            self.remote = Remote(self.shared, self.cfg.shared, checked.model, self.sessions.ctx.max_tokens)
-            self.remote.start()
-            self.sessions.remote = self.remote
+        if checked.router:
+            await self._start_router(checked)
+        else:
+            await self._start_sessions(checked)
         try:
             self.inputs = self.build_inputs()
         except RequestLogError as e:
@@ -343,10 +358,78 @@ class Daemon:
             if isinstance(e, (SocketInUse, OSError)):
                 raise StartupError(str(e)) from None
             raise
-        self._watcher = asyncio.get_running_loop().create_task(self.sessions.watch_engine())
-        self.sessions.inputs = {inp.name: inp.describe for inp in self.inputs}
+        self._watcher = asyncio.get_running_loop().create_task(self.house.watch_engine())
+        self.house.inputs.update({inp.name: inp.describe for inp in self.inputs})
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
-                 self.store.path, ", ".join(self.sessions.inputs) or "none")
+                 self.store.path, ", ".join(self.house.inputs) or "none")
+
+    async def _start_sessions(self, checked: Checked) -> None:
+        assert self.store is not None
+        self.house = self.sessions = Sessions(
+            self.cfg, self.engine, self.store, checked.model, checked.model_name,
+            slots_visible=checked.slots_visible, n_slots=checked.total_slots, layout=checked.layout,
+            empties_idle_slots=checked.clears_idle_slots, engine_healthy=True, n_ctx=checked.n_ctx)
+        await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
+        if self.shared is not None:
+            # After cleanup (only whole saves are queued) and once the model is known: the
+            # worker first queues local saves of this model that the bucket lacks.
+            self.shared.start(self.store, checked.model)
+            self.remote = Remote(self.shared, self.cfg.shared, checked.model, self.sessions.ctx.max_tokens)
+            self.remote.start()
+            self.sessions.remote = self.remote
+        seconds = await asyncio.get_running_loop().run_in_executor(None, sleep.find_seconds, self.cfg)
+        if seconds:
+            self.sessions.sleep = SleepWatch(self.sessions, seconds)
+            self.sessions.sleep.start()
+
+    async def _start_router(self, checked: Checked) -> None:
+        """llama-server in router mode: its models as GET /models lists them; each model's
+        Sessions is made (and its engine checked) when it is first loaded, by the router."""
+        assert self.store is not None and isinstance(self.engine, LlamaServer)
+        try:
+            listed = await self.engine.router_models()
+        except EngineError as e:
+            raise StartupError(f"the engine at {self.engine.address} is a router, but GET /models: {e}") from None
+        self.house = self.router = Router(self.cfg, self.engine, self.store, listed, checked.max_loaded,
+                                          self._model_sessions)
+        managed = [m.id for m in self.router.models.values() if m.managed]
+        if not managed:
+            raise StartupError(f"none of the models of the router at {self.engine.address} saves its slots into "
+                               f"{self.store.path}: start llama-server with --slot-save-path {self.store.path}")
+        await self.router.upkeep.prepare(swa=False)  # the one token index; each model's window as it loads
+        log.info("engine: a router (--models-max %s) serving %s; autosessd keeps the conversations of %s",
+                 checked.max_loaded or "unlimited", ", ".join(sorted(self.router.models)), ", ".join(managed))
+        for m in self.router.loaded():
+            if m.managed:  # loaded before us: its slots are checked now
+                m.sessions = await self._model_sessions(self.engine.for_model(m.id), m)
+
+    async def _model_sessions(self, adapter: LlamaServer, model: Model) -> Sessions:
+        """One model behind the router, just loaded: the start checks of a plain engine,
+        except that a failure is said and the model served as it is (never a refused start)."""
+        assert self.store is not None and self.router is not None
+        info = await adapter.info()
+        try:
+            await adapter.slots()
+            visible = True
+        except SlotsHidden:
+            visible = False
+        layout: KVLayout | None = None
+        try:
+            layout = await probe_save(adapter, self.store, 0)
+        except (StartupError, EngineError) as e:
+            log.warning("router: model %s: the probe save: %s", model.id, e)
+        clears = info.total_slots > 1 and visible and await probe_idle_clearing(adapter)
+        s = Sessions(self.cfg, adapter, self.store, info.model, info.model_name, slots_visible=visible,
+                     n_slots=info.total_slots, layout=layout, empties_idle_slots=clears, engine_healthy=True,
+                     n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep)
+        s.ctx.swa_window = await Upkeep.swa_window(s.ctx)
+        s.inputs = self.router.inputs
+        seconds = sleep.find_seconds(self.cfg, model.args)
+        if seconds:
+            s.sleep = SleepWatch(s, seconds, lambda: model.status in UP)
+            s.sleep.start()
+        log.info("router: model %s: %d slot(s), %s tokens each", model.id, info.total_slots, info.n_ctx)
+        return s
 
     async def _open_shared(self) -> None:
         """The shared bucket: a setup that cannot work (boto3 or credentials missing) refuses
@@ -398,6 +481,8 @@ class Daemon:
                                        auto_sessions_max_gb=new.auto_sessions_max_gb)
         if self.sessions:
             self.sessions.cfg = self.cfg
+        if self.router:
+            self.router.set_cfg(self.cfg)
         log.info("reloaded %s: min_tokens=%s keep=%s max_gb=%s auto_sessions=%s", new.source,
                  self.cfg.auto_sessions_min_tokens, self.cfg.auto_sessions_keep, self.cfg.auto_sessions_max_gb,
                  self.cfg.auto_sessions)
@@ -456,7 +541,7 @@ class Daemon:
         # deadline: the stop save needs the rest.
         grace = min(STOP_GRACE_S, self.cfg.stop_timeout_s / 2)
         await asyncio.gather(*(self._stop_input(inp, grace, left) for inp in self.inputs))
-        if self.sessions is not None:
+        if self.house is not None:
             # A multi-GB save can outlast systemd's stop timeout: ask for the rest of ours.
             sd_notify(f"EXTEND_TIMEOUT_USEC={int((left() + 5) * 1e6)}")
             self._stopping = "the stop save"
@@ -468,7 +553,8 @@ class Daemon:
                           self.cfg.stop_timeout_s)
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
-            self.sessions.record_held()
+            if self.sessions is not None:
+                self.sessions.record_held()
         if self.shared is not None:
             await self._stop_shared(left)
         await self.engine.close()
@@ -504,6 +590,14 @@ class Daemon:
             log.warning("stopping %s: %s", inp.name, e)
 
     async def _stop_save(self) -> None:
+        if self.router is not None:
+            self._stopping = "the stop saves of the router's loaded models"
+            await self.router.save_at_stop()
+            self._stopping = "the last session files being written (finalize, prune)"
+            await self.router.drain()
+            self._stopping = "the index cache"
+            await self.router.close()
+            return
         assert self.sessions is not None
         for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
             key = self.sessions.view(sid).key

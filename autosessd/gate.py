@@ -36,12 +36,14 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
 from .config import Config, parse_hostport
+from . import report
 from .guard import Guard
+from .models import Router
 from .keys import conversation_key
 from .requestlog import RequestLog
 from .placement import Ticket
@@ -70,6 +72,16 @@ def _url_host(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _model_of(body: bytes) -> str | None:
+    """A router request's model ("model" in its JSON body), when it names one."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def _slot_in_path(path: str) -> int | None:
     """/slots/3 → 3; anything else → None (the configured slot)."""
     tail = path[len("/slots/"):]
@@ -79,10 +91,15 @@ def _slot_in_path(path: str) -> int | None:
 class Gate:
     name = "gate"
 
-    def __init__(self, cfg: Config, sessions: Sessions, pool: Upstream | None = None):
-        """pool: the engine's HTTP pool, shared with the engine adapter (one is made when None)."""
+    def __init__(self, cfg: Config, sessions: Sessions | None, pool: Upstream | None = None,
+                 router: Router | None = None):
+        """pool: the engine's HTTP pool, shared with the engine adapter (one is made when None).
+        router: llama-server in router mode (models.py): each request goes to its model's
+        Sessions, loaded first; sessions is then None."""
         self.cfg = cfg
         self.sessions = sessions
+        self.router = router
+        self.house: Any = router if router is not None else sessions  # status, metrics, restarts
         # Every address in gate.listen is bound; host and port are the first (for messages).
         self.addresses = [parse_hostport(a) for a in cfg.gate.listen or ("127.0.0.1:0",)]
         self.host, self.port = self.addresses[0]
@@ -103,7 +120,7 @@ class Gate:
     # -- life ------------------------------------------------------------------
     async def start(self) -> None:
         # The engine restarted: its kept-alive connections are dead.
-        self.sessions.on_engine_restart.append(self.pool.renewed)
+        self.house.on_engine_restart.append(self.pool.renewed)
         app = web.Application(client_max_size=self.max_body, middlewares=[self._front_door])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         # shutdown_timeout: at a stop, requests in flight have had the gate's own grace by
@@ -137,7 +154,7 @@ class Gate:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
                 # A conversation's FIFO outlives its handler (bookkeeping after the last
                 # byte, settling after a disconnect): wait until every slot is free.
-                await asyncio.wait_for(self.sessions.fifos_free(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self.house.fifos_free(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 log.warning("gate: stop: %d request(s) still in flight after %g s: closing their connections",
                             self.in_flight, grace_s)
@@ -208,7 +225,7 @@ class Gate:
     async def own_endpoint(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/autosessd/status" and request.method == "GET":
             # status() scans the session directory: off the loop, as the control socket does.
-            return web.json_response(await asyncio.get_running_loop().run_in_executor(None, self.sessions.status))
+            return web.json_response(await asyncio.get_running_loop().run_in_executor(None, self.house.status))
         if request.path == "/autosessd/metrics" and request.method == "GET":
             return web.Response(text=self.metrics(), content_type="text/plain", charset="utf-8",
                                 headers={"X-Content-Type-Options": "nosniff"})
@@ -226,11 +243,17 @@ class Gate:
         lands between a turn and its request."""
         body = await request.read()
         slot_id = _slot_in_path(request.path)
-        async with await self.sessions.admit(slot_id) as ticket:
+        s = self.sessions
+        if self.router is not None:
+            model = _model_of(body)
+            s = self.router.sessions_of(model) if model is not None else None
+            if s is None:  # a model not loaded (or none named): nothing of ours on its slots
+                return await self.proxy(request, body)
+        async with await s.admit(slot_id) as ticket:
             resp = await self.proxy(request, body)
             if request.query.get("action") in ("restore", "erase") and resp.status < 400:
                 # Someone else replaced what the slot holds.
-                self.sessions.lost(ticket, f"a client's POST {request.path_qs} through the gate")
+                s.lost(ticket, f"a client's POST {request.path_qs} through the gate")
             return resp
 
     async def kv_request(self, request: web.Request) -> web.StreamResponse:
@@ -249,9 +272,32 @@ class Gate:
         # APIs' bodies keep the key rule.
         chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None
         s = self.sessions
+        model = parsed.get("model") if self.router is not None and isinstance(parsed, dict) else None
+        if self.router is not None:
+            # Its model loaded first (another put away when the router is at its limit); a
+            # model autosessd does not keep, or none named: forwarded untouched.
+            s = await self.router.acquire(model)
+            if s is None:
+                return await self.proxy(request, body)
+            key = self.router.key(model, key)
+            handed: list[Ticket] = []
+            try:
+                return await self._kv_request(request, body, parsed, key, chat, s, handed.append)
+            finally:
+                # The model's request counts as in flight until its ticket goes (which may be
+                # after this handler: bookkeeping, a disconnect), or until now if it got none.
+                if handed:
+                    handed[0].then(lambda: self.router.release(model))
+                else:
+                    self.router.release(model)
+        return await self._kv_request(request, body, parsed, key, chat, s, None)
+
+    async def _kv_request(self, request: web.Request, body: bytes, parsed: Any, key: str | None,
+                          chat: dict | None, s: Sessions, hand: Callable[[Ticket], None] | None
+                          ) -> web.StreamResponse:
         n_slots = len(s.slots)
         if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict)):
-            return await self.unplaced(request, body)
+            return await self.unplaced(request, body, s)
         want = parsed.get("id_slot") if n_slots > 1 and isinstance(parsed, dict) else None
         if isinstance(want, int) and not isinstance(want, bool) and want >= 0:
             ticket = await s.admit(want % n_slots)  # the client chose the slot (the engine wraps the id too)
@@ -261,6 +307,8 @@ class Gate:
                 # Pinned to the slot autosessd placed it on (and restored into): without it the
                 # engine would pick a slot by prompt similarity.
                 body = json.dumps({**parsed, "id_slot": ticket.slot_id}).encode()
+        if hand is not None:
+            hand(ticket)
         rid = uuid.uuid4().hex[:12]
         # The turn is shielded: a client leaving mid-save must not leave the engine's slot
         # half-way between two conversations while the FIFO moves on.
@@ -279,10 +327,10 @@ class Gate:
         except asyncio.CancelledError:
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
-            self._spawn(self._settle_cancelled(ticket, key, rid, turn_task, forwarded))
+            self._spawn(self._settle_cancelled(s, ticket, key, rid, turn_task, forwarded))
             raise
         except BaseException:
-            self._spawn(self._after(ticket, key, watcher, "error" if forwarded else "not_run", rid))
+            self._spawn(self._after(s, ticket, key, watcher, "error" if forwarded else "not_run", rid))
             raise
         # Delivered. The bookkeeping runs to its end even if the client hangs up now (a
         # streaming client often closes right after the last chunk), and releases the FIFO.
@@ -292,38 +340,39 @@ class Gate:
             status = "rejected"  # llama-server refuses a request (4xx) before it runs it
         else:
             status = "ok" if resp.status < 400 and not watcher.broken else "error"
-        await asyncio.shield(self._spawn(self._after(ticket, key, watcher, status, rid)))
+        await asyncio.shield(self._spawn(self._after(s, ticket, key, watcher, status, rid)))
         return resp
 
-    async def unplaced(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def unplaced(self, request: web.Request, body: bytes, s: Sessions) -> web.StreamResponse:
         """With several slots, a request that cannot be pinned to one (embeddings, rerank,
         a body that is not a JSON object) runs wherever the engine puts it: it takes every
         slot's FIFO, and afterwards the slot it ran on (its task id moved) holds nothing we
         can name."""
-        tickets = await self.sessions.admit_all()
+        tickets = await s.admit_all()
         try:
             return await self.proxy(request, body)
         finally:
-            await asyncio.shield(self._spawn(self._after_unplaced(tickets)))
+            await asyncio.shield(self._spawn(self._after_unplaced(s, tickets)))
 
-    async def _after_unplaced(self, tickets: list[Ticket]) -> None:
+    async def _after_unplaced(self, s: Sessions, tickets: list[Ticket]) -> None:
         try:
-            await self.sessions.ran_unplaced(tickets)
+            await s.ran_unplaced(tickets)
         except Exception as e:
             log.exception("gate: bookkeeping after an unplaced request: %s", e)
         finally:
             for t in tickets:
                 t.release()
 
-    async def _after(self, ticket: Ticket, key: str | None, watcher: SSEWatcher, status: str, rid: str) -> None:
+    async def _after(self, s: Sessions, ticket: Ticket, key: str | None, watcher: SSEWatcher, status: str,
+                     rid: str) -> None:
         """Still holding the FIFO: tell sessions how the request ended (it reads the slot
         itself), then release the FIFO whatever happens."""
         try:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
-            await self.sessions.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
+            await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
             if status == "ok":
-                self.sessions.prefill_seen(*watcher.prefill())
+                s.prefill_seen(*watcher.prefill())
             if self.request_log and status != "not_run":
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
                                        status="ok" if status == "ok" else "error",
@@ -333,7 +382,7 @@ class Gate:
         finally:
             ticket.release()
 
-    async def _settle_cancelled(self, ticket: Ticket, key: str | None, rid: str, turn_task: asyncio.Task,
+    async def _settle_cancelled(self, s: Sessions, ticket: Ticket, key: str | None, rid: str, turn_task: asyncio.Task,
                                 forwarded: bool) -> None:
         """After a client disconnect: let the turn finish, wait (bounded) for the engine to
         stop generating, tell sessions (a partial state: provisional), then release the FIFO."""
@@ -341,10 +390,10 @@ class Gate:
             with contextlib.suppress(Exception):
                 await turn_task
             if not forwarded:
-                await self.sessions.ended(ticket, key, "not_run")
+                await s.ended(ticket, key, "not_run")
                 return
-            await self.sessions.wait_idle(ticket, self.cfg.engine.timeout_s)
-            await self.sessions.ended(ticket, key, "cancelled")
+            await s.wait_idle(ticket, self.cfg.engine.timeout_s)
+            await s.ended(ticket, key, "cancelled")
             if self.request_log:
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=None, status="cancelled")
         except Exception as e:
@@ -355,7 +404,7 @@ class Gate:
     # -- metrics ---------------------------------------------------------------
     def metrics(self) -> str:
         """Every counter of Sessions (report.py), and the gate's own."""
-        return self.sessions.metrics([
+        return report.metrics(self.house, [
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
             ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
              self.pool.errors_502),

@@ -46,6 +46,8 @@ WATCH_EVERY_S = 0.025  # GET /slots while a request whose restore awaits verific
 # once per QUIET_GAP_S: polling faster would keep the engine generating for nobody.
 QUIET_GAP_S = 1.3
 EMPTIED = "the engine emptied the idle slot (moved to its RAM cache)"
+UNLOADED = "the router unloaded its model"  # models.py: a model switch behind llama-server's router
+SLEPT = "the engine went to sleep (--sleep-idle-seconds): it freed its model"  # sleep.py
 
 
 class Observer:

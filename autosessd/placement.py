@@ -35,6 +35,7 @@ class Ticket:
         self._placement = placement
         self._slot = slot
         self._released = False
+        self._then: list[Callable[[], None]] = []
 
     @property
     def slot_id(self) -> int:
@@ -48,6 +49,16 @@ class Ticket:
         if not self._released:
             self._released = True
             self._placement._release(self._slot, self)
+            for then in self._then:
+                then()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """fn() once the ticket is released (a router's count of a model's requests in flight);
+        at once if it was."""
+        if self._released:
+            fn()
+        else:
+            self._then.append(fn)
 
     async def __aenter__(self) -> Ticket:
         return self

@@ -103,6 +103,7 @@ class Occasion(Enum):
     KEYLESS = "keyless"  # a request without a conversation (raw completion, embedding) is next:
                          # it replaces the slot's contents as surely as a switch does
     STOP = "stop"        # the daemon stops
+    UNLOAD = "unload"    # the model is about to be unloaded (a model switch behind a router, sleep)
     BEHIND = "behind"    # tail: the held conversation's request ended and the engine is idle
 
 

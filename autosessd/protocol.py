@@ -50,14 +50,16 @@ class ProtocolError(Exception):
 # command → {arg: (accepted types, required)}. Bools are never accepted as numbers.
 COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "status": {},
-    "ls": {},
-    "park": {"name": ((str,), False), "slot": ((int,), False)},
-    "restore": {"what": ((str,), True), "slot": ((int,), False)},
+    "ls": {"model": ((str,), False)},
+    # model: behind a llama-server router, the model whose slot it is (models.py)
+    "park": {"name": ((str,), False), "slot": ((int,), False), "model": ((str,), False)},
+    "restore": {"what": ((str,), True), "slot": ((int,), False), "model": ((str,), False)},
     # shared: prune the shared bucket (its own keep / max_gb), not the local directory
     "prune": {"dry_run": ((bool,), False), "keep": ((int,), False), "max_gb": ((int, float), False),
               "shared": ((bool,), False)},
     "forget": {"key": ((str,), True)},
-    "turn": {"key": ((str,), False), "messages": ((list,), False), "slot": ((int,), False)},
+    "turn": {"key": ((str,), False), "messages": ((list,), False), "slot": ((int,), False),
+             "model": ((str,), False)},
     "events": {"follow": ((bool,), False), "limit": ((int,), False)},
 }
 

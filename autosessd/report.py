@@ -113,6 +113,17 @@ class Counters:
                                    "Downloads for a turn that failed or ran out of time (the request re-read)")
     primed: int = _counter("primed_total",
                            "Requests to a slot the engine emptied, primed so that its RAM cache serves them")
+    model_unloads: int = _counter("model_unloads_total",
+                                  "Models autosessd unloaded behind a router to make way for another")
+    saves_at_model_switch: int = _counter("saves_at_model_switch_total",
+                                          "Conversations saved because their model was about to be unloaded")
+    restores_after_model_switch: int = _counter("restores_after_model_switch_total",
+                                                "Restores into a slot whose model had been unloaded")
+    saves_before_sleep: int = _counter("saves_before_sleep_total",
+                                       "Conversations saved because the engine was about to sleep (--sleep-idle-seconds)")
+    engine_sleeps: int = _counter("engine_sleeps_total", "Times the engine was seen asleep, its slots emptied")
+    restores_after_sleep: int = _counter("restores_after_sleep_total",
+                                         "Restores into a slot the engine's sleep had emptied")
     restores_refused: int = _counter("restores_refused_total",
                                      "Restores refused before the engine saw the file: not whole, or it cannot fit")
     quarantined: int = _counter("quarantined_files_total",
@@ -219,6 +230,12 @@ class Events:
 
 
 # -- status, ls, metrics -------------------------------------------------------------------
+def slot_entries(s: Sessions) -> list[dict[str, Any]]:
+    """Each slot of one engine (of one model, behind a router) as status shows it."""
+    return [{**sl.status(), "file": sl.view.file, "last_restore": s.restore_log.last.get(sl.id)}
+            for sl in sorted(s.slots.values(), key=lambda x: x.id)]
+
+
 def status(s: Sessions) -> dict[str, Any]:
     """GET /autosessd/status and `autosessctl status`. Blocking: scans the directory."""
     entries = s.store.scan(with_meta=False)
@@ -234,9 +251,9 @@ def status(s: Sessions) -> dict[str, Any]:
         "auto_sessions": cfg.auto_sessions,
         "engine": {"kind": s.engine.kind, "url": s.engine.address, "healthy": s.engine_healthy,
                    "model": s.model_name, "model_fingerprint": s.model, "slots": len(s.slots) or 1,
-                   "slots_visible": s.ctx.slots_visible, "n_ctx": s.ctx.n_ctx, "suspect": s.ctx.suspect},
-        "slots": [{**sl.status(), "file": sl.view.file, "last_restore": s.restore_log.last.get(sl.id)}
-                  for sl in sorted(s.slots.values(), key=lambda x: x.id)],
+                   "slots_visible": s.ctx.slots_visible, "n_ctx": s.ctx.n_ctx, "suspect": s.ctx.suspect,
+                   "sleep": s.sleep.describe() if getattr(s, "sleep", None) else None},
+        "slots": slot_entries(s),
         "counters": asdict(s.counters),
         "last_not_reused": s.restore_log.not_reused,
         "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
@@ -356,8 +373,19 @@ def metrics(s: Sessions, extra: list[tuple[str, str, str, int | float]] = ()) ->
     rows = [*counter_rows(s.counters), *extra]
     if s.remote is not None:
         rows += _shared_rows(s.remote.status())
+    if hasattr(s, "metric_rows"):  # a router's models (models.py)
+        rows += s.metric_rows()
     out = []
     for name, kind, help_, value in rows:
-        out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}",
-                f"autosessd_{name} {value:g}" if isinstance(value, float) else f"autosessd_{name} {value}"]
+        out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}"]
+        # A value, or [(labels, value), ...] for one sample per label set.
+        for labels, v in value if isinstance(value, list) else [({}, value)]:
+            lab = ",".join(f'{k}="{_label(str(x))}"' for k, x in labels.items())
+            num = f"{v:g}" if isinstance(v, float) else str(v)
+            out.append(f"autosessd_{name}{{{lab}}} {num}" if lab else f"autosessd_{name} {num}")
     return "\n".join(out) + "\n"
+
+
+def _label(v: str) -> str:
+    """A Prometheus label value, escaped as the text format wants."""
+    return v.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")

@@ -31,6 +31,7 @@ from .engines.base import EngineError, EngineRefused
 from .policy import Occasion
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot
+from .observe import SLEPT, UNLOADED
 from .store import AUTO_BIN, auto_name
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class Restorer:
         ctx = self.ctx
         name = name or auto_name(key or "")
         await self.launch.no_starts(s)  # another request starting in between would empty the restored slot
+        after = s.view.why  # a model switch or a sleep emptied the slot: counted once reused
         t0 = time.monotonic()
         try:
             with ctx.store.using(name):
@@ -106,6 +108,10 @@ class Restorer:
             self.observer.lost(s, f"a request started while {name} was restored")
             return False
         s.restored(key, res.n_tokens, name, expect, tokens)
+        if after == UNLOADED:
+            ctx.counters.restores_after_model_switch += 1
+        elif after == SLEPT:
+            ctx.counters.restores_after_sleep += 1
         if result is not None:
             result.restored = info
         return True

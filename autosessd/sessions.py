@@ -106,6 +106,7 @@ from .remote import Fetcher
 from .report import Counters, Events, TurnResult
 from .restores import Restorer
 from .saves import Saver
+from .sleep import SleepWatch
 from .slot import Slot, View
 from .store import Store
 from .turn import Turn
@@ -128,12 +129,16 @@ def _done() -> asyncio.Future:
 class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True, n_slots: int = 1, layout: KVLayout | None = None,
-                 empties_idle_slots: bool = False, engine_healthy: bool | None = None, n_ctx: int | None = None):
+                 empties_idle_slots: bool = False, engine_healthy: bool | None = None, n_ctx: int | None = None,
+                 house: Context | None = None, upkeep: Upkeep | None = None):
         """The daemon's start checks give the rest: n_slots, the engine's slots (0..n-1, all
         driven); layout, its state files' KV layout as the probe saw it; empties_idle_slots, the
         probe saw it empty idle slots; engine_healthy, it answered /health; n_ctx, the tokens one
-        of its slots holds."""
+        of its slots holds. house, upkeep: one model's Sessions behind a router (models.py)
+        shares the house's counters, events and token index, and its one prune."""
         self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx)
+        if house is not None:
+            ctx.counters, ctx.events, ctx.index = house.counters, house.events, house.index
         self.started_at = time.time()
         self.placement = Placement(cfg.engine.slot, lambda: ctx.cfg.auto_sessions_min_tokens)
         self.placement.add_slots(n_slots)
@@ -146,10 +151,12 @@ class Sessions:
         self._turn = Turn(ctx, self.observer, self.saver, self.restorer,
                           PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver))
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
-        self.upkeep = Upkeep(ctx, self.saver)
+        self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
+        self.upkeep.savers.append(self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
         self.listing = report.Listing()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
+        self.sleep: SleepWatch | None = None  # the engine sleeps when idle (sleep.py; the daemon starts it)
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
 
@@ -321,6 +328,43 @@ class Sessions:
     async def save_at_stop(self, slot_id: int | None = None, why: str = "stop") -> bool:
         return await self.commands.save_at_stop(slot_id, why)
 
+    async def put_away(self, why: str, then: Callable[[], Awaitable[None]] | None = None) -> int:
+        """The engine is about to drop every slot's state (its model unloads, it goes to sleep):
+        with every slot's ticket held (blocks on each FIFO), save each conversation worth it,
+        wait for the finalizes, run `then` (the unload), and mark every slot lost with `why`.
+        → how many were saved. A slot running a request that bypassed us is left as it is."""
+        tickets = await self.placement.admit_all()
+        try:
+            saved = await self._save_all(tickets)
+            if then is not None:
+                await then()
+            for t in tickets:
+                self.observer.lost(self.placement.slot_of(t), why)
+        finally:
+            for t in tickets:
+                t.release()
+        return saved
+
+    async def save_all_worth(self) -> int:
+        """put_away without the drop: every conversation worth saving saved now, the slots
+        keep theirs (the engine is about to sleep, sleep.py). → how many were saved."""
+        tickets = await self.placement.admit_all()
+        try:
+            return await self._save_all(tickets)
+        finally:
+            for t in tickets:
+                t.release()
+
+    async def _save_all(self, tickets: list[Ticket]) -> int:
+        saved = 0
+        for t in tickets:
+            s = self.placement.slot_of(t)
+            if await self.observer.observe(s):
+                step, outcome = await self.saver.save_if_worth(s, Occasion.UNLOAD)
+                saved += isinstance(step, Save) and outcome is SaveOutcome.SAVED
+        await self.saver.settled()
+        return saved
+
     async def prune(self, keep: int | None = None, max_gb: float | None = None,
                     dry_run: bool = False) -> dict[str, Any]:
         return await self.upkeep.prune(keep, max_gb, dry_run)
@@ -348,9 +392,13 @@ class Sessions:
             pending = [*self.saver.finalizing(), *filter(None, [self.upkeep.pruning()])]
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def close(self) -> None:
-        """At stop, after drain(): keep the index for the next start."""
-        await self.upkeep.save_index()
+    async def close(self, index: bool = True) -> None:
+        """At stop, after drain(): keep the index for the next start (index=False: the house
+        keeps it, behind a router)."""
+        if self.sleep is not None:
+            self.sleep.stop()
+        if index:
+            await self.upkeep.save_index()
         self.launch.close()
         self._turn.close()
 

@@ -25,13 +25,15 @@ log = logging.getLogger("autosessd")
 
 
 class Upkeep:
-    def __init__(self, ctx: Context, saver: Saver):
+    def __init__(self, ctx: Context, saver: Saver | None = None):
+        """saver: whose refused saves the prune makes room for; behind a router each model's
+        Sessions adds its own (savers), and one Upkeep keeps the one directory."""
         self.ctx = ctx
-        self.saver = saver
+        self.savers: list[Saver] = [saver] if saver is not None else []
         self._prune_task: asyncio.Task | None = None
 
     # -- the token index -----------------------------------------------------------------
-    async def prepare(self) -> None:
+    async def prepare(self, swa: bool = True) -> None:
         """At start, after store.cleanup(): index the session files (from the cache in the
         state directory when their files did not change) and learn the model's sliding
         window. Without an index every restore follows the key rule."""
@@ -47,11 +49,12 @@ class Upkeep:
                  rep.files, rep.seconds * 1000, rep.cache, rep.from_cache, rep.read)
         for name, why in sorted(rep.skipped.items()):
             log.warning("auto sessions: not indexed: %s: %s", name, why)
-        ctx.swa_window = await self._swa_window()
+        if swa:  # behind a router each model learns its own as it loads
+            ctx.swa_window = await self.swa_window(ctx)
 
-    async def _swa_window(self) -> int | None:
+    @staticmethod
+    async def swa_window(ctx: Context) -> int | None:
         """engine.swa_window when set (0: none), else the model file's sliding window."""
-        ctx = self.ctx
         if ctx.cfg.engine.swa_window is not None:
             return ctx.cfg.engine.swa_window or None
         if ctx.engine.kind != "llama-server":
@@ -95,7 +98,7 @@ class Upkeep:
         ctx = self.ctx
         keep = ctx.cfg.auto_sessions_keep if keep is None else keep
         max_bytes = int((ctx.cfg.auto_sessions_max_gb if max_gb is None else max_gb) * 1e9)
-        free_target = 0 if dry_run else self.saver.room_wanted()
+        free_target = 0 if dry_run else max((s.room_wanted() for s in self.savers), default=0)
         plan = await asyncio.get_running_loop().run_in_executor(None, ctx.store.prune, keep, max_bytes, dry_run,
                                                                 free_target)
         removed = [{"key": e.key, "file": e.name, "bytes": e.bytes} for e in plan.remove]

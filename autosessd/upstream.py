@@ -31,6 +31,7 @@ log = logging.getLogger("autosessd")
 
 # Below llama-server's 5 s keep-alive timeout (cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND).
 KEEPALIVE_S = 3.0
+CHUNKED_JSON_MAX = 8 << 20  # a chunked JSON answer read for its numbers (timings); bigger ones are not
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 
@@ -252,12 +253,23 @@ class Upstream:
                 return web.Response(status=up.status, reason=up.reason, headers=headers, body=data)
             resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
             await resp.prepare(request)
+            # A JSON body sent in chunks (llama-server's router relays its models' answers so):
+            # its numbers are read once it is whole; a body too big to be an answer is not kept.
+            sse = "text/event-stream" in up.headers.get("Content-Type", "")
+            whole: bytearray | None = None if sse or watcher is None else bytearray()
             async for chunk in up.content.iter_any():
-                if watcher is not None:
+                if watcher is not None and sse:
                     watcher.feed(chunk)
+                elif whole is not None:
+                    whole += chunk
+                    if len(whole) > CHUNKED_JSON_MAX:
+                        whole = None
                 await resp.write(chunk)
             done = True
             await resp.write_eof()
+            if whole is not None and watcher is not None:
+                with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+                    watcher.take(json.loads(whole))
             return resp
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The status line is already sent: the only honest signal left is to close the

@@ -66,15 +66,27 @@ class Engine:
     """One llama-server process on a free loopback port."""
 
     def __init__(self, save_dir: Path | None, swa_full: bool = True, ctx: int = 8192, slots: int | str = 1,
-                 extra: list[str] | None = None, log_path: Path | None = None, cache_ram: int | None = 0):
+                 extra: list[str] | None = None, log_path: Path | None = None, cache_ram: int | None = 0,
+                 router: tuple[Path, list[str], int] | None = None):
         """slots: a number, or "auto" (llama-server's default: 4 slots, one unified KV cache).
         cache_ram: MiB of the engine's RAM prompt cache; 0 (the tests' default) turns it off so it
-        cannot hide a switch; None leaves the engine's default (8 GiB, with --cache-idle-slots)."""
+        cannot hide a switch; None leaves the engine's default (8 GiB, with --cache-idle-slots).
+        router: (directory, model ids, --models-max): llama-server in router mode over that
+        directory, each id an alias (a symlink) of the one test model; the other arguments
+        reach each model's child."""
         self.save_dir = save_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         paths = engine_paths()
-        self.args = [paths["LLAMA_SERVER"], "-m", paths["MODEL"], "--host", "127.0.0.1", "--port", str(self.port),
+        if router is None:
+            model = ["-m", paths["MODEL"]]
+        else:
+            directory, ids, most = router
+            directory.mkdir(parents=True, exist_ok=True)
+            for m in ids:
+                (directory / f"{m}.gguf").symlink_to(paths["MODEL"])
+            model = ["--models-dir", str(directory), "--models-max", str(most)]
+        self.args = [paths["LLAMA_SERVER"], *model, "--host", "127.0.0.1", "--port", str(self.port),
                      "-c", str(ctx), "-t", "2", "--no-webui"]
         if slots != "auto":  # llama-server's default is auto; the flag takes only numbers
             self.args += ["-np", str(slots)]

@@ -49,6 +49,8 @@ class EngineInfo:
     total_slots: int
     model_path: str = ""  # where the engine loaded its model from (llama-server /props), when it says
     n_ctx: int | None = None  # tokens one slot can hold (llama-server /props default_generation_settings.n_ctx)
+    router: bool = False  # llama-server in router mode: models behind it, none of its own (models.py)
+    max_loaded: int | None = None  # a router's --models-max (None: no limit)
 
 
 class EngineError(Exception):

@@ -11,6 +11,12 @@
 501 on /slots means the engine runs without --slot-save-path. A slot action on a busy
 slot is deferred by the engine until the slot is free, so it can take as long as the
 running request: every call has engine.timeout_s.
+
+Router mode (llama-server --models-dir / --models-preset): one adapter per model
+(LlamaServer(url, model=ID)); it names the model in every call ("model" in a POST body,
+?model= on a GET) and adds autoload=false, so that nothing autosessd asks of a model loads
+it again behind the router's back: only Router.load does that (autosessd/models.py). The
+router itself answers GET /models, POST /models/load and /models/unload.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import hashlib
 import json
 import os
 from typing import Any
+
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -33,10 +41,12 @@ class LlamaServer:
     magic = b"qsgg"
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 120.0,
-                 pool: Upstream | None = None):
-        """pool: the engine's HTTP pool, shared with the gate (one is made when None)."""
+                 pool: Upstream | None = None, model: str | None = None):
+        """pool: the engine's HTTP pool, shared with the gate (one is made when None).
+        model: in router mode, the model every call is about."""
         self.url = url.rstrip("/")
-        self.address = self.url
+        self.model_id = model
+        self.address = self.url if model is None else f"{self.url} (model {model})"
         self.api_key = api_key
         self.timeout_s = timeout_s
         self._own_pool = pool is None
@@ -52,7 +62,22 @@ class LlamaServer:
         if self._own_pool:
             await self.pool.close()
 
+    def for_model(self, model: str) -> "LlamaServer":
+        """The adapter of one model behind the same router, on the same pool."""
+        other = LlamaServer(self.url, self.api_key, self.timeout_s, self.pool, model)
+        other._own_pool = False
+        return other
+
+    def _route(self, method: str, path: str, body: Any) -> tuple[str, Any]:
+        if self.model_id is None:
+            return path, body
+        sep = "&" if "?" in path else "?"
+        if method == "GET":
+            return f"{path}{sep}{urlencode({'model': self.model_id, 'autoload': 'false'})}", body
+        return f"{path}{sep}autoload=false", {**(body or {}), "model": self.model_id}
+
     async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        path, body = self._route(method, path, body)
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             # The pool sends once more on fresh connections when a kept-alive one was closed
@@ -72,7 +97,7 @@ class LlamaServer:
             data = json.loads(text) if text else None
         except ValueError:
             data = None
-        if status == 501 and path == "/slots":
+        if status == 501 and path.split("?")[0] == "/slots":
             raise SlotsHidden(f"the engine at {self.url} does not show its slots (GET /slots is off: --no-slots)")
         if status == 501 and path.startswith("/slots/"):
             raise SlotSavingOff(f"slot saving is off in the engine at {self.url}: start llama-server with "
@@ -175,6 +200,34 @@ class LlamaServer:
         except (KeyError, TypeError, ValueError):
             raise EngineBadAnswer(f"/slots answered entries without id: {d!r:.200}") from None
 
+    # -- a router's own calls (model None) ---------------------------------------------------
+    async def router_models(self) -> list[dict]:
+        """GET /models: [{"id", "status": "loaded" | "loading" | "unloaded" | ..., "args": [...]}]."""
+        d = await self._call("GET", "/models")
+        data = d.get("data") if isinstance(d, dict) else None
+        if not isinstance(data, list):
+            raise EngineBadAnswer(f"/models answered without a list of models: {d!r:.200}")
+        out = []
+        for m in data:
+            st = m.get("status") if isinstance(m, dict) else None
+            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+                continue
+            out.append({"id": m["id"], "status": str((st or {}).get("value") or "unknown"),
+                        "args": [str(a) for a in (st or {}).get("args") or []]})
+        return out
+
+    async def load_model(self, model: str) -> None:
+        await self._call("POST", "/models/load", {"model": model})
+
+    async def unload_model(self, model: str) -> None:
+        await self._call("POST", "/models/unload", {"model": model})
+
+    async def is_sleeping(self) -> bool:
+        """/props is_sleeping (--sleep-idle-seconds): asking neither wakes the engine nor
+        moves its idle timer."""
+        props = await self._call("GET", "/props")
+        return isinstance(props, dict) and props.get("is_sleeping") is True
+
     async def health(self) -> bool:
         try:
             await self._call("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
@@ -184,18 +237,28 @@ class LlamaServer:
 
     async def info(self) -> EngineInfo:
         props = await self._call("GET", "/props")
-        try:
-            models = await self._call("GET", "/v1/models")
-            meta = (models.get("data") or [{}])[0].get("meta") or {}
-        except (EngineRefused, EngineBadAnswer, AttributeError, IndexError):
-            meta = {}
+        meta: dict = {}
+        if self.model_id is None:  # a router's /v1/models lists its models, none with numbers
+            try:
+                models = await self._call("GET", "/v1/models")
+                meta = (models.get("data") or [{}])[0].get("meta") or {}
+            except (EngineRefused, EngineBadAnswer, AttributeError, IndexError):
+                meta = {}
         if not isinstance(props, dict):
             raise EngineBadAnswer("/props answered something that is not an object")
+        if props.get("role") == "router" and self.model_id is None:
+            most = props.get("max_instances")
+            return EngineInfo(model="router", model_name="router", total_slots=0, router=True,
+                              max_loaded=most if type(most) is int and most > 0 else None)
         path = str(props.get("model_path") or "")
         name = os.path.basename(path) or str(props.get("model_alias") or "unknown")
         # Identity of the weights, not of where they lie: the file name plus the model's
-        # own numbers (size in bytes, parameter count, vocabulary).
+        # own numbers (size in bytes, parameter count, vocabulary). Behind a router, the
+        # model's name there too: two aliases of one file are two models to it, each with
+        # its own slots and files.
         ident = {"name": name, **{k: meta.get(k) for k in ("size", "n_params", "n_vocab", "n_embd")}}
+        if self.model_id is not None:
+            ident["router_model"] = self.model_id
         fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         dgs = props.get("default_generation_settings")
         n_ctx = dgs.get("n_ctx") if isinstance(dgs, dict) else None
