@@ -59,6 +59,8 @@ CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI 
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
 # slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
 # passes the slot's FIFO: unknown routes err on the safe side.
+# The Prometheus text exposition format's content type.
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
                             "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
                             "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
@@ -194,8 +196,10 @@ class Gate:
             # status() scans the session directory: off the loop, as the control socket does.
             return web.json_response(await asyncio.get_running_loop().run_in_executor(None, self.sessions.status))
         if request.path == "/autosessd/metrics" and request.method == "GET":
-            return web.Response(text=self.metrics(), content_type="text/plain", charset="utf-8",
-                                headers={"X-Content-Type-Options": "nosniff"})
+            # It scans the session directory for its gauges: off the loop, as status is.
+            text = await asyncio.get_running_loop().run_in_executor(None, self.metrics)
+            return web.Response(body=text.encode(), headers={"Content-Type": METRICS_TYPE,
+                                                             "X-Content-Type-Options": "nosniff"})
         return gate_error(404, f"no such endpoint {request.path} (autosessd has /autosessd/status and "
                                f"/autosessd/metrics)", "not_found_error")
 
@@ -307,7 +311,7 @@ class Gate:
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
             await self.sessions.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
             if status == "ok":
-                self.sessions.prefill_seen(*watcher.prefill())
+                self.sessions.prefill_seen(*watcher.prefill(), cache_n=cache_n)
             if self.request_log and status != "not_run":
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
                                        status="ok" if status == "ok" else "error",
@@ -343,5 +347,5 @@ class Gate:
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
             ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
              self.pool.errors_502),
-            ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
+            ("gate_requests_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
         ])

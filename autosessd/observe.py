@@ -173,9 +173,16 @@ class Observer:
             last.update(cache_n=cache_n, reused=reused)
         if reused:
             c.restores_reused += 1
-            c.prefill_tokens_avoided += cache_n
+            # What the restore gave beyond what the slot already shared with the request (the
+            # engine would have kept that part anyway), priced at the engine's own prompt rate.
+            had = (last.get("slot_shared") or 0) if last is not None else 0
+            had = min(had, cache_n)
+            ms = self.ctx.savings.spared(c, had, cache_n)
+            if last is not None:
+                last.update(spared_tokens=cache_n - had, spared_ms=None if ms is None else round(ms, 1))
             self.ctx.events.emit("restore_reused", slot=s.id, key=key, file=file, cache_n=cache_n,
-                                 n_restored=n_restored)
+                                 n_restored=n_restored, spared_tokens=cache_n - had,
+                                 spared_ms=None if ms is None else round(ms, 1))
             return
         c.restores_not_reused += 1
         cause = NOT_REUSED_CAUSE
