@@ -62,6 +62,10 @@ class GateConfig:
     # covers a chat with images: OpenAI caps a request's images at 50 MB in all, and a
     # base64 image is 4/3 of its file.
     max_body_mb: float = 64.0
+    # A streaming request that waits this long (its slot's FIFO, a restore, the engine's first
+    # byte) gets the gate's own 200 and an SSE comment `: ping` this often (keepalive.py), so
+    # clients and proxies with idle timeouts keep it; 0: never.
+    keepalive_s: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,8 @@ def _validate(c: Config, source: str) -> None:
         except ValueError as err:
             bad("engine.control", str(err))
 
+    if c.gate.keepalive_s < 0:
+        bad("gate.keepalive_s", f"must be 0 (no keepalives) or more, got {c.gate.keepalive_s}")
     if not c.gate.max_body_mb > 0:
         bad("gate.max_body_mb", f"must be more than 0, got {c.gate.max_body_mb}")
     if c.gate.listen is not None:

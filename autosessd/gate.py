@@ -41,9 +41,11 @@ from typing import Any
 from aiohttp import web
 
 from .config import Config, parse_hostport
-from .keys import conversation_key
+from .keepalive import Keepalive
+from .keys import conversation_id_key, conversation_key
 from .requestlog import RequestLog
 from .placement import Ticket
+from .report import TurnResult
 from .sessions import Sessions
 from .upstream import SSEWatcher, Upstream, gate_error
 
@@ -63,6 +65,8 @@ CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
                             "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
+                            # resumable streams: steer or find a running generation, never start one
+                            "/v1/chat/completions/control", "/v1/streams/lookup",
                             "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
                             "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens"})
 
@@ -204,10 +208,10 @@ class Gate:
                                f"/autosessd/metrics)", "not_found_error")
 
     # -- forwarding ------------------------------------------------------------
-    async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None
-                    ) -> web.StreamResponse:
+    async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None,
+                    decorate: Any = None, early: Keepalive | None = None) -> web.StreamResponse:
         """Forward one request to the engine and its response back, as it arrives."""
-        return await self.pool.forward(request, body, watcher)
+        return await self.pool.forward(request, body, watcher, decorate, early)
 
     async def slot_action(self, request: web.Request) -> web.StreamResponse:
         """A client's own POST /slots/N?action=...: it waits for the slot's FIFO, so it never
@@ -232,7 +236,10 @@ class Gate:
             parsed = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # the engine answers a bad body itself
-        key = conversation_key(parsed) if request.path in CONVERSATION_PATHS else None
+        # X-Conversation-Id (llama-server's web UI sends it; b11434 keys resumable streams on it)
+        # names the conversation when present; else its first user message does.
+        key = (conversation_id_key(request.headers.get("X-Conversation-Id")) or conversation_key(parsed)
+               if request.path in CONVERSATION_PATHS else None)
         # Only an OpenAI chat body has its tokens from the engine's /apply-template; the other
         # APIs' bodies keep the key rule.
         chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None
@@ -241,10 +248,17 @@ class Gate:
         if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict)):
             return await self.unplaced(request, body)
         want = parsed.get("id_slot") if n_slots > 1 and isinstance(parsed, dict) else None
+        # A streaming client is kept alive with SSE comments while it waits (keepalive.py).
+        streams = isinstance(parsed, dict) and parsed.get("stream") is True
+        ka = Keepalive(request, self.cfg.gate.keepalive_s) if streams and self.cfg.gate.keepalive_s > 0 else None
+        release = lambda t: t.release()  # noqa: E731 - a ticket granted as the client left
         if isinstance(want, int) and not isinstance(want, bool) and want >= 0:
-            ticket = await s.admit(want % n_slots)  # the client chose the slot (the engine wraps the id too)
+            # The client chose the slot (the engine wraps the id too).
+            admit = s.admit(want % n_slots)
+            ticket = await (ka.wait(admit, release) if ka else admit)
         else:
-            ticket = await s.place(key)
+            place = s.place(key)
+            ticket = await (ka.wait(place, release) if ka else place)
             if n_slots > 1:
                 # Pinned to the slot autosessd placed it on (and restored into): without it the
                 # engine would pick a slot by prompt similarity.
@@ -256,14 +270,14 @@ class Gate:
         forwarded = False
         watcher = SSEWatcher()
         try:
-            await asyncio.shield(turn_task)
-            await s.before_send(ticket)
+            result = await (ka.wait(asyncio.shield(turn_task)) if ka else asyncio.shield(turn_task))
+            await (ka.wait(s.before_send(ticket)) if ka else s.before_send(ticket))
             if self.request_log:
                 self.request_log.write(event="start", id=rid, slot=ticket.slot_id, key=key)
             forwarded = True
             s.sent(ticket)
             # Not shielded: cancelling it (client gone) closes the upstream request.
-            resp = await self.proxy(request, body, watcher)
+            resp = await self.proxy(request, body, watcher, self._decorator(result, ticket.slot_id), ka)
         except asyncio.CancelledError:
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
@@ -274,14 +288,40 @@ class Gate:
             raise
         # Delivered. The bookkeeping runs to its end even if the client hangs up now (a
         # streaming client often closes right after the last chunk), and releases the FIFO.
-        if resp.status == 502 and not watcher.reached:
+        # The engine's status: with keepalives the client had the gate's 200 already.
+        code = watcher.status if watcher.status is not None else resp.status
+        if not watcher.reached:
             status = "not_run"  # the gate could not reach the engine: nothing ran
-        elif 400 <= resp.status < 500:
+        elif 400 <= code < 500:
             status = "rejected"  # llama-server refuses a request (4xx) before it runs it
         else:
-            status = "ok" if resp.status < 400 and not watcher.broken else "error"
+            status = "ok" if code < 400 and not watcher.broken else "error"
         await asyncio.shield(self._spawn(self._after(ticket, key, watcher, status, rid)))
         return resp
+
+    def _decorator(self, result: TurnResult, slot: int) -> Any:
+        """What autosessd did for the request, as response headers (README: Response headers):
+        only on the engine's successful answers (forward leaves its error answers alone)."""
+        savings = self.sessions.ctx.savings
+
+        def decorate(status: int, watcher: SSEWatcher | None) -> dict[str, str]:
+            h = {"X-Autosessd-Slot": str(slot)}
+            if result.saved:
+                h["X-Autosessd-Saved"] = f"{result.saved['n_tokens']} {result.saved['file']}"
+            r = result.restored
+            if r:
+                h["X-Autosessd-Restored"] = f"{r['n_tokens']} {r['file']}"
+                had = r.get("slot_shared") or 0
+                cache_n = watcher.numbers()[0] if watcher is not None else None
+                # A whole answer carries the engine's cache_n: what it reused. A stream's headers
+                # go out before it: what the restore shares with the request, reused if all is well.
+                reused = cache_n if cache_n is not None else r.get("shared") or r["n_tokens"]
+                ms = savings.price(min(had, reused), reused)
+                if ms is not None:
+                    h["X-Autosessd-Est-Saved-Ms"] = str(round(ms))
+            return h
+
+        return decorate
 
     async def unplaced(self, request: web.Request, body: bytes) -> web.StreamResponse:
         """With several slots, a request that cannot be pinned to one (embeddings, rerank,
