@@ -495,5 +495,31 @@ def events(ctx: click.Context, follow: bool, limit: int, sock: str | None, as_js
     run(go)
 
 
+@cli.command()
+@common
+def doctor(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
+    """The engine settings that cost reuse, each with its fix; where unreused restores departed."""
+    c = ctx.obj.merged(sock, as_json)
+    run(lambda: c.out(call(c.path, "doctor", timeout=120), show_doctor))
+
+
+def show_doctor(r: dict[str, Any]) -> str:
+    """One line per engine setting (ok / PROBLEM / unknown, the flag, what was seen, the fix)."""
+    out = [f"engine {r['engine']}" + ("" if r["flags_read"] else
+                                      " (its command line is not readable from here: judged by what it showed)")]
+    for f in r["findings"]:
+        mark = {"ok": "ok", "problem": "PROBLEM", "unknown": "?"}.get(f["status"], f["status"])
+        out.append(f"{mark:<8} {f['setting']:<20} {f['says']}" + (f"  -> fix: {f['fix']}" if f["fix"] and
+                                                                   f["status"] != "ok" else ""))
+    if r["not_reused"]:
+        out.append("restores the engine did not reuse, newest first:")
+    for d in r["not_reused"]:
+        out.append(f"  {when(d['at'])}  {d['file']}: reused {tokens(d['cache_n'])} of {tokens(d['n_restored'])} "
+                   f"tokens; {d['where']}")
+    problems = sum(f["status"] == "problem" for f in r["findings"])
+    out.append(f"{problems} problem{'s' if problems != 1 else ''}" if problems else "no problem found")
+    return "\n".join(out)
+
+
 def main() -> None:
     cli(prog_name="autosessctl")

@@ -168,6 +168,7 @@ class Observer:
             return
         reused = policy.restore_reused(n_restored, cache_n, n_prompt)
         last = restores.last.get(s.id)
+        body = restores.bodies.pop(s.id, None)
         file = last["file"] if last is not None else auto_name(key)
         if last is not None:
             last.update(cache_n=cache_n, reused=reused)
@@ -193,6 +194,7 @@ class Observer:
                      f"the client cut it, and the engine read the prompt again instead of cutting its state back")
         restores.not_reused = {"key": key, "file": file, "n_restored": n_restored, "cache_n": cache_n,
                                "at": time.time(), "likely_cause": cause}
+        restores.departed.append({**restores.not_reused, "body": body})
         log.warning("auto sessions: restored %s tokens of %s but the engine reused %s (timings.cache_n): %s",
                     fmt_tokens(n_restored), file, fmt_tokens(cache_n), cause)
         self.ctx.events.emit("restore_not_reused", slot=s.id, key=key, file=file, cache_n=cache_n,

@@ -59,6 +59,7 @@ COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "forget": {"key": ((str,), True)},
     "turn": {"key": ((str,), False), "messages": ((list,), False), "slot": ((int,), False)},
     "events": {"follow": ((bool,), False), "limit": ((int,), False)},
+    "doctor": {},
 }
 
 

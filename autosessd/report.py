@@ -213,6 +213,11 @@ class RestoreLog:
 
     last: dict[int, dict[str, Any]] = field(default_factory=dict)
     not_reused: dict[str, Any] | None = None
+    # The OpenAI chat body of each slot's restore awaiting verification, and the last few
+    # restores the engine did not reuse with it (autosessctl doctor: where the prompt departed).
+    # In memory only; never in status.
+    bodies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    departed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4))
 
 
 # -- events --------------------------------------------------------------------------------

@@ -330,6 +330,12 @@ class Sessions:
     async def ls_words(self) -> list[dict[str, Any]]:
         return await self.listing.ls_words(self)
 
+    async def doctor(self) -> dict[str, Any]:
+        """The engine settings that cost reuse, and where the last unreused restores departed."""
+        from . import doctor
+
+        return await doctor.run(self)
+
     def metrics(self, extra: list[tuple[str, str, str, int | float]] = ()) -> str:
         return report.metrics(self, extra)
 

@@ -235,6 +235,7 @@ class Turn:
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, step.name, step.shared, shared,
                                      "tokens" if claim is None else "tokens, downloaded", meta, len(tokens) // 4)
+                ctx.restore_log.bodies[s.id] = body  # doctor's, should the engine not reuse it
                 shared = step.shared
             else:
                 shared = 0  # llama-server cleared the slot

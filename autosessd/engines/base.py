@@ -48,6 +48,7 @@ class EngineInfo:
     model_name: str
     total_slots: int
     model_path: str = ""  # where the engine loaded its model from (llama-server /props), when it says
+    n_ctx: int | None = None  # a slot's context in tokens (/props default_generation_settings.n_ctx)
 
 
 class EngineError(Exception):
@@ -119,6 +120,10 @@ class ChatEngine(Engine, Protocol):
 
     async def tokenize(self, text: str, timeout_s: float | None = None) -> list[int]:
         """`text` as the chat path tokenizes a prompt (special tokens added and parsed)."""
+        ...
+
+    async def tokenize_pieces(self, text: str, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
+        """tokenize(), each token with its text (autosessctl doctor maps a token to a message)."""
         ...
 
     async def prompt_tokens(self, body: dict, timeout_s: float | None = None) -> list[int]:

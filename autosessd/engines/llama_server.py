@@ -122,6 +122,18 @@ class LlamaServer:
             raise EngineBadAnswer(f"/tokenize answered without a list of token ids: {d!r:.200}")
         return tokens
 
+    async def tokenize_pieces(self, text: str, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
+        """`text` tokenized as tokenize() does, each token with its text (`with_pieces`: a string,
+        or a list of byte values for a piece that is not whole UTF-8)."""
+        d = await self._call("POST", "/tokenize", {"content": text, "add_special": True, "parse_special": True,
+                                                    "with_pieces": True}, timeout_s)
+        tokens = d.get("tokens") if isinstance(d, dict) else None
+        try:
+            return [(int(t["id"]), t["piece"].encode("utf-8", "surrogatepass") if isinstance(t["piece"], str)
+                     else bytes(t["piece"])) for t in tokens]  # type: ignore[union-attr]
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"/tokenize with_pieces answered without id/piece pairs: {d!r:.200}") from None
+
     async def prompt_tokens(self, body: dict, timeout_s: float | None = None) -> list[int]:
         """The exact tokens a chat request would be prompted with, without running it.
         Neither call waits for a slot: the engine answers them beside a running request."""
@@ -197,8 +209,11 @@ class LlamaServer:
         # own numbers (size in bytes, parameter count, vocabulary).
         ident = {"name": name, **{k: meta.get(k) for k in ("size", "n_params", "n_vocab", "n_embd")}}
         fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        dgs = props.get("default_generation_settings")
+        n_ctx = dgs.get("n_ctx") if isinstance(dgs, dict) else None
         return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1),
-                          model_path=str(props.get("model_path") or ""))
+                          model_path=str(props.get("model_path") or ""),
+                          n_ctx=n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) else None)
 
 
 def _error_message(data: Any, text: str) -> str:
