@@ -214,6 +214,8 @@ def show_status(st: dict[str, Any]) -> str:
             shared = f", sharing {tokens(r['shared'])} tokens with the request" if r.get("shared") is not None else ""
             reused = (f", the engine reused {tokens(r['cache_n'])}" if r.get("cache_n") is not None
                       else ", not verified yet")
+            if r.get("spared_ms") is not None:
+                reused += f", spared ~{seconds(r['spared_ms'] / 1000)}"
             out.append(f"          last restore {r['file']} (by {r.get('chosen_by', 'key')}){shared}{reused}")
     out.append(f"sessions  {store['path']}")
     out.append("inputs    " + (", ".join(st["inputs"]) or "none"))

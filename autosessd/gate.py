@@ -58,11 +58,11 @@ CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v
 # autosessd pins them where it placed them. Embeddings and rerank cannot be pinned.
 PINNABLE_PATHS = CONVERSATION_PATHS | {"/completion", "/completions", "/v1/completions", "/infill"}
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI chat: matched by tokens
+# The Prometheus text exposition format's content type.
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
 # slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
 # passes the slot's FIFO: unknown routes err on the safe side.
-# The Prometheus text exposition format's content type.
-METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
                             "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
                             # resumable streams: steer or find a running generation, never start one
