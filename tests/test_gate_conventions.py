@@ -245,3 +245,17 @@ async def test_steering_a_running_stream_does_not_wait_for_its_slot(gate):
             status, _, _ = await asyncio.wait_for(post(client, url, {"conversation_ids": []}, path=path), 5)
             assert status == 200
         engine.hold.set()
+
+
+async def test_a_client_that_leaves_during_keepalives_frees_its_slot(gate):
+    g, url, client, _ = gate
+    await post(client, url, A)
+    await post(client, url, B)
+    g.sessions.engine.restore_delay = 1.0
+    async with aiohttp.ClientSession() as other:
+        r = await other.post(url + "/v1/chat/completions", json={**A, "stream": True})
+        assert await r.content.readline() == b": ping\n"
+        r.close()  # gone mid-restore
+    # The turn finishes, the request is settled as never sent, and the slot's FIFO moves on.
+    status, _, _ = await asyncio.wait_for(post(client, url, B), 10)
+    assert status == 200 and g.sessions.view(0).key == conversation_key(B)
