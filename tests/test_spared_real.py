@@ -37,20 +37,34 @@ def ctl(d, *args):
     return r.stdout
 
 
-def demo_switch(base, facts=demo.A_FACTS):
+A = [{"role": "user", "content": demo.facts(demo.A_FACTS, "box") + "\nHow many marbles are in box 5?"}]
+B = [{"role": "user", "content": demo.facts(40, "jar") + "\nWhich jar is red?"}]
+
+
+def demo_switch(base, a=A):
     """The demo's steps 1-3; returns the return's (answer, headers) and its messages."""
-    a = [{"role": "user", "content": demo.facts(facts, "box") + "\nHow many marbles are in box 5?"}]
-    b = [{"role": "user", "content": demo.facts(40, "jar") + "\nWhich jar is red?"}]
     first, _ = chat(base, a)
-    chat(base, b)
+    chat(base, B)
     a = a + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
              {"role": "user", "content": "And in box 7?"}]
     back, headers = chat(base, a)
     return back, headers, a
 
 
+def ms_per_token(answer):
+    t = answer["timings"]
+    assert t["cache_n"] == 0  # a read from an empty slot: the whole prompt
+    return t["prompt_ms"] / t["prompt_n"]
+
+
 def test_status_shows_the_tokens_and_seconds_spared_as_the_engine_timed_them(engines, session_dir, tmp_path):
+    """The engine's own timing of the re-read is taken twice, on the same engine: A read cold before
+    the daemon starts, and the return's prompt read cold after it (its slot erased). A machine shared
+    with other work changes speed between the two; the figures must lie within 20% of those
+    timings (of the one, or of the other, or between them)."""
     eng = engines(save_dir=session_dir)
+    alone, _ = chat(eng.url, A)  # the engine alone, as the demo's second leg
+    eng.post("/slots/0?action=erase", {})
     d = Daemon(tmp_path, session_dir, eng.url, min_tokens=None).start()  # the default: auto
     try:
         back, headers, messages = demo_switch(d.gate_url)
@@ -61,21 +75,22 @@ def test_status_shows_the_tokens_and_seconds_spared_as_the_engine_timed_them(eng
         spared_tokens = last["cache_n"] - (last["slot_shared"] or 0)
         since = st["spared"]["since_start"]
         assert since["prompt_tokens"] == spared_tokens and since["restores_reused"] == 1
-        # The engine's own timing of that re-read: the same request, its slot erased first.
         eng.post("/slots/0?action=erase", {})
-        direct, _ = chat(eng.url, messages)
-        truth_s = direct["timings"]["prompt_ms"] / 1000 * spared_tokens / direct["timings"]["prompt_n"]
-        assert direct["timings"]["cache_n"] == 0
-        assert since["seconds"] == pytest.approx(truth_s, rel=0.2), (since, direct["timings"])
+        direct, _ = chat(eng.url, messages)  # the re-read autosessd spared, timed by the engine
+        truths = sorted(ms_per_token(x) * spared_tokens / 1000 for x in (alone, direct))
+
+        def within(s):
+            return 0.8 * truths[0] <= s <= 1.2 * truths[1]
+
+        assert within(since["seconds"]), (since, truths)
         est = int(headers["X-Autosessd-Est-Saved-Ms"]) / 1000
-        assert est == pytest.approx(truth_s, rel=0.2)
+        assert within(est), (est, truths)
         assert headers["X-Autosessd-Restored"].endswith(".bin") and headers["X-Autosessd-Slot"] == "0"
         # For people: the headline, in their units.
         text = ctl(d, "status")
         m = re.search(r"since start: ([\d,]+) prompt tokens not read again, ~([\d.]+) s of prefill spared", text)
         assert m, text
-        assert int(m.group(1).replace(",", "")) == spared_tokens
-        assert float(m.group(2)) == pytest.approx(truth_s, rel=0.2)
+        assert int(m.group(1).replace(",", "")) == spared_tokens and within(float(m.group(2)))
         # auto chose its threshold from what it measured, and says so.
         assert st["store"]["min_tokens_auto"] and st["store"]["min_tokens"] <= spared_tokens
         assert "(auto)" in d.logtext() and "saves from:" in text
@@ -94,7 +109,7 @@ def test_doctor_names_swa_full_on_an_engine_without_it(engines, session_dir, tmp
     eng = engines(save_dir=session_dir, swa_full=False)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        demo_switch(d.gate_url, facts=60)
+        demo_switch(d.gate_url, [{"role": "user", "content": demo.facts(60, "box") + "\nHow many in box 5?"}])
         wait_until(lambda: d.status()["counters"]["restores_not_reused"] == 1, 30, 0.1, "the unreused restore")
         text = ctl(d, "doctor")
         swa = next(ln for ln in text.splitlines() if "--swa-full" in ln)
