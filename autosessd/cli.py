@@ -55,7 +55,8 @@ def autosessd_main() -> None:
 @click.option("--engine-control", metavar="ADDR", help="engine.control: unix:/path or tcp:host:port")
 @click.option("--slot", type=int, help="engine.slot")
 @click.option("--slot-save-path", metavar="DIR", help="the engine's --slot-save-path")
-@click.option("--min-tokens", type=int, help="auto_sessions_min_tokens")
+@click.option("--min-tokens", metavar="N|auto", help="auto_sessions_min_tokens (default auto: by the engine's "
+              "measured rates)")
 @click.option("--keep", type=int, help="auto_sessions_keep")
 @click.option("--max-gb", type=float, help="auto_sessions_max_gb")
 @click.option("--socket", metavar="PATH", help="control.socket")

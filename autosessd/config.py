@@ -25,6 +25,7 @@ else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 ENGINE_KINDS = ("llama-server", "control-stream")
+AUTO = "auto"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -79,6 +80,10 @@ class GateConfig:
     max_connections: int | None = None
     # Seconds a connection may take to send a request's headers, and stay idle between two.
     header_timeout_s: float = 30.0
+    # A streaming request that waits this long (its slot's FIFO, a restore, the engine's first
+    # byte) gets the gate's own 200 and an SSE comment `: ping` this often (keepalive.py), so
+    # clients and proxies with idle timeouts keep it; 0: never.
+    keepalive_s: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,9 @@ class SharedConfig:
 class Config:
     slot_save_path: str = ""
     auto_sessions: bool = True
-    auto_sessions_min_tokens: int = 16000
+    # "auto": save a conversation when re-reading it would cost more than saving and restoring
+    # it, by the engine's measured rates (savings.py, policy.auto_min_tokens); a number overrides.
+    auto_sessions_min_tokens: int | str = AUTO
     auto_sessions_keep: int = 12
     auto_sessions_max_gb: float = 100.0
     state_dir: str | None = None  # where the daemon remembers the held key and tail offsets
@@ -236,6 +243,8 @@ def _build(raw: dict[str, Any], source: str) -> Config:
             if not isinstance(value, dict):
                 raise ConfigError(source, key, f"must be a table ([{key}]), got {_typename(value)}")
             top[key] = _build_section(_SECTIONS[key], key, value, source)
+        elif key == "auto_sessions_min_tokens":
+            top[key] = min_tokens_value(value, source)
         elif key in top_fields:
             top[key] = _coerce(top_fields[key], key, value, source)
         else:
@@ -292,6 +301,18 @@ def _coerce(f: dataclasses.Field, key: str, value: Any, source: str) -> Any:
     raise AssertionError(f"unhandled field type {t}")  # a programming error, not a user one
 
 
+def min_tokens_value(value: Any, source: str = "--min-tokens") -> int | str:
+    """auto_sessions_min_tokens: "auto" or a whole number of 0 or more (a flag's text too)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigError(source, "auto_sessions_min_tokens", f'must be "auto" or a whole number of 0 or more, got '
+                                                         f"{_typename(value)} {value!r}")
+
+
 def _typename(v: Any) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "table"}.get(
         type(v), type(v).__name__
@@ -306,8 +327,6 @@ def _validate(c: Config, source: str) -> None:
         bad("slot_save_path", "missing: set it to the directory the engine saves into (its --slot-save-path)")
     if not os.path.isabs(c.slot_save_path):
         bad("slot_save_path", f"must be an absolute path, got {c.slot_save_path!r}")
-    if c.auto_sessions_min_tokens < 0:
-        bad("auto_sessions_min_tokens", f"must be 0 or more, got {c.auto_sessions_min_tokens}")
     if c.auto_sessions_keep < 1:
         bad("auto_sessions_keep", f"must be 1 or more, got {c.auto_sessions_keep}")
     if not c.auto_sessions_max_gb > 0:
@@ -343,6 +362,8 @@ def _validate(c: Config, source: str) -> None:
         except ValueError as err:
             bad("engine.control", str(err))
 
+    if c.gate.keepalive_s < 0:
+        bad("gate.keepalive_s", f"must be 0 (no keepalives) or more, got {c.gate.keepalive_s}")
     if not c.gate.max_body_mb > 0:
         bad("gate.max_body_mb", f"must be more than 0, got {c.gate.max_body_mb}")
     if c.gate.max_connections is not None and c.gate.max_connections < 1:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from .config import Config
 from .engines.base import ChatEngine, Engine
-from .report import Counters, Events, RestoreLog
+from .report import Counters, Events, Histograms, RestoreLog
+from .savings import Savings
 from .store import Store
 
 MAX_TOKENS = 1 << 24
@@ -45,6 +46,8 @@ class Context:
     counters: Counters = field(default_factory=Counters)
     events: Events = field(default_factory=Events)
     restore_log: RestoreLog = field(default_factory=RestoreLog)
+    histograms: Histograms = field(default_factory=Histograms)
+    savings: Savings = field(default_factory=Savings)  # the engine's rates; what was spared
 
     @property
     def chat(self) -> ChatEngine | None:
@@ -53,7 +56,10 @@ class Context:
 
     @property
     def min_tokens(self) -> int:
-        return self.cfg.auto_sessions_min_tokens
+        """auto_sessions_min_tokens in force: the number, or with "auto" the one the engine's
+        measured rates call for (savings.py)."""
+        value = self.cfg.auto_sessions_min_tokens
+        return value if isinstance(value, int) else self.savings.min_tokens()[0]
 
     @property
     def max_tokens(self) -> int:

@@ -80,6 +80,7 @@ class ControlServer:
             "prune": self.cmd_prune,
             "forget": self.cmd_forget,
             "turn": self.cmd_turn,
+            "doctor": self.cmd_doctor,
         }
 
     # -- life ------------------------------------------------------------------
@@ -228,6 +229,9 @@ class ControlServer:
     # -- commands ----------------------------------------------------------------
     async def cmd_status(self, args: dict[str, Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, self.sessions.status)
+
+    async def cmd_doctor(self, args: dict[str, Any]) -> Any:
+        return await self.sessions.doctor()
 
     async def cmd_ls(self, args: dict[str, Any]) -> Any:
         if self.router is not None:

@@ -150,10 +150,62 @@ def slot_line(s: dict[str, Any]) -> str:
     return "holds nothing autosessd can name" + (f" ({s['why']})" if s.get("why") else "") + busy
 
 
+def seconds(s: float | None) -> str:
+    """A duration for people: 850 ms, 12.3 s, 4 min 10 s, 2 h 5 min."""
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1000:,.0f} ms"
+    if s < 60:
+        return f"{s:,.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60)} s"
+    return f"{int(s // 3600):,} h {int(s % 3600 // 60)} min"
+
+
+def headline(st: dict[str, Any]) -> list[str]:
+    """What autosessd did for the user, since it started and in total (issue 22), then the disk."""
+    sp, store = st.get("spared") or {}, st["store"]
+    out = []
+    for label, f in (("since start", sp.get("since_start")), ("in total", sp.get("total"))):
+        if not f:
+            continue
+        restores = f"{f['restores_reused']:,} restore{'s' if f['restores_reused'] != 1 else ''} reused"
+        if f["restores_not_reused"]:
+            restores += f", {f['restores_not_reused']:,} NOT reused (autosessctl doctor says why)"
+        if f["restores_unverified"]:
+            restores += f", {f['restores_unverified']:,} unverified"
+        since = f"  (since {when(f['since'])})" if label == "in total" else ""
+        out.append(f"{label + ':':<13}{tokens(f['prompt_tokens'])} prompt tokens not read again, "
+                   f"~{seconds(f['seconds'])} of prefill spared; {restores}{since}")
+    rates = sp.get("rates") or {}
+    tps = rates.get("prompt_tokens_per_s")
+    if sp:
+        if tps:
+            rate = (f"{tps['1000']:,.0f} tokens/s reading 1k tokens, {tps['8000']:,.0f} reading 8k "
+                    f"({rates['prompt_reads']:,} prompt reads measured)")
+        else:
+            rate = "not measured yet (no prompt read seen)"
+        out.append(f"{'':13}(tokens: the engine's own timings.cache_n after each restore, less what the slot "
+                   f"held; seconds: at its measured prompt rate: {rate})")
+        if sp.get("unpriced_tokens"):
+            out.append(f"{'':13}{tokens(sp['unpriced_tokens'])} tokens reused before any prompt read was "
+                       f"measured are priced at the first")
+    budget = store.get("budget_bytes") or int(store["max_gb"] * 1e9)
+    share = f" ({store['auto_bytes'] / budget:.0%})" if budget else ""
+    out.append(f"{'on disk:':<13}{store['auto_files']:,} files, {gb(store['auto_bytes'])} of the "
+               f"{gb(budget)} budget{share}, newest {store['keep']:,} kept; {gb(store['free_bytes'])} free")
+    auto = store.get("min_tokens_auto")
+    out.append(f"{'saves from:':<13}{tokens(store['min_tokens'])} tokens"
+               + (f" (auto: {store.get('min_tokens_why')})" if auto else " (auto_sessions_min_tokens)"))
+    return out
+
+
 def show_status(st: dict[str, Any]) -> str:
     e, store, c = st["engine"], st["store"], st["counters"]
-    out = [f"autosessd {st['version']}, up {int(st['uptime_s'])} s, auto sessions "
+    out = [f"autosessd {st['version']}, up {seconds(st['uptime_s'])}, auto sessions "
            f"{'on' if st['auto_sessions'] else 'off'}",
+           *headline(st),
            f"engine    {e['kind']} {e['url']}  {'healthy' if e['healthy'] else 'NOT healthy'}  {e['model']}"]
     router = st.get("router")
     if router:
@@ -170,10 +222,10 @@ def show_status(st: dict[str, Any]) -> str:
             shared = f", sharing {tokens(r['shared'])} tokens with the request" if r.get("shared") is not None else ""
             reused = (f", the engine reused {tokens(r['cache_n'])}" if r.get("cache_n") is not None
                       else ", not verified yet")
+            if r.get("spared_ms") is not None:
+                reused += f", spared ~{seconds(r['spared_ms'] / 1000)}"
             out.append(f"          last restore {r['file']} (by {r.get('chosen_by', 'key')}){shared}{reused}")
-    out.append(f"sessions  {store['path']}  {store['auto_files']} auto files, {gb(store['auto_bytes'])}, "
-               f"{gb(store['free_bytes'])} free  (keep {store['keep']}, max {store['max_gb']:g} GB, "
-               f"min {tokens(store['min_tokens'])} tokens)")
+    out.append(f"sessions  {store['path']}")
     out.append("inputs    " + (", ".join(st["inputs"]) or "none"))
     if st.get("shared"):
         out += shared_lines(st["shared"])
@@ -217,9 +269,72 @@ def shared_lines(sh: dict[str, Any]) -> list[str]:
     return out
 
 
+def size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else seconds(v / 1000)
+
+
+def _turn(ev: dict[str, Any]) -> str:
+    did = []
+    if ev.get("saved"):
+        did.append(f"saved {tokens(ev['saved'].get('n_tokens'))} tokens to {ev['saved'].get('file')}")
+    if ev.get("restored"):
+        did.append(f"restored {tokens(ev['restored'].get('n_tokens'))} tokens from {ev['restored'].get('file')}")
+    if ev.get("prefix"):
+        did.append(f"prefix {tokens(ev['prefix'].get('n_tokens'))} tokens")
+    did += [f"error: {e}" for e in ev.get("errors") or []]
+    return (ev.get("key") or "(no conversation)") + ": " + ("; ".join(did) or "nothing to do") + \
+        f", {_ms(ev.get('ms'))}"
+
+
+# One formatter per event type: what happened, in units; anything else falls back to key=value.
+_EVENTS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "turn": _turn,
+    "saving": lambda e: f"{tokens(e.get('n_tokens'))} tokens of {e.get('key')}" + (
+        f" to {e['file']}" if e.get("file") else ""),
+    "saved": lambda e: f"{tokens(e.get('n_tokens'))} tokens  {size(e.get('bytes'))}  {e.get('file')}  in "
+                       f"{_ms(e.get('ms'))} (engine {_ms(e.get('engine_ms'))})",
+    "restored": lambda e: f"{tokens(e.get('n_tokens'))} tokens  {size(e.get('bytes'))}  {e.get('file')}  in "
+                          f"{_ms(e.get('ms'))} (engine {_ms(e.get('engine_ms'))})",
+    "restore_reused": lambda e: f"{e.get('file')}: the engine reused {tokens(e.get('cache_n'))} of "
+                                f"{tokens(e.get('n_restored'))} tokens" + (
+        f", spared {tokens(e['spared_tokens'])} tokens ~{_ms(e.get('spared_ms'))}"
+        if e.get("spared_tokens") is not None else ""),
+    "restore_not_reused": lambda e: f"{e.get('file')}: the engine reused only {tokens(e.get('cache_n'))} of "
+                                    f"{tokens(e.get('n_restored'))} tokens (autosessctl doctor says why)",
+    "save_failed": lambda e: f"{e.get('file') or e.get('key')}: {e.get('error')}",
+    "restore_failed": lambda e: f"{e.get('file')}: {e.get('error')}",
+    "engine_reset": lambda e: f"{e.get('key')} lost: {e.get('why')}",
+    "save_discarded": lambda e: f"{e.get('key')}: {e.get('why')}",
+    "save_covered": lambda e: f"{tokens(e.get('n_tokens'))} tokens of {e.get('key')}: {e.get('file')} holds them",
+    "slot_emptied": lambda e: str(e.get("why")),
+    "pruned": lambda e: f"{len(e.get('files') or []):,} files, {size(e.get('bytes'))} freed",
+    "forgot": lambda e: f"auto-{e.get('key')}.bin, {size(e.get('bytes'))} freed",
+    "downloaded": lambda e: f"{e.get('file')} from {e.get('host')}: {tokens(e.get('n_tokens'))} tokens  "
+                            f"{size(e.get('bytes'))}",
+    "download_failed": lambda e: f"{e.get('file')} from {e.get('host')}: {e.get('error')}",
+}
+
+
 def show_event(ev: dict[str, Any]) -> str:
-    rest = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("seq", "ts", "type") and v not in (None, [], {}))
-    return f"{when(ev.get('ts'))}  {ev.get('type', '?'):<18} {rest}"
+    """One line per event, for people: time, type, slot, then what happened with its units."""
+    kind = ev.get("type", "?")
+    fmt = _EVENTS.get(kind)
+    if fmt is not None:
+        try:
+            what = fmt(ev)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            fmt = None
+    if fmt is None:
+        what = " ".join(f"{k}={v}" for k, v in ev.items()
+                        if k not in ("seq", "ts", "type", "slot") and v not in (None, [], {}))
+    slot = f"slot {ev['slot']}" if isinstance(ev.get("slot"), int) else ""
+    return f"{when(ev.get('ts'))}  {kind:<18}  {slot:<7}  {what}"
 
 
 # -- commands -------------------------------------------------------------------------
@@ -409,6 +524,32 @@ def events(ctx: click.Context, follow: bool, limit: int, sock: str | None, as_js
             raise CtlError(EXIT_NOT_RUNNING, "autosessd stopped")
 
     run(go)
+
+
+@cli.command()
+@common
+def doctor(ctx: click.Context, sock: str | None, as_json: bool | None) -> None:
+    """The engine settings that cost reuse, each with its fix; where unreused restores departed."""
+    c = ctx.obj.merged(sock, as_json)
+    run(lambda: c.out(call(c.path, "doctor", timeout=120), show_doctor))
+
+
+def show_doctor(r: dict[str, Any]) -> str:
+    """One line per engine setting (ok / PROBLEM / unknown, the flag, what was seen, the fix)."""
+    out = [f"engine {r['engine']}" + ("" if r["flags_read"] else
+                                      " (its command line is not readable from here: judged by what it showed)")]
+    for f in r["findings"]:
+        mark = {"ok": "ok", "problem": "PROBLEM", "unknown": "?"}.get(f["status"], f["status"])
+        out.append(f"{mark:<8} {f['setting']:<20} {f['says']}" + (f"  -> fix: {f['fix']}" if f["fix"] and
+                                                                   f["status"] != "ok" else ""))
+    if r["not_reused"]:
+        out.append("restores the engine did not reuse, newest first:")
+    for d in r["not_reused"]:
+        out.append(f"  {when(d['at'])}  {d['file']}: reused {tokens(d['cache_n'])} of {tokens(d['n_restored'])} "
+                   f"tokens; {d['where']}")
+    problems = sum(f["status"] == "problem" for f in r["findings"])
+    out.append(f"{problems} problem{'s' if problems != 1 else ''}" if problems else "no problem found")
+    return "\n".join(out)
 
 
 def main() -> None:

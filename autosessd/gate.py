@@ -43,10 +43,12 @@ from aiohttp import web
 from .config import Config, parse_hostport
 from . import report
 from .guard import Guard
+from .keepalive import Keepalive
+from .keys import conversation_id_key, conversation_key
 from .models import Router
-from .keys import conversation_key
 from .requestlog import RequestLog
 from .placement import Ticket
+from .report import TurnResult
 from .sessions import Sessions
 from .upstream import SSEWatcher, Upstream, gate_error
 
@@ -59,11 +61,15 @@ CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v
 # autosessd pins them where it placed them. Embeddings and rerank cannot be pinned.
 PINNABLE_PATHS = CONVERSATION_PATHS | {"/completion", "/completions", "/v1/completions", "/infill"}
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI chat: matched by tokens
+# The Prometheus text exposition format's content type.
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
 # slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
 # passes the slot's FIFO: unknown routes err on the safe side.
 SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
                             "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
+                            # resumable streams: steer or find a running generation, never start one
+                            "/v1/chat/completions/control", "/v1/streams/lookup",
                             "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
                             "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens"})
 
@@ -227,16 +233,18 @@ class Gate:
             # status() scans the session directory: off the loop, as the control socket does.
             return web.json_response(await asyncio.get_running_loop().run_in_executor(None, self.house.status))
         if request.path == "/autosessd/metrics" and request.method == "GET":
-            return web.Response(text=self.metrics(), content_type="text/plain", charset="utf-8",
-                                headers={"X-Content-Type-Options": "nosniff"})
+            # It scans the session directory for its gauges: off the loop, as status is.
+            text = await asyncio.get_running_loop().run_in_executor(None, self.metrics)
+            return web.Response(body=text.encode(), headers={"Content-Type": METRICS_TYPE,
+                                                             "X-Content-Type-Options": "nosniff"})
         return gate_error(404, f"no such endpoint {request.path} (autosessd has /autosessd/status and "
                                f"/autosessd/metrics)", "not_found_error")
 
     # -- forwarding ------------------------------------------------------------
-    async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None
-                    ) -> web.StreamResponse:
+    async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None,
+                    decorate: Any = None, early: Keepalive | None = None) -> web.StreamResponse:
         """Forward one request to the engine and its response back, as it arrives."""
-        return await self.pool.forward(request, body, watcher)
+        return await self.pool.forward(request, body, watcher, decorate, early)
 
     async def slot_action(self, request: web.Request) -> web.StreamResponse:
         """A client's own POST /slots/N?action=...: it waits for the slot's FIFO, so it never
@@ -267,42 +275,65 @@ class Gate:
             parsed = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # the engine answers a bad body itself
-        key = conversation_key(parsed) if request.path in CONVERSATION_PATHS else None
+        # X-Conversation-Id (llama-server's web UI sends it; b11434 keys resumable streams on it)
+        # names the conversation when present; else its first user message does.
+        key = (conversation_id_key(request.headers.get("X-Conversation-Id")) or conversation_key(parsed)
+               if request.path in CONVERSATION_PATHS else None)
         # Only an OpenAI chat body has its tokens from the engine's /apply-template; the other
         # APIs' bodies keep the key rule.
         chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None
-        s = self.sessions
-        model = parsed.get("model") if self.router is not None and isinstance(parsed, dict) else None
-        if self.router is not None:
-            # Its model loaded first (another put away when the router is at its limit); a
-            # model autosessd does not keep, or none named: forwarded untouched.
-            s = await self.router.acquire(model)
-            if s is None:
-                return await self.proxy(request, body)
-            key = self.router.key(model, key)
-            handed: list[Ticket] = []
-            try:
-                return await self._kv_request(request, body, parsed, key, chat, s, handed.append)
-            finally:
-                # The model's request counts as in flight until its ticket goes (which may be
-                # after this handler: bookkeeping, a disconnect), or until now if it got none.
-                if handed:
-                    handed[0].then(lambda: self.router.release(model))
-                else:
-                    self.router.release(model)
-        return await self._kv_request(request, body, parsed, key, chat, s, None)
+        # A streaming client is kept alive with SSE comments while it waits (keepalive.py).
+        streams = isinstance(parsed, dict) and parsed.get("stream") is True
+        ka = Keepalive(request, self.cfg.gate.keepalive_s) if streams and self.cfg.gate.keepalive_s > 0 else None
+        if self.router is None:
+            return await self._kv_request(request, body, parsed, key, chat, self.sessions, ka, None)
+        # Its model loaded first (another put away when the router is at its limit); a model
+        # autosessd does not keep, or none named: forwarded untouched.
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        s = await self._acquire(model, ka)
+        if s is None:
+            return await self.proxy(request, body, early=ka)
+        handed: list[Ticket] = []
+        try:
+            return await self._kv_request(request, body, parsed, self.router.key(model, key), chat, s, ka,
+                                          handed.append)
+        finally:
+            # The model's request counts as in flight until its ticket goes (which may be
+            # after this handler: bookkeeping, a disconnect), or until now if it got none.
+            if handed:
+                handed[0].then(lambda: self.router.release(model))
+            else:
+                self.router.release(model)
+
+    async def _acquire(self, model: Any, ka: Keepalive | None) -> Sessions | None:
+        """The router's Sessions of the request's model. A client that leaves meanwhile does
+        not stop the model switch (other requests may wait for it); the count of the model's
+        requests it took is given back once it is done."""
+        assert self.router is not None
+        router = self.router
+        task = asyncio.ensure_future(router.acquire(model))
+        try:
+            return await (ka.wait(asyncio.shield(task)) if ka else asyncio.shield(task))
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None or t.result() is None
+                                   else router.release(model))
+            raise
 
     async def _kv_request(self, request: web.Request, body: bytes, parsed: Any, key: str | None,
-                          chat: dict | None, s: Sessions, hand: Callable[[Ticket], None] | None
-                          ) -> web.StreamResponse:
+                          chat: dict | None, s: Sessions, ka: Keepalive | None,
+                          hand: Callable[[Ticket], None] | None) -> web.StreamResponse:
         n_slots = len(s.slots)
         if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict)):
-            return await self.unplaced(request, body, s)
+            return await self.unplaced(request, body, s, ka)
         want = parsed.get("id_slot") if n_slots > 1 and isinstance(parsed, dict) else None
+        release = lambda t: t.release()  # noqa: E731 - a ticket granted as the client left
         if isinstance(want, int) and not isinstance(want, bool) and want >= 0:
-            ticket = await s.admit(want % n_slots)  # the client chose the slot (the engine wraps the id too)
+            # The client chose the slot (the engine wraps the id too).
+            admit = s.admit(want % n_slots)
+            ticket = await (ka.wait(admit, release) if ka else admit)
         else:
-            ticket = await s.place(key)
+            place = s.place(key)
+            ticket = await (ka.wait(place, release) if ka else place)
             if n_slots > 1:
                 # Pinned to the slot autosessd placed it on (and restored into): without it the
                 # engine would pick a slot by prompt similarity.
@@ -316,14 +347,14 @@ class Gate:
         forwarded = False
         watcher = SSEWatcher()
         try:
-            await asyncio.shield(turn_task)
-            await s.before_send(ticket)
+            result = await (ka.wait(asyncio.shield(turn_task)) if ka else asyncio.shield(turn_task))
+            await (ka.wait(s.before_send(ticket)) if ka else s.before_send(ticket))
             if self.request_log:
                 self.request_log.write(event="start", id=rid, slot=ticket.slot_id, key=key)
             forwarded = True
             s.sent(ticket)
             # Not shielded: cancelling it (client gone) closes the upstream request.
-            resp = await self.proxy(request, body, watcher)
+            resp = await self.proxy(request, body, watcher, self._decorator(s, result, ticket.slot_id), ka)
         except asyncio.CancelledError:
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
@@ -334,23 +365,51 @@ class Gate:
             raise
         # Delivered. The bookkeeping runs to its end even if the client hangs up now (a
         # streaming client often closes right after the last chunk), and releases the FIFO.
-        if resp.status == 502 and not watcher.reached:
+        # The engine's status: with keepalives the client had the gate's 200 already.
+        code = watcher.status if watcher.status is not None else resp.status
+        if not watcher.reached:
             status = "not_run"  # the gate could not reach the engine: nothing ran
-        elif 400 <= resp.status < 500:
+        elif 400 <= code < 500:
             status = "rejected"  # llama-server refuses a request (4xx) before it runs it
         else:
-            status = "ok" if resp.status < 400 and not watcher.broken else "error"
+            status = "ok" if code < 400 and not watcher.broken else "error"
         await asyncio.shield(self._spawn(self._after(s, ticket, key, watcher, status, rid)))
         return resp
 
-    async def unplaced(self, request: web.Request, body: bytes, s: Sessions) -> web.StreamResponse:
+    @staticmethod
+    def _decorator(s: Sessions, result: TurnResult, slot: int) -> Any:
+        """What autosessd did for the request, as response headers (README: Response headers):
+        only on the engine's successful answers (forward leaves its error answers alone)."""
+        savings = s.ctx.savings
+
+        def decorate(status: int, watcher: SSEWatcher | None) -> dict[str, str]:
+            h = {"X-Autosessd-Slot": str(slot)}
+            if result.saved:
+                h["X-Autosessd-Saved"] = f"{result.saved['n_tokens']} {result.saved['file']}"
+            r = result.restored
+            if r:
+                h["X-Autosessd-Restored"] = f"{r['n_tokens']} {r['file']}"
+                had = r.get("slot_shared") or 0
+                cache_n = watcher.numbers()[0] if watcher is not None else None
+                # A whole answer carries the engine's cache_n: what it reused. A stream's headers
+                # go out before it: what the restore shares with the request, reused if all is well.
+                reused = cache_n if cache_n is not None else r.get("shared") or r["n_tokens"]
+                ms = savings.price(min(had, reused), reused)
+                if ms is not None:
+                    h["X-Autosessd-Est-Saved-Ms"] = str(round(ms))
+            return h
+
+        return decorate
+
+    async def unplaced(self, request: web.Request, body: bytes, s: Sessions,
+                       ka: Keepalive | None = None) -> web.StreamResponse:
         """With several slots, a request that cannot be pinned to one (embeddings, rerank,
         a body that is not a JSON object) runs wherever the engine puts it: it takes every
         slot's FIFO, and afterwards the slot it ran on (its task id moved) holds nothing we
         can name."""
         tickets = await s.admit_all()
         try:
-            return await self.proxy(request, body)
+            return await self.proxy(request, body, early=ka)
         finally:
             await asyncio.shield(self._spawn(self._after_unplaced(s, tickets)))
 
@@ -372,7 +431,7 @@ class Gate:
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
             await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
             if status == "ok":
-                s.prefill_seen(*watcher.prefill())
+                s.prefill_seen(*watcher.prefill(), cache_n=cache_n)
             if self.request_log and status != "not_run":
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
                                        status="ok" if status == "ok" else "error",
@@ -408,5 +467,5 @@ class Gate:
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
             ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
              self.pool.errors_502),
-            ("gate_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
+            ("gate_requests_in_flight", "gauge", "Requests in flight through the gate", self.in_flight),
         ])

@@ -23,6 +23,16 @@ def key_of_text(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+def conversation_id_key(value: str | None) -> str | None:
+    """Key of a client's own conversation id (the X-Conversation-Id header llama-server's web UI
+    sends): taken before the first-user-message rule, so two chats that open alike stay two, and
+    one whose first message is edited stays one. Empty or absent → None; a namespace keeps it
+    from ever equalling a first message's key."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return key_of_text("X-Conversation-Id\0" + value.strip())
+
+
 def is_key(s: object) -> bool:
     return isinstance(s, str) and KEY_RE.match(s) is not None
 

@@ -39,6 +39,7 @@ from .context import Context
 from .engines.base import EngineError
 from .observe import SLEPT, UNLOADED
 from .report import Counters, Events
+from .savings import Savings
 from .sessions import Sessions
 from .upkeep import Upkeep
 
@@ -95,6 +96,7 @@ class Router:
         # The house: what every model's Sessions shares.
         self.house = Context(cfg, engine, store, "router", "router")
         self.house.counters, self.house.events = Counters(), Events()
+        self.house.savings = Savings("", cfg.effective_state_dir() / "savings.json")
         self.upkeep = Upkeep(self.house)
         self.models: dict[str, Model] = {}
         self._transition = asyncio.Lock()  # one model put away or loaded at a time

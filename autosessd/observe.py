@@ -196,14 +196,22 @@ class Observer:
             return
         reused = policy.restore_reused(n_restored, cache_n, n_prompt)
         last = restores.last.get(s.id)
+        body = restores.bodies.pop(s.id, None)
         file = last["file"] if last is not None else auto_name(key)
         if last is not None:
             last.update(cache_n=cache_n, reused=reused)
         if reused:
             c.restores_reused += 1
-            c.prefill_tokens_avoided += cache_n
+            # What the restore gave beyond what the slot already shared with the request (the
+            # engine would have kept that part anyway), priced at the engine's own prompt rate.
+            had = (last.get("slot_shared") or 0) if last is not None else 0
+            had = min(had, cache_n)
+            ms = self.ctx.savings.spared(c, had, cache_n)
+            if last is not None:
+                last.update(spared_tokens=cache_n - had, spared_ms=None if ms is None else round(ms, 1))
             self.ctx.events.emit("restore_reused", slot=s.id, key=key, file=file, cache_n=cache_n,
-                                 n_restored=n_restored)
+                                 n_restored=n_restored, spared_tokens=cache_n - had,
+                                 spared_ms=None if ms is None else round(ms, 1))
             return
         c.restores_not_reused += 1
         cause = NOT_REUSED_CAUSE
@@ -214,6 +222,7 @@ class Observer:
                      f"the client cut it, and the engine read the prompt again instead of cutting its state back")
         restores.not_reused = {"key": key, "file": file, "n_restored": n_restored, "cache_n": cache_n,
                                "at": time.time(), "likely_cause": cause}
+        restores.departed.append({**restores.not_reused, "body": body})
         log.warning("auto sessions: restored %s tokens of %s but the engine reused %s (timings.cache_n): %s",
                     fmt_tokens(n_restored), file, fmt_tokens(cache_n), cause)
         self.ctx.events.emit("restore_not_reused", slot=s.id, key=key, file=file, cache_n=cache_n,

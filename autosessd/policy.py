@@ -32,8 +32,10 @@ all ask it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from .slotfile import KVLayout
 
@@ -236,3 +238,48 @@ def restore_reused(n_restored: int, cache_n: int, n_prompt: int | None = None) -
     --swa-full reports 0."""
     shared = min(n_restored, n_prompt) if n_prompt else n_restored
     return cache_n * 2 >= shared
+
+
+# auto_sessions_min_tokens = "auto" (savings.py measures, this decides).
+AUTO_FLOOR = 256  # never fewer: a title call or a two-line chat is not worth a file
+AUTO_CEILING = 1 << 20  # re-reading is cheaper at every size a context can have: in effect, no saves
+
+
+def auto_min_tokens(prefill: Any, save: tuple[float, float] | None, restore: tuple[float, float] | None,
+                    bytes_per_token: float | None, floor: int = AUTO_FLOOR,
+                    ceiling: int = AUTO_CEILING) -> tuple[int, str]:
+    """The smallest conversation worth saving: re-reading n tokens (prefill: ms = a·n + b·n² from
+    an empty slot, savings.Prefill) costs more than saving and restoring them (save, restore:
+    (fixed ms, ms per byte); bytes_per_token of the engine's state files); never below `floor`.
+    → (n, why, worded for the log and status). Until the engine has shown its rates (no read,
+    no save or restore yet), `floor`: save what may be worth it and learn from the first ones."""
+    if prefill is None or save is None or restore is None or not bytes_per_token:
+        missing = [w for w, v in (("a prompt read", prefill), ("a save", save), ("a restore", restore),
+                                  ("a save's size", bytes_per_token)) if not v]
+        return floor, f"the floor, until the engine has shown {', '.join(missing)} to measure"
+    a, b = prefill.a, prefill.b
+    fixed = save[0] + restore[0]
+    per_token = (save[1] + restore[1]) * bytes_per_token
+    # b·n² + (a − per_token)·n − fixed > 0
+    lin = a - per_token
+    if b > 0:
+        root = (-lin + math.sqrt(lin * lin + 4 * b * fixed)) / (2 * b)
+    elif lin > 0:
+        root = fixed / lin
+    else:
+        root = math.inf
+    n = floor if root < floor else ceiling if root >= ceiling else int(root) + 1
+    read_ms = a * n + b * n * n
+    keep_ms = fixed + per_token * n
+    if n == ceiling and root >= ceiling:
+        why = (f"re-reading is cheaper than saving and restoring at every size up to {ceiling:,} tokens "
+               f"(per token: read {a:.3f} ms, save + restore {per_token:.3f} ms)")
+    else:
+        why = (f"re-reading {n:,} tokens takes ~{_ms(read_ms)} at the engine's measured prompt rate, saving and "
+               f"restoring them ~{_ms(keep_ms)} ({bytes_per_token / 1e3:,.1f} kB a token)"
+               + (f"; the floor is {floor:,}" if n == floor else ""))
+    return n, why
+
+
+def _ms(ms: float) -> str:
+    return f"{ms / 1000:,.2f} s" if ms >= 1000 else f"{ms:,.0f} ms"

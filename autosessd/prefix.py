@@ -86,6 +86,7 @@ class PrefixReader:
             result.errors.append(f"prefix of {fmt_tokens(n)} tokens: {e}")
             s.lost("reading a shared prefix on its own failed")
             return
+        self.ctx.savings.saw_read(pre.cache_n, pre.prompt_n, pre.ms)
         if self.ctx.remote is not None:
             self.ctx.remote.saw_prefill(pre.prompt_n, pre.ms)
         v = s.view

@@ -61,6 +61,7 @@ COMMANDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "turn": {"key": ((str,), False), "messages": ((list,), False), "slot": ((int,), False),
              "model": ((str,), False)},
     "events": {"follow": ((bool,), False), "limit": ((int,), False)},
+    "doctor": {},
 }
 
 

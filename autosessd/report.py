@@ -59,8 +59,10 @@ def first_words(text: str, max_chars: int = 72) -> str:
 
 
 # -- counters ------------------------------------------------------------------------------
-def _counter(metric: str, help_: str, zero: int | float = 0) -> Any:
-    return field(default=zero, metadata={"metric": metric, "help": help_})
+def _counter(metric: str, help_: str, zero: int | float = 0, scale: float = 1) -> Any:
+    """A field of Counters: its metric's name (Prometheus conventions: base units, `_total`), its
+    help, and the factor from the field's unit (ms, kept for people) to the metric's (seconds)."""
+    return field(default=zero, metadata={"metric": metric, "help": help_, "scale": scale})
 
 
 @dataclass
@@ -91,9 +93,14 @@ class Counters:
     engine_resets: int = _counter("engine_resets_total", "Held states dropped because the engine lost them")
     bytes_saved: int = _counter("saved_bytes_total", "Bytes saved")
     bytes_restored: int = _counter("restored_bytes_total", "Bytes restored")
-    ms_saved: float = _counter("save_milliseconds_total", "Engine time spent saving", 0.0)
-    ms_restored: float = _counter("restore_milliseconds_total", "Engine time spent restoring", 0.0)
-    prefill_tokens_avoided: int = _counter("prefill_tokens_avoided_total", "Prompt tokens reused thanks to a restore")
+    ms_saved: float = _counter("save_seconds_total", "Engine time spent saving", 0.0, 0.001)
+    ms_restored: float = _counter("restore_seconds_total", "Engine time spent restoring", 0.0, 0.001)
+    prefill_tokens_avoided: int = _counter("prefill_tokens_avoided_total",
+                                           "Prompt tokens the engine did not read again thanks to a restore "
+                                           "(its timings.cache_n, less what the slot already held)")
+    ms_avoided: float = _counter("prefill_avoided_seconds_total",
+                                 "Prefill time those tokens would have taken, at the engine's own measured "
+                                 "prompt rate", 0.0, 0.001)
     bad_log_lines: int = _counter("request_log_bad_lines_total", "Request-log lines skipped as malformed")
     pruned_files: int = _counter("pruned_files_total", "Auto files removed by prune")
     pruned_bytes: int = _counter("pruned_bytes_total", "Bytes freed by prune")
@@ -150,8 +157,52 @@ class Counters:
 
 
 def counter_rows(c: Counters) -> list[tuple[str, str, str, int | float]]:
-    """(metric, kind, help, value) of every counter, in the order of the fields."""
-    return [(f.metadata["metric"], "counter", f.metadata["help"], getattr(c, f.name)) for f in dataclasses.fields(c)]
+    """(metric, kind, help, value in the metric's unit) of every counter, in the order of the fields."""
+    return [(f.metadata["metric"], "counter", f.metadata["help"], _scaled(getattr(c, f.name), f.metadata["scale"]))
+            for f in dataclasses.fields(c)]
+
+
+def _scaled(v: int | float, scale: float) -> int | float:
+    return v if scale == 1 else v * scale
+
+
+class Histogram:
+    """A Prometheus histogram of durations in seconds (cumulative buckets, sum, count)."""
+
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self, metric: str, help_: str):
+        self.metric, self.help = metric, help_
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        for i, le in enumerate(self.BUCKETS):
+            if seconds <= le:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += seconds
+
+    def lines(self, prefix: str) -> list[str]:
+        name = prefix + self.metric
+        out = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        running = 0
+        for le, n in zip([*map(repr, self.BUCKETS), "+Inf"], self.counts):
+            running += n
+            out.append(f'{name}_bucket{{le="{le}"}} {running}')
+        return out + [f"{name}_sum {self.sum!r}", f"{name}_count {running}"]
+
+
+@dataclass
+class Histograms:
+    """The engine's save and restore durations (its own timings), for latency quantiles."""
+
+    save: Histogram = field(default_factory=lambda: Histogram("save_duration_seconds",
+                                                              "Engine time of each save (timings.save_ms)"))
+    restore: Histogram = field(default_factory=lambda: Histogram("restore_duration_seconds",
+                                                                 "Engine time of each restore (timings.restore_ms)"))
 
 
 # What the skip of a step counts as.
@@ -193,6 +244,11 @@ class RestoreLog:
 
     last: dict[int, dict[str, Any]] = field(default_factory=dict)
     not_reused: dict[str, Any] | None = None
+    # The OpenAI chat body of each slot's restore awaiting verification, and the last few
+    # restores the engine did not reuse with it (autosessctl doctor: where the prompt departed).
+    # In memory only; never in status.
+    bodies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    departed: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4))
 
 
 # -- events --------------------------------------------------------------------------------
@@ -247,6 +303,7 @@ def status(s: Sessions) -> dict[str, Any]:
     cfg = s.cfg
     return {
         "version": __version__,
+        "spared": spared(s),
         "uptime_s": round(time.time() - s.started_at, 1),
         "auto_sessions": cfg.auto_sessions,
         "engine": {"kind": s.engine.kind, "url": s.engine.address, "healthy": s.engine_healthy,
@@ -257,8 +314,10 @@ def status(s: Sessions) -> dict[str, Any]:
         "counters": asdict(s.counters),
         "last_not_reused": s.restore_log.not_reused,
         "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
-                  "free_bytes": free, "min_tokens": cfg.auto_sessions_min_tokens, "keep": cfg.auto_sessions_keep,
-                  "max_gb": cfg.auto_sessions_max_gb,
+                  "free_bytes": free, "min_tokens": s.ctx.min_tokens, "min_tokens_auto": not auto_min_is_number(cfg),
+                  "min_tokens_why": s.ctx.savings.min_tokens()[1] if not auto_min_is_number(cfg) else "set in the config",
+                  "keep": cfg.auto_sessions_keep, "max_gb": cfg.auto_sessions_max_gb,
+                  "budget_bytes": int(cfg.auto_sessions_max_gb * 1e9),
                   "quarantined": {"files": len(quarantined), "bytes": sum(q.get("bytes") or 0 for q in quarantined),
                                   "latest": quarantined[:5]}},
         "index": None if s.index is None else {"files": len(s.index), "skipped": len(s.index.skipped),
@@ -266,6 +325,32 @@ def status(s: Sessions) -> dict[str, Any]:
         "inputs": {name: describe() for name, describe in s.inputs.items()},
         "shared": None if s.remote is None else s.remote.status(),
     }
+
+
+def auto_min_is_number(cfg: Any) -> bool:
+    return isinstance(cfg.auto_sessions_min_tokens, int)
+
+
+SPARED_HOW = ("tokens: the engine's own timings.cache_n after each restore it reused, less what the slot "
+              "already shared with the request; seconds: those tokens priced at the engine's own measured "
+              "prompt rate at that length (fitted from timings.prompt_ms of the prompts it read: "
+              "ms = a·n + b·n² from an empty slot)")
+
+
+def spared(s: Sessions) -> dict[str, Any]:
+    """The headline: what autosessd did for its users since the start and in total."""
+    c, sv = s.counters, s.ctx.savings
+
+    def figures(d: dict[str, float]) -> dict[str, Any]:
+        return {"prompt_tokens": int(d["prefill_tokens_avoided"]), "seconds": round(d["ms_avoided"] / 1000, 3),
+                "restores_reused": int(d["restores_reused"]), "restores_not_reused": int(d["restores_not_reused"]),
+                "restores_unverified": int(d["restores_unverified"])}
+
+    now = {k: getattr(c, k) for k in ("prefill_tokens_avoided", "ms_avoided", "restores_reused",
+                                      "restores_not_reused", "restores_unverified")}
+    return {"since_start": {**figures(now), "since": round(s.started_at, 3)},
+            "total": {**figures(sv.totals(c)), "since": round(sv.since, 3)},
+            "unpriced_tokens": sv.unpriced_tokens(), "how": SPARED_HOW, "rates": sv.describe()}
 
 
 class Listing:
@@ -359,33 +444,90 @@ def _shared_rows(sh: dict[str, Any]) -> list[tuple[str, str, str, int | float]]:
          "Objects refused as not the save their host made (size, digest, header); never fetched again",
          sh["downloads_refused_bad"]),
         ("shared_downloaded_bytes_total", "counter", "Bytes received from the shared bucket", sh["bytes_down"]),
-        ("shared_download_milliseconds_total", "counter", "Time spent downloading from the shared bucket",
-         float(sh["download_ms_total"])),
+        ("shared_download_seconds_total", "counter", "Time spent downloading from the shared bucket",
+         sh["download_ms_total"] / 1000),
         ("shared_catalog_saves", "gauge", "Saves of this model in the shared bucket, as last read",
          sh["catalog"]["saves"]),
     ]
 
 
-def metrics(s: Sessions, extra: list[tuple[str, str, str, int | float]] = ()) -> str:
-    """GET /autosessd/metrics (Prometheus text format): every counter, the caller's own rows
-    (the gate's), and the shared bucket's when it is configured (so a scraper sees no zeros
-    for a tier that is not there)."""
-    rows = [*counter_rows(s.counters), *extra]
+# A metric row: (name without the prefix, kind, help, value, or [(labels, value), ...] for a labelled one).
+Row = tuple[str, str, str, Any]
+PREFIX = "autosessd_"
+
+
+def _gauges(s: Sessions) -> list[Row]:
+    """What is, not what happened: the directory against its budget, each slot, the threshold.
+    Labels are bounded: a slot id (the engine's few slots), a state (slot.py's five), the version
+    and the model's file name (one at a time)."""
+    from .slot import Phase
+
+    cfg = s.cfg
+    entries = s.store.scan(with_meta=False)
+    try:
+        free: int | None = s.store.free_bytes()
+    except OSError:
+        free = None
+    slots = sorted(s.slots.values(), key=lambda x: x.id)
+    totals = s.ctx.savings.totals(s.counters)
+    rows: list[Row] = [
+        ("build_info", "gauge", "autosessd's version (always 1)", [({"version": __version__}, 1)]),
+        ("engine_info", "gauge", "The engine's model (always 1)", [({"model": s.model_name or "unknown"}, 1)]),
+        ("start_time_seconds", "gauge", "When autosessd started, in seconds since the epoch", s.started_at),
+        ("engine_healthy", "gauge", "1 when the engine answered its last health check", int(bool(s.engine_healthy))),
+        ("engine_slots", "gauge", "Engine slots autosessd drives", len(slots)),
+        ("session_files", "gauge", "Auto session files in the session directory", len(entries)),
+        ("session_bytes", "gauge", "Bytes of auto session files", sum(e.bytes for e in entries)),
+        ("session_budget_bytes", "gauge", "auto_sessions_max_gb: what prune keeps the auto files under",
+         int(cfg.auto_sessions_max_gb * 1e9)),
+        ("session_keep_files", "gauge", "auto_sessions_keep: the newest auto files prune keeps", cfg.auto_sessions_keep),
+        ("min_tokens", "gauge", "auto_sessions_min_tokens in force (chosen by the measured rates when auto)",
+         s.ctx.min_tokens),
+        ("lifetime_prefill_tokens_avoided", "gauge", "Prompt tokens not read again, over every run (state_dir)",
+         int(totals["prefill_tokens_avoided"])),
+        ("lifetime_prefill_avoided_seconds", "gauge", "Prefill time spared, over every run (state_dir)",
+         totals["ms_avoided"] / 1000),
+        ("slot_tokens", "gauge", "Tokens the slot holds, as far as autosessd knows",
+         [({"slot": str(sl.id)}, sl.view.n_tokens or 0) for sl in slots]),
+        ("slot_state", "gauge", "1 for the state each slot is in (slot.py: empty, switched, held, restored, unknown)",
+         [({"slot": str(sl.id), "state": p.value}, int(sl.view.phase is p)) for sl in slots for p in Phase]),
+    ]
+    if free is not None:
+        rows.append(("disk_free_bytes", "gauge", "Free bytes on the session directory's file system", free))
+    return rows
+
+
+def _value(v: int | float) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    return str(v) if isinstance(v, int) else repr(float(v))
+
+
+def metrics(s: Sessions, extra: list[Row] = ()) -> str:
+    """GET /autosessd/metrics (Prometheus text format 0.0.4): every counter, the gauges, the
+    save/restore histograms, the caller's own rows (the gate's), and the shared bucket's when it
+    is configured (so a scraper sees no zeros for a tier that is not there). Names follow
+    Prometheus' conventions (`autosessd_` prefix, base units, `_total` on counters; checked by
+    `promtool check metrics` in tests). Blocking: scans the directory (run it in a thread)."""
+    rows: list[Row] = [*counter_rows(s.counters), *extra, *_gauges(s)]
     if s.remote is not None:
         rows += _shared_rows(s.remote.status())
     if hasattr(s, "metric_rows"):  # a router's models (models.py)
         rows += s.metric_rows()
     out = []
     for name, kind, help_, value in rows:
-        out += [f"# HELP autosessd_{name} {help_}", f"# TYPE autosessd_{name} {kind}"]
-        # A value, or [(labels, value), ...] for one sample per label set.
-        for labels, v in value if isinstance(value, list) else [({}, value)]:
-            lab = ",".join(f'{k}="{_label(str(x))}"' for k, x in labels.items())
-            num = f"{v:g}" if isinstance(v, float) else str(v)
-            out.append(f"autosessd_{name}{{{lab}}} {num}" if lab else f"autosessd_{name} {num}")
+        metric = PREFIX + name
+        out += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}"]
+        if isinstance(value, list):
+            for labels, v in value:
+                text = ",".join(f'{k}="{_escape(str(x))}"' for k, x in labels.items())
+                out.append(f"{metric}{{{text}}} {_value(v)}")
+        else:
+            out.append(f"{metric} {_value(value)}")
+    for h in (s.ctx.histograms.save, s.ctx.histograms.restore):
+        out += h.lines(PREFIX)
     return "\n".join(out) + "\n"
 
 
-def _label(v: str) -> str:
-    """A Prometheus label value, escaped as the text format wants."""
-    return v.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -98,6 +98,8 @@ class Restorer:
         ctx.counters.restores += 1
         ctx.counters.bytes_restored += res.n_bytes
         ctx.counters.ms_restored += res.ms
+        ctx.savings.saw_restore(res.n_tokens, res.n_bytes, res.ms)
+        ctx.histograms.restore.observe(res.ms / 1000)
         log.info("auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens), name, ms)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}

@@ -279,6 +279,8 @@ class Saver:
             c.saves_branched += 1
         c.bytes_saved += res.n_bytes
         c.ms_saved += res.ms
+        ctx.savings.saw_save(res.n_tokens, res.n_bytes, res.ms)
+        ctx.histograms.save.observe(res.ms / 1000)
         log.info("auto sessions: saved %s tokens (%s) to %s in %.0f ms%s", fmt_tokens(res.n_tokens),
                  fmt_bytes(res.n_bytes), final, ms,
                  f" (conversation {key}: {how})" if how not in ("key", "new", "extends") else "")

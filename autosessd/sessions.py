@@ -107,6 +107,7 @@ from .report import Counters, Events, TurnResult
 from .restores import Restorer
 from .saves import Saver
 from .sleep import SleepWatch
+from .savings import Savings
 from .slot import Slot, View
 from .store import Store
 from .turn import Turn
@@ -140,7 +141,9 @@ class Sessions:
         if house is not None:
             ctx.counters, ctx.events, ctx.index = house.counters, house.events, house.index
         self.started_at = time.time()
-        self.placement = Placement(cfg.engine.slot, lambda: ctx.cfg.auto_sessions_min_tokens)
+        ctx.savings = (house.savings.for_model(model) if house is not None
+                       else Savings(model, cfg.effective_state_dir() / "savings.json"))
+        self.placement = Placement(cfg.engine.slot, lambda: ctx.min_tokens)
         self.placement.add_slots(n_slots)
         self.launch = Launch(ctx, self.placement.slots, empties_idle_slots)
         self.observer = Observer(ctx, self.launch)
@@ -159,6 +162,7 @@ class Sessions:
         self.sleep: SleepWatch | None = None  # the engine sleeps when idle (sleep.py; the daemon starts it)
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
+        self._flush: asyncio.TimerHandle | None = None
 
     # -- the facts, for the inputs and reports -------------------------------------------------
     cfg = property(lambda self: self.ctx.cfg, lambda self, cfg: setattr(self.ctx, "cfg", cfg),
@@ -238,6 +242,7 @@ class Sessions:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,
                       s.view.phase.value, s.view.key or "")
             return
+        self.flush_savings_later()
         hold = self._end_may_save(s, key, status, n_tokens)
         async with self.launch.end_save_hold(hold):  # may wait: observe.end checks the view again
             if await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True) and hold:
@@ -249,7 +254,7 @@ class Sessions:
         """Whether the end of a request of `key` may be saved right after it (the end save)."""
         if not (self.launch.active and self.cfg.auto_sessions):
             return False
-        min_tokens = max(1, self.cfg.auto_sessions_min_tokens)
+        min_tokens = max(1, self.ctx.min_tokens)
         ran = key is not None and status == "ok" and (n_tokens is None or n_tokens >= min_tokens)
         v = s.view
         after = v.prior.conversation() if status in ("not_run", "rejected") and v.prior is not None else None
@@ -279,11 +284,26 @@ class Sessions:
     async def ran_unplaced(self, tickets: list[Ticket]) -> None:
         await self.observer.ran_unplaced([self.placement.slot_of(t) for t in tickets])
 
-    def prefill_seen(self, n_tokens: int | None, ms: float | None) -> None:
-        """A response read n_tokens of prompt in ms: the engine's prompt rate, which the bucket's
-        download estimate weighs against."""
+    def prefill_seen(self, n_tokens: int | None, ms: float | None, cache_n: int | None = None) -> None:
+        """A response read n_tokens of prompt after cache_n in ms: the engine's prompt rate, which
+        prices what restores spared (savings.py) and the bucket's download estimate weighs against."""
+        self.ctx.savings.saw_read(cache_n, n_tokens, ms)
         if self.remote is not None:
             self.remote.saw_prefill(n_tokens, ms)
+        self.flush_savings_later()
+
+    def flush_savings_later(self, delay_s: float = 5.0) -> None:
+        """savings.json written off the loop, at most once per delay_s (and at close)."""
+        if self._flush is not None or not self.ctx.savings.dirty:
+            return
+        loop = asyncio.get_running_loop()
+
+        def go() -> None:
+            self._flush = None
+            fut = loop.run_in_executor(None, self.ctx.savings.flush, self.counters)
+            fut.add_done_callback(lambda f: f.exception())  # flush logs its own failures
+
+        self._flush = loop.call_later(delay_s, go)
 
     # -- the tail's calls (no ticket, no launch hold) ---------------------------------------------
     def observed_start(self, slot_id: int, key: str | None) -> None:
@@ -379,6 +399,12 @@ class Sessions:
     async def ls_words(self) -> list[dict[str, Any]]:
         return await self.listing.ls_words(self)
 
+    async def doctor(self) -> dict[str, Any]:
+        """The engine settings that cost reuse, and where the last unreused restores departed."""
+        from . import doctor
+
+        return await doctor.run(self)
+
     def metrics(self, extra: list[tuple[str, str, str, int | float]] = ()) -> str:
         return report.metrics(self, extra)
 
@@ -399,6 +425,10 @@ class Sessions:
             self.sleep.stop()
         if index:
             await self.upkeep.save_index()
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        await asyncio.get_running_loop().run_in_executor(None, self.ctx.savings.flush, self.counters)
         self.launch.close()
         self._turn.close()
 

@@ -238,6 +238,7 @@ class Turn:
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, step.name, step.shared, shared,
                                      "tokens" if claim is None else "tokens, downloaded", meta, len(tokens) // 4)
+                ctx.restore_log.bodies[s.id] = body  # doctor's, should the engine not reuse it
                 shared = step.shared
             else:
                 shared = 0  # llama-server cleared the slot
@@ -300,6 +301,7 @@ class Turn:
     def _record_restore(self, s: Slot, result: TurnResult, name: str, shared: int | None, slot_shared: int | None,
                         by: str, meta: Meta | None = None, n_prompt: int | None = None) -> None:
         """What status shows of the slot's last restore; observe.verify adds the engine's cache_n."""
+        self.ctx.restore_log.bodies.pop(s.id, None)  # an earlier restore's request is not this one's
         info = {"file": name, "chosen_by": by, "shared": shared, "slot_shared": slot_shared,
                 "line": meta.line if meta is not None else None, "prefix": bool(meta is not None and meta.prefix)}
         if result.restored is not None:

@@ -22,16 +22,18 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import aiohttp
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from .keepalive import Keepalive
 
 log = logging.getLogger("autosessd")
 
 # Below llama-server's 5 s keep-alive timeout (cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND).
 KEEPALIVE_S = 3.0
-CHUNKED_JSON_MAX = 8 << 20  # a chunked JSON answer read for its numbers (timings); bigger ones are not
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 
@@ -58,6 +60,7 @@ class SSEWatcher:
         self.usage: dict[str, Any] | None = None
         self.broken = False  # the engine broke off the response
         self.reached = False  # the engine answered (a status line came back)
+        self.status: int | None = None  # its status (the client may have had the gate's 200 already)
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -226,50 +229,68 @@ class Upstream:
             return Exchange(self, pool, resp)
         raise AssertionError("unreachable")
 
-    async def forward(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None
-                      ) -> web.StreamResponse:
-        """Forward one client request to the engine and its response back, as it arrives."""
+    async def forward(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None,
+                      decorate: Callable[[int, SSEWatcher | None], dict[str, str]] | None = None,
+                      early: Keepalive | None = None) -> web.StreamResponse:
+        """Forward one client request to the engine and its response back, as it arrives.
+
+        decorate(status, watcher): headers of the gate's own to add to a successful answer (the
+        engine's error answers are left as they are); a whole answer's body is read first, so the
+        watcher has its timings then. early: the request's keepalives (keepalive.py), which ping
+        while the engine has not answered, and may have sent the status line already."""
         headers = forward_headers(request.headers)
         try:
-            ex = await self.send(request.method, request.rel_url.path_qs, headers=headers, data=body or None)
+            send = self.send(request.method, request.rel_url.path_qs, headers=headers, data=body or None)
+            ex = await (early.wait(send, orphan=lambda x: x.finish(False)) if early is not None else send)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
             self.errors_502 += 1
             why = "timed out connecting" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
-            return gate_error(502, f"cannot reach the engine at {self.url}: {why}")
+            err = gate_error(502, f"cannot reach the engine at {self.url}: {why}")
+            return await early.answer(err.body) if early is not None and early.started else err
         up = ex.resp
         done = False
         resp: web.StreamResponse | None = None
         if watcher is not None:
             watcher.reached = True
+            watcher.status = up.status
         try:
             headers = forward_headers(up.headers)
-            streaming = "text/event-stream" in up.headers.get("Content-Type", "") or up.content_length is None
-            if not streaming:
+            # An answer that is not an event stream is read whole, also when it comes in chunks
+            # with no length (llama-server's router relays its models' answers so): its
+            # timings are then known, for the bookkeeping and the gate's own headers.
+            streaming = "text/event-stream" in up.headers.get("Content-Type", "")
+            if early is not None and early.started:
+                resp = early.resp
+                assert resp is not None
+                if decorate is not None and up.status < 400:
+                    await early.comments(decorate(up.status, watcher))
+                if up.status >= 400 or "text/event-stream" not in up.headers.get("Content-Type", ""):
+                    data = await up.read()  # an error (or a whole answer) where a stream was promised
+                    done = True
+                    if watcher is not None:
+                        with contextlib.suppress(ValueError, UnicodeDecodeError):
+                            watcher.take(json.loads(data))
+                    return await early.answer(data)
+            elif not streaming:
                 data = await up.read()
                 done = True
                 if watcher is not None:
                     with contextlib.suppress(ValueError, UnicodeDecodeError):
                         watcher.take(json.loads(data))
+                if decorate is not None and up.status < 400:
+                    headers.update(decorate(up.status, watcher))
                 return web.Response(status=up.status, reason=up.reason, headers=headers, body=data)
-            resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-            await resp.prepare(request)
-            # A JSON body sent in chunks (llama-server's router relays its models' answers so):
-            # its numbers are read once it is whole; a body too big to be an answer is not kept.
-            sse = "text/event-stream" in up.headers.get("Content-Type", "")
-            whole: bytearray | None = None if sse or watcher is None else bytearray()
+            else:
+                if decorate is not None and up.status < 400:
+                    headers.update(decorate(up.status, watcher))
+                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+                await resp.prepare(request)
             async for chunk in up.content.iter_any():
-                if watcher is not None and sse:
+                if watcher is not None:
                     watcher.feed(chunk)
-                elif whole is not None:
-                    whole += chunk
-                    if len(whole) > CHUNKED_JSON_MAX:
-                        whole = None
                 await resp.write(chunk)
             done = True
             await resp.write_eof()
-            if whole is not None and watcher is not None:
-                with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
-                    watcher.take(json.loads(whole))
             return resp
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The status line is already sent: the only honest signal left is to close the

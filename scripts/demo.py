@@ -114,7 +114,7 @@ class Stack:
     def start_daemon(self) -> None:
         args = [sys.executable, "-m", "autosessd", "run", "--engine-url", f"http://127.0.0.1:{self.engine_port}",
                 "--slot-save-path", str(self.sessions), "--gate", f"127.0.0.1:{self.gate_port}",
-                "--min-tokens", "256", "--state-dir", str(self.work / "state"),
+                "--state-dir", str(self.work / "state"),
                 "--socket", str(self.work / "autosessd.sock"), "--log-level", os.environ.get("DEMO_LOG_LEVEL", "info"),
                 *self.extra_daemon_args]
         self.daemon = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.work / "autosessd.log", "ab"),
@@ -196,7 +196,8 @@ def main() -> None:
                 log = (work / "autosessd.log").read_text()
                 print("\n  autosessd said:")
                 for line in log.splitlines():
-                    if "auto sessions: saved" in line or "auto sessions: restored" in line:
+                    if ("auto sessions: saved" in line or "auto sessions: restored" in line
+                            or "(auto)" in line):
                         print("   ", line.split(" ", 2)[2])
                 print()
     print()

@@ -156,7 +156,8 @@ def chat_body(text: str, max_tokens: int = 8, stream: bool = False) -> dict:
 class Daemon:
     """`autosessd run` in a subprocess, as a user runs it; stderr goes to a file."""
 
-    def __init__(self, tmp: Path, session_dir: Path, engine_url: str, gate: bool = True, min_tokens: int = 100,
+    def __init__(self, tmp: Path, session_dir: Path, engine_url: str, gate: bool = True,
+                 min_tokens: int | None = 100,
                  timeout_s: float = 30, extra_toml: str = "", args: list[str] | None = None,
                  socket: Path | None = None, gate_toml: str = ""):
         self.tmp = tmp
@@ -166,8 +167,9 @@ class Daemon:
         self.socket = socket or tmp / "ctl" / "autosessd.sock"
         self.config = tmp / f"{self.name}.toml"
         self.config.write_text(
-            f'slot_save_path = "{session_dir}"\nauto_sessions_min_tokens = {min_tokens}\n'
-            f'state_dir = "{tmp / "state"}"\n{extra_toml}\n'
+            f'slot_save_path = "{session_dir}"\n'
+            + (f"auto_sessions_min_tokens = {min_tokens}\n" if min_tokens is not None else "")  # None: the default
+            + f'state_dir = "{tmp / "state"}"\n{extra_toml}\n'
             f'[engine]\nurl = "{engine_url}"\ntimeout_s = {timeout_s}\n'
             + (f'[gate]\nlisten = "127.0.0.1:{self.gate_port}"\n{gate_toml}\n' if gate else "")
             + f'[control]\nsocket = "{self.socket}"\n')

@@ -118,6 +118,9 @@ class StubEngine:
             raise EngineRefused("POST /tokenize answered 500: stub told to fail")
         return tokenize(text)
 
+    async def tokenize_pieces(self, text, timeout_s=None):
+        return [(BOS, b"")] + [(ord(c), c.encode()) for c in text]
+
     async def prompt_tokens(self, body, timeout_s=None):
         return await self.tokenize(await self.apply_template(body))
 

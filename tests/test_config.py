@@ -14,9 +14,11 @@ BASE = b'slot_save_path = "/srv/sessions"\n'
 
 
 def test_defaults_are_the_seeds():
+    """The seed's defaults, but for min tokens: "auto" (issue 22; DESIGN §6's 16,000 was for a big
+    model on a fast GPU, and left a CPU user's 3,000-token chat never saved)."""
     c = parse(BASE, "t.toml")
     assert (c.auto_sessions, c.auto_sessions_min_tokens, c.auto_sessions_keep, c.auto_sessions_max_gb) == \
-        (True, 16000, 12, 100.0)
+        (True, "auto", 12, 100.0)
     assert c.engine.kind == "llama-server" and c.engine.slot == 0 and c.gate.listen is None
     assert c.gate.max_body_mb == 64  # chat with images fits
 
@@ -67,6 +69,9 @@ def test_flags_override_the_file():
         (b"auto_sessions = 1\n", "auto_sessions", "true or false"),
         (b"auto_sessions_max_gb = 0\n", "auto_sessions_max_gb", "more than 0"),
         (b"auto_sessions_min_tokens = -5\n", "auto_sessions_min_tokens", "0 or more"),
+        (b"auto_sessions_min_tokens = 'Auto'\n", "auto_sessions_min_tokens", '"auto" or a whole number'),
+        (b"auto_sessions_min_tokens = 1.5\n", "auto_sessions_min_tokens", '"auto" or a whole number'),
+        (b"auto_sessions_min_tokens = true\n", "auto_sessions_min_tokens", '"auto" or a whole number'),
         (b"[engine]\nurl = 'ftp://x'\n", "engine.url", "http"),
         (b"[engine]\nurl = 'http://h:99999'\n", "engine.url", "port"),
         (b"[engine]\nkind = 'vllm'\n", "engine.kind", "one of"),
@@ -184,3 +189,19 @@ def test_check_config_prints_effective_config_masked(tmp_path):
     out = json.loads(r.stdout)
     assert out["engine"]["api_key"] == "***" and "sekret" not in r.stdout
     assert out["auto_sessions_keep"] == 12
+
+
+@pytest.mark.parametrize("text, want", [(b'auto_sessions_min_tokens = "auto"\n', "auto"),
+                                        (b"auto_sessions_min_tokens = 0\n", 0),
+                                        (b"auto_sessions_min_tokens = 3000\n", 3000), (b"", "auto")])
+def test_min_tokens_auto_or_a_number(text, want):
+    assert parse(BASE + text, "t.toml").auto_sessions_min_tokens == want
+
+
+@pytest.mark.parametrize("flag, want", [("auto", "auto"), ("2500", 2500)])
+def test_min_tokens_flag_overrides_the_file(flag, want):
+    """`autosessd run --min-tokens auto|N` over a file's number or "auto"."""
+    c = parse(BASE + b"auto_sessions_min_tokens = 100\n", "t.toml", {"auto_sessions_min_tokens": flag})
+    assert c.auto_sessions_min_tokens == want
+    with pytest.raises(ConfigError, match='auto_sessions_min_tokens: must be "auto"'):
+        parse(BASE, "t.toml", {"auto_sessions_min_tokens": "lots"})

@@ -60,7 +60,10 @@ async def test_every_counter_reaches_status_and_metrics(gate, tmp_path):
         assert status["counters"][f.name] == want, f.name
         metric = f"autosessd_{f.metadata['metric']}"
         assert f"# TYPE {metric} counter" in lines, f.name
-        assert f"{metric} {want:g}" in lines or f"{metric} {want}" in lines, f.name
+        # In the metric's base unit (seconds for the fields kept in ms), exactly.
+        scaled = want * f.metadata["scale"]
+        assert f"{metric} {scaled!r}" in lines or f"{metric} {scaled}" in lines, f.name
+        assert metric.endswith("_total") and "millisecond" not in metric, f.name
     assert "autosessd_saves_missed_total 120" in lines
     names = [ln.split()[2] for ln in metrics.splitlines() if ln.startswith("# TYPE")]
     assert len(names) == len(set(names))  # one name per counter

@@ -193,3 +193,39 @@ L2 = KVLayout(2)
 )
 def test_plan_fetch_by_key(name, held, outcome, local, local_at, remote_n, remote_at, expect):
     assert plan_fetch_by_key(held, B, outcome, local, local_at, remote_n, remote_at, M, MIN, L2) == expect, name
+
+
+# -- auto_sessions_min_tokens = "auto" (issue 22) ------------------------------------------
+from autosessd.policy import AUTO_CEILING, AUTO_FLOOR, auto_min_tokens  # noqa: E402
+from autosessd.savings import Prefill  # noqa: E402
+
+NFAST = 14_072
+CPU = Prefill(a=1.8, b=0.0, reads=5)  # this machine: ~550 tokens/s
+GPU = Prefill(a=0.1, b=2e-6, reads=5)  # 10,000 tokens/s, attention showing at long contexts
+DISK = (4.0, 1 / 400e3)  # 4 ms a call, 400 MB/s
+FAST_DISK = (1.0, 1 / 2e6)  # 2 GB/s
+
+
+@pytest.mark.parametrize("prefill, save, restore, bpt, want, why", [
+    # Nothing measured yet: the floor, and what is missing said.
+    (None, None, None, None, AUTO_FLOOR, "until the engine has shown a prompt read, a save, a restore"),
+    (CPU, DISK, None, 8000, AUTO_FLOOR, "a restore"),
+    # A CPU re-reads slowly: everything over the floor is worth a file.
+    (CPU, DISK, DISK, 8000, AUTO_FLOOR, "the floor is 256"),
+    # A fast GPU, 128 kB a token on a 400 MB/s disk: saving costs 0.64 ms a token against 0.1 to read,
+    # and only the attention term (b·n²) makes a long conversation worth it.
+    (GPU, DISK, DISK, 128e3, 270_015, "re-reading 270,015 tokens"),
+    # The same GPU on a fast disk: worth it from some fourteen thousand tokens on (DESIGN §6's 16,000
+    # was this case), and on a faster one from the floor.
+    (GPU, FAST_DISK, FAST_DISK, 128e3, NFAST, f"re-reading {NFAST:,} tokens"),
+    (GPU, (1.0, 1 / 8e6), (1.0, 1 / 8e6), 128e3, AUTO_FLOOR, "the floor is 256"),
+    # Re-reading linear and cheaper than the disk at every size: no saves, and it says so.
+    (Prefill(0.1, 0.0, 1), DISK, DISK, 128e3, AUTO_CEILING, "cheaper than saving and restoring at every size"),
+])
+def test_auto_min_tokens(prefill, save, restore, bpt, want, why):
+    n, said = auto_min_tokens(prefill, save, restore, bpt)
+    assert n == want and why in said
+    if AUTO_FLOOR < n < AUTO_CEILING:  # the smallest n where re-reading costs more than keeping
+        def gain(m):
+            return prefill.ms(0, m) - (save[0] + restore[0] + (save[1] + restore[1]) * bpt * m)
+        assert gain(n) > 0 >= gain(n - 1)

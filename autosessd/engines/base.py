@@ -124,6 +124,10 @@ class ChatEngine(Engine, Protocol):
         """`text` as the chat path tokenizes a prompt (special tokens added and parsed)."""
         ...
 
+    async def tokenize_pieces(self, text: str, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
+        """tokenize(), each token with its text (autosessctl doctor maps a token to a message)."""
+        ...
+
     async def prompt_tokens(self, body: dict, timeout_s: float | None = None) -> list[int]:
         """The exact tokens a chat request would be prompted with, without running it."""
         ...

@@ -147,6 +147,18 @@ class LlamaServer:
             raise EngineBadAnswer(f"/tokenize answered without a list of token ids: {d!r:.200}")
         return tokens
 
+    async def tokenize_pieces(self, text: str, timeout_s: float | None = None) -> list[tuple[int, bytes]]:
+        """`text` tokenized as tokenize() does, each token with its text (`with_pieces`: a string,
+        or a list of byte values for a piece that is not whole UTF-8)."""
+        d = await self._call("POST", "/tokenize", {"content": text, "add_special": True, "parse_special": True,
+                                                    "with_pieces": True}, timeout_s)
+        tokens = d.get("tokens") if isinstance(d, dict) else None
+        try:
+            return [(int(t["id"]), t["piece"].encode("utf-8", "surrogatepass") if isinstance(t["piece"], str)
+                     else bytes(t["piece"])) for t in tokens]  # type: ignore[union-attr]
+        except (KeyError, TypeError, ValueError):
+            raise EngineBadAnswer(f"/tokenize with_pieces answered without id/piece pairs: {d!r:.200}") from None
+
     async def prompt_tokens(self, body: dict, timeout_s: float | None = None) -> list[int]:
         """The exact tokens a chat request would be prompted with, without running it.
         Neither call waits for a slot: the engine answers them beside a running request."""
