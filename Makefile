@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test engine s3-packages prometheus-packages bench bench-slots soak clean
+.PHONY: demo test engine s3-packages prometheus-packages bench bench-slots bench-models soak clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: $(BIN)/.installed engine
 # Several slots: the engine alone and autosessd in front of it, four flag sets side by side (~20 min).
 bench-slots: $(BIN)/.installed engine
 	$(BIN)/python bench/slots.py
+
+# A model switch and back behind llama-server's router, alone and with autosessd (~5 min).
+bench-models: $(BIN)/.installed engine
+	$(BIN)/python bench/models.py
 
 # 20 minutes of random switches with engine restarts and log rotation (SOAK_MINUTES to change).
 soak: $(BIN)/.installed engine

@@ -29,7 +29,7 @@ from .store import StoreError, auto_name, manual_name
 if TYPE_CHECKING:
     from .context import Context
     from .observe import Observer
-    from .placement import Placement
+    from .placement import Placement, Ticket
     from .restores import Restorer
     from .saves import Saver
 
@@ -161,3 +161,41 @@ class Commands:
                 self.observer.lost(s, why)
                 return False
         return True
+
+    async def put_away(self, why: str, then: Callable[[], Awaitable[None]] | None = None) -> int:
+        """The engine is about to drop every slot's state (its model unloads, it goes to sleep):
+        with every slot's ticket held (blocks on each FIFO), save each conversation worth it,
+        wait for the finalizes, run `then` (the unload), and mark every slot lost with `why`.
+        → how many were saved. A slot running a request that bypassed us is left as it is."""
+        tickets = await self.placement.admit_all()
+        try:
+            saved = await self._save_all(tickets)
+            if then is not None:
+                await then()
+            for t in tickets:
+                self.observer.lost(self.placement.slot_of(t), why)
+        finally:
+            for t in tickets:
+                t.release()
+        return saved
+
+    async def save_all_worth(self) -> int:
+        """put_away without the drop: every conversation worth saving saved now, the slots
+        keep theirs (the engine is about to sleep, sleep.py). → how many were saved."""
+        tickets = await self.placement.admit_all()
+        try:
+            return await self._save_all(tickets)
+        finally:
+            for t in tickets:
+                t.release()
+
+    async def _save_all(self, tickets: list[Ticket]) -> int:
+        """Each ticket's slot observed, its conversation saved when worth it; the finalizes awaited."""
+        saved = 0
+        for t in tickets:
+            s = self.placement.slot_of(t)
+            if await self.observer.observe(s):
+                step, outcome = await self.saver.save_if_worth(s, Occasion.UNLOAD)
+                saved += isinstance(step, Save) and outcome is SaveOutcome.SAVED
+        await self.saver.settled()
+        return saved

@@ -214,7 +214,10 @@ class Sessions:
         """DESIGN §1 before a request of conversation `key` (None: one without, which skips the
         restore) on the ticket's slot; never raises. sees_end=False: the turn hook (its end is
         never reported). body: the request's OpenAI chat body (tokens choose what to restore)."""
-        result = await self._turn.run(self.placement.slot_of(ticket), key, sees_end, body)
+        slot = self.placement.slot_of(ticket)
+        if self.sleep is not None:
+            await self.sleep.before_turn(slot)
+        result = await self._turn.run(slot, key, sees_end, body)
         if self.cfg.auto_sessions:
             self.upkeep.schedule_prune()
         return result
@@ -349,41 +352,10 @@ class Sessions:
         return await self.commands.save_at_stop(slot_id, why)
 
     async def put_away(self, why: str, then: Callable[[], Awaitable[None]] | None = None) -> int:
-        """The engine is about to drop every slot's state (its model unloads, it goes to sleep):
-        with every slot's ticket held (blocks on each FIFO), save each conversation worth it,
-        wait for the finalizes, run `then` (the unload), and mark every slot lost with `why`.
-        → how many were saved. A slot running a request that bypassed us is left as it is."""
-        tickets = await self.placement.admit_all()
-        try:
-            saved = await self._save_all(tickets)
-            if then is not None:
-                await then()
-            for t in tickets:
-                self.observer.lost(self.placement.slot_of(t), why)
-        finally:
-            for t in tickets:
-                t.release()
-        return saved
+        return await self.commands.put_away(why, then)
 
     async def save_all_worth(self) -> int:
-        """put_away without the drop: every conversation worth saving saved now, the slots
-        keep theirs (the engine is about to sleep, sleep.py). → how many were saved."""
-        tickets = await self.placement.admit_all()
-        try:
-            return await self._save_all(tickets)
-        finally:
-            for t in tickets:
-                t.release()
-
-    async def _save_all(self, tickets: list[Ticket]) -> int:
-        saved = 0
-        for t in tickets:
-            s = self.placement.slot_of(t)
-            if await self.observer.observe(s):
-                step, outcome = await self.saver.save_if_worth(s, Occasion.UNLOAD)
-                saved += isinstance(step, Save) and outcome is SaveOutcome.SAVED
-        await self.saver.settled()
-        return saved
+        return await self.commands.save_all_worth()
 
     async def prune(self, keep: int | None = None, max_gb: float | None = None,
                     dry_run: bool = False) -> dict[str, Any]:

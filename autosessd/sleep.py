@@ -126,6 +126,22 @@ class SleepWatch:
         if self._saved and idle < GIVE_UP_AFTER * self.seconds and await self._sleeping():
             await self._slept()
 
+    async def before_turn(self, s: Slot) -> None:
+        """A turn on slot s (its ticket held) after an idle stretch longer than the timer: the
+        engine slept unless something we did not see kept it awake, and /props says which
+        before the turn's own look wakes it. Asleep: s and every free slot hold nothing."""
+        if self._asleep or time.monotonic() - self._last < self.seconds or not await self._sleeping():
+            return
+        for other in self.sessions.slots.values():
+            if other is s or not other.busy:
+                self.sessions.observer.lost(other, SLEPT)
+        self._seen_asleep()
+
+    def _seen_asleep(self) -> None:
+        self._asleep = True
+        self.sessions.counters.engine_sleeps += 1
+        self.sessions.events.emit("engine_slept", after_s=round(time.monotonic() - self._last, 1))
+
     async def _sleeping(self) -> bool:
         try:
             return await self.sessions.engine.is_sleeping()
@@ -157,9 +173,7 @@ class SleepWatch:
                     return  # woken meanwhile (a request we did not see): the slots say what they hold
                 for t in tickets:
                     s.observer.lost(s.placement.slot_of(t), SLEPT)
-                self._asleep = True
-                s.counters.engine_sleeps += 1
-                s.events.emit("engine_slept", after_s=round(time.monotonic() - self._last, 1))
+                self._seen_asleep()
             finally:
                 for t in tickets:
                     t.release()
