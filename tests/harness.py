@@ -153,6 +153,20 @@ def chat_body(text: str, max_tokens: int = 8, stream: bool = False) -> dict:
             "seed": 1, "stream": stream}
 
 
+def answer(out: dict) -> str:
+    return out["choices"][0]["message"]["content"]
+
+
+def going_on(body: dict, out: dict | str, question: str = "And which box holds the fewest?") -> dict:
+    """A client's next request in the conversation: the answer `out` (a response, or its text)
+    sent back, and a new question. A return is tested so because a client's return is so: on
+    this sliding-window model (Gemma 3) a file is restored only when the request goes on from
+    its end (index.swa_usable); the same prompt sent again ends before the file's reply."""
+    text = out if isinstance(out, str) else answer(out)
+    return {**body, "messages": body["messages"] + [{"role": "assistant", "content": text},
+                                                    {"role": "user", "content": question}]}
+
+
 class Daemon:
     """`autosessd run` in a subprocess, as a user runs it; stderr goes to a file."""
 

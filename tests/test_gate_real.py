@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from autosessd.keys import conversation_key
-from harness import Daemon, chat_body, long_text, stream_chat, wait_until
+from harness import Daemon, answer, chat_body, going_on, long_text, stream_chat, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -30,20 +30,22 @@ def test_switch_back_through_gate_reuses_and_direct_does_not(engines, session_di
     try:
         a1 = post(d.gate_url, A)
         post(d.gate_url, B)
-        a2 = post(d.gate_url, A)
+        a2_body = going_on(A, a1)  # A goes on from its answer, as a client's next request does
+        a2 = post(d.gate_url, a2_body)
         prompt = a2["usage"]["prompt_tokens"]
         assert prompt >= 1000
         assert a2["timings"]["cache_n"] >= 0.9 * prompt
-        assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
         assert (session_dir / f"auto-{conversation_key(A)}.bin").exists()
         st = d.status()
         assert st["counters"]["restores_reused"] == 1 and st["counters"]["saves"] == 2
         assert st["slots"][0]["held"] == conversation_key(A)
-        # The same flow straight against the engine (--cache-ram 0): A is read again.
+        # The same flow straight against the engine (--cache-ram 0): A is read again, and
+        # answered as through the gate (the restored state is the engine's own).
         post(eng.url, B)
-        a3 = post(eng.url, A)
+        a3 = post(eng.url, a2_body)
         assert a3["timings"]["cache_n"] <= 0.05 * a3["usage"]["prompt_tokens"]
         assert a3["timings"]["prompt_n"] >= 0.95 * a3["usage"]["prompt_tokens"]
+        assert answer(a3) == answer(a2)
     finally:
         d.stop()
 
@@ -84,30 +86,32 @@ def test_restart_of_engine_and_daemon_restores_the_held_conversation(engines, se
     eng.restart()
     d2 = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        a2 = post(d2.gate_url, A)
+        a2_body = going_on(A, text1)
+        a2 = post(d2.gate_url, a2_body)
         assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
-        assert a2["choices"][0]["message"]["content"] == text1
     finally:
         d2.stop()
+    eng.post("/slots/0?action=erase", {})  # the engine alone, reading it from its first token
+    assert answer(eng.post("/v1/chat/completions", a2_body)) == answer(a2)
 
 
 def test_engine_killed_gives_502_then_recovers(engines, session_dir, tmp_path):
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url, timeout_s=5).start()
     try:
-        post(d.gate_url, A)
+        a1 = post(d.gate_url, A)
         post(d.gate_url, B)  # A is saved
         eng.stop(signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as e:
-            post(d.gate_url, A)
+            post(d.gate_url, going_on(A, a1))
         assert time.monotonic() - t0 < 5 + 2
         assert e.value.code == 502
         err = json.load(e.value)["error"]
         assert err["src"] == "autosessd" and eng.url in err["message"]
         eng.start()
         # The gate's held A (from the failed request) is not trusted: the engine restarted empty.
-        a = post(d.gate_url, A)
+        a = post(d.gate_url, going_on(A, a1))
         assert a["timings"]["cache_n"] >= 0.9 * a["usage"]["prompt_tokens"]
         assert "Traceback" not in d.logtext()
     finally:
@@ -168,10 +172,10 @@ def test_engine_restart_between_requests_fails_nothing(engines, session_dir, tmp
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        post(d.gate_url, A)
+        a1 = post(d.gate_url, A)
         post(d.gate_url, B)  # A saved
         eng.restart()
-        a = post(d.gate_url, A)  # straight away: the watcher may not have noticed yet
+        a = post(d.gate_url, going_on(A, a1))  # straight away: the watcher may not have noticed yet
         assert a["timings"]["cache_n"] >= 0.9 * a["usage"]["prompt_tokens"]
         assert "cannot reach" not in d.logtext()
     finally:

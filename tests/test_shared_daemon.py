@@ -22,7 +22,7 @@ import pytest
 from autosessd import slotfile
 from autosessd.keys import conversation_key
 from autosessd.store import auto_name
-from harness import Daemon, FakeEngine, chat_body, free_port, long_text, wait_until
+from harness import Daemon, FakeEngine, chat_body, free_port, going_on, long_text, wait_until
 
 
 def shared_toml(endpoint: str, bucket: str, host: str, **kw) -> str:
@@ -380,6 +380,8 @@ def test_a_torn_save_in_the_bucket_ends_in_a_re_read_never_an_engine_abort(engin
     (s2 / auto_name(key)).unlink(missing_ok=True)
     (s2 / f"auto-{key}.json").unlink(missing_ok=True)
     time.sleep(1.5)  # list_every_s = 0.5
-    third = post(d2.gate_url, a2)
+    # A goes on from its answer (a client's next request): a whole save of A, the newest,
+    # is downloaded and restored.
+    third = post(d2.gate_url, going_on(a2, second, "And in box 8?"))
     assert third["timings"]["cache_n"] >= 0.9 * third["usage"]["prompt_tokens"] - 200
     assert shared(d2)["downloads"] == 1 and shared(d2)["downloads_refused_bad"] == 1

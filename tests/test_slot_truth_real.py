@@ -18,7 +18,7 @@ import pytest
 
 from autosessd import slotfile
 from autosessd.keys import conversation_key
-from harness import Daemon, chat_body, long_text, wait_until
+from harness import Daemon, chat_body, going_on, long_text, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -79,7 +79,7 @@ def test_a_switch_after_a_rejected_request_saves_nothing_under_its_key(engines, 
     eng = engines(session_dir)  # -c 8192
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        post(d.gate_url, A)
+        a1 = post(d.gate_url, A)
         r = chat_body(long_text(520, "crate") + "\nCount the crates.")  # ~9k tokens: over the context
         with pytest.raises(urllib.error.HTTPError) as e:
             post(d.gate_url, r)
@@ -88,7 +88,7 @@ def test_a_switch_after_a_rejected_request_saves_nothing_under_its_key(engines, 
         assert not (session_dir / f"auto-{conversation_key(r)}.bin").exists()
         assert {p.name for p in session_dir.glob("auto-*.bin")} == {f"auto-{KA}.bin"}
         assert_every_file_holds_its_own_conversation(eng, session_dir)
-        a = post(d.gate_url, A)
+        a = post(d.gate_url, going_on(A, a1))
         assert a["timings"]["cache_n"] >= 0.9 * a["usage"]["prompt_tokens"]
     finally:
         d.stop()
@@ -104,8 +104,8 @@ def test_hook_grown_conversation_is_saved_grown_and_its_restore_verified(engines
         a1 = eng.post("/v1/chat/completions", A)
         hook_turn(d, B)
         eng.post("/v1/chat/completions", B)
-        assert hook_turn(d, A)["restored"]["key"] == KA
         a_more = grow(A, a1["choices"][0]["message"]["content"], "And how many are in box 7?")
+        assert hook_turn(d, a_more)["restored"]["key"] == KA
         a2 = eng.post("/v1/chat/completions", a_more)
         assert a2["timings"]["cache_n"] >= 0.9 * a1["usage"]["prompt_tokens"]
         grown = eng.get("/slots")[0]["n_prompt_tokens"]
@@ -127,7 +127,9 @@ def test_hook_growth_after_a_regenerated_answer_is_saved_under_the_conversations
                                                                                          tmp_path):
     """Issue 18.3: through the turn hook, A, B, A again (restored, its answer regenerated: a
     shorter one), then A grown by ~900 tokens from that answer, then B: the switch saves the
-    grown A to A's own file (it departs from the file inside the file's reply), not to a branch."""
+    grown A to A's own file (it departs from the file inside the file's reply), not to a branch.
+    A sent again as it was ends before the file's reply: on this sliding-window model the file
+    is then rightly not restored (index.swa_usable), and the engine reads A again."""
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url, gate=False).start()
     try:
@@ -135,7 +137,7 @@ def test_hook_growth_after_a_regenerated_answer_is_saved_under_the_conversations
         eng.post("/v1/chat/completions", A)
         hook_turn(d, B)
         eng.post("/v1/chat/completions", B)
-        assert hook_turn(d, A)["restored"]["key"] == KA
+        assert hook_turn(d, A)["restored"] is None
         before = slotfile.read_header(session_dir / f"auto-{KA}.bin").n_tokens
         a2 = eng.post("/v1/chat/completions", {**A, "max_tokens": 3})  # regenerated: the client's choice
         a_more = grow(A, a2["choices"][0]["message"]["content"], "And how many are in box 7? " + long_text(50, "bag"))
@@ -163,9 +165,8 @@ def test_a_request_without_a_conversation_waits_and_the_held_one_is_saved_first(
                                 "temperature": 0}, "/completion")
         assert raw["content"] is not None
         assert (session_dir / f"auto-{KA}.bin").exists()
-        a2 = post(d.gate_url, A)
+        a2 = post(d.gate_url, going_on(A, a1))
         assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
-        assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
         assert_every_file_holds_its_own_conversation(eng, session_dir)
     finally:
         d.stop()
@@ -238,9 +239,8 @@ def test_engine_without_get_slots_still_switches_back(engines, session_dir, tmp_
         assert "does not show its slots" in d.logtext()
         a1 = post(d.gate_url, A)
         post(d.gate_url, B)
-        a2 = post(d.gate_url, A)
+        a2 = post(d.gate_url, going_on(A, a1))
         assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
-        assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
         assert_every_file_holds_its_own_conversation(eng, session_dir)
         st = d.status()
         assert st["engine"]["slots_visible"] is False and st["counters"]["restores_reused"] == 1
