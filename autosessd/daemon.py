@@ -163,6 +163,7 @@ class Checked:
     layout: KVLayout | None = None  # of the engine's state files, as far as the probe shows (its streams)
     clears_idle_slots: bool = False
     n_ctx: int | None = None  # tokens one slot holds (/props)
+    template: str = ""  # the chat template's identity (EngineInfo.template)
 
 
 async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
@@ -193,7 +194,8 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
                  info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
         if visible:
             clears = await probe_idle_clearing(engine)
-    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx)
+    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx,
+                   info.template)
 
 
 async def probe_idle_clearing(engine: Engine) -> bool:
@@ -319,7 +321,7 @@ class Daemon:
         self.sessions = Sessions(self.cfg, self.engine, self.store, checked.model, model_name,
                                  slots_visible=checked.slots_visible, n_slots=checked.total_slots,
                                  layout=checked.layout, empties_idle_slots=checked.clears_idle_slots,
-                                 engine_healthy=True, n_ctx=checked.n_ctx)
+                                 engine_healthy=True, n_ctx=checked.n_ctx, template=checked.template)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 from . import policy, slotfile
 from .engines.base import EngineError
 from .index import SavedFile, comparable, encode, save_key
+from .keys import chain
 from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
 from .slot import Phase, Slot, View
-from .store import AUTO_BIN, Meta, StoreError, auto_name, temp_name
+from .store import AUTO_BIN, Mark, Meta, StoreError, auto_name, temp_name
 
 if TYPE_CHECKING:
     from .context import Context
@@ -261,7 +262,8 @@ class Saver:
         layout = self._learn_layout(key)
         meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=ctx.model,
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
-                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None)
+                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
+                    marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
         store.acquire(final)
         try:
             fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
@@ -288,6 +290,17 @@ class Saver:
         if result is not None:
             result.saved = info
         return SaveOutcome.SAVED
+
+    def _marks(self, v: View, n_prompt: int | None, tokens: bytes | None) -> tuple[Mark, ...]:
+        """Where the saved state's tokens came from, by messages (names.Mark): its first n_prompt
+        tokens are the prompt of the request that made it, whose chat signature the view holds.
+        None of it for a state a cancelled request left (how much of its prompt it holds is not
+        known), nor when what the turn learned of that prompt disagrees with the file."""
+        if v.messages is None or n_prompt is None or not v.durable or tokens is None or n_prompt > len(tokens) // 4:
+            return ()
+        if v.tokens is not None and len(v.tokens) // 4 == n_prompt and tokens[:4 * n_prompt] != v.tokens:
+            return ()  # the prompt's tokens as the turn asked for them are not the file's first ones
+        return (Mark(len(v.messages) - 1, n_prompt, chain(v.messages, self.ctx.template)[-1]),)
 
     def _check_header(self, key: str, n_saved: int) -> slotfile.SlotHeader | None:
         """The file's own header must agree with the engine's answer (llama-server files).
@@ -329,7 +342,7 @@ class Saver:
             name = target  # parked by us: its model is known
         if index is not None and header is not None:
             try:
-                index.add(name, header.tokens, self.ctx.model)
+                index.add(name, header.tokens, self.ctx.model, meta.marks if target is None else ())
             except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
                 log.warning("auto sessions: indexing %s: %s", name, e)
         return meta

@@ -128,12 +128,14 @@ def _done() -> asyncio.Future:
 class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True, n_slots: int = 1, layout: KVLayout | None = None,
-                 empties_idle_slots: bool = False, engine_healthy: bool | None = None, n_ctx: int | None = None):
+                 empties_idle_slots: bool = False, engine_healthy: bool | None = None, n_ctx: int | None = None,
+                 template: str = ""):
         """The daemon's start checks give the rest: n_slots, the engine's slots (0..n-1, all
         driven); layout, its state files' KV layout as the probe saw it; empties_idle_slots, the
         probe saw it empty idle slots; engine_healthy, it answered /health; n_ctx, the tokens one
-        of its slots holds."""
-        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx)
+        of its slots holds; template, its chat template's identity."""
+        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx,
+                                 template=template)
         self.started_at = time.time()
         self.placement = Placement(cfg.engine.slot, lambda: ctx.cfg.auto_sessions_min_tokens)
         self.placement.add_slots(n_slots)

@@ -49,6 +49,9 @@ class EngineInfo:
     total_slots: int
     model_path: str = ""  # where the engine loaded its model from (llama-server /props), when it says
     n_ctx: int | None = None  # tokens one slot can hold (llama-server /props default_generation_settings.n_ctx)
+    # The chat template's identity (a digest of /props chat_template): the same messages give
+    # the same tokens only under the same template (keys.chain's seed). "": not known.
+    template: str = ""
 
 
 class EngineError(Exception):
