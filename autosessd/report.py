@@ -98,6 +98,9 @@ class Counters:
     pruned_files: int = _counter("pruned_files_total", "Auto files removed by prune")
     pruned_bytes: int = _counter("pruned_bytes_total", "Bytes freed by prune")
     tokenized: int = _counter("tokenized_turns_total", "Turns that asked the engine for the request's tokens")
+    known_by_messages: int = _counter("known_by_messages_total",
+                                      "Turns whose request's tokens, or the file to restore, a file's recorded "
+                                      "messages told: no tokens asked of the engine")
     tokenize_failures: int = _counter("tokenize_failures_total",
                                       "Turns that got no tokens from the engine (the key rule decided)")
     restores_by_tokens: int = _counter("restores_by_tokens_total",
