@@ -97,6 +97,7 @@ from .commands import Commands
 from .config import Config
 from .context import Context
 from .engines.base import Engine, EngineError, SlotState
+from .idle import IdleSaver
 from .launch import Launch
 from .observe import Observer
 from .placement import Placement, Ticket
@@ -148,6 +149,7 @@ class Sessions:
         self._turn = Turn(ctx, self.observer, self.saver, self.restorer,
                           PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver))
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
+        self.idle = IdleSaver(ctx, self.placement, self.observer, self.saver, self.launch)
         self.upkeep = Upkeep(ctx, self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
         self.listing = report.Listing()
@@ -235,10 +237,13 @@ class Sessions:
             return
         hold = self._end_may_save(s, key, status, n_tokens)
         async with self.launch.end_save_hold(hold):  # may wait: observe.end checks the view again
-            if await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True) and hold:
+            settled = await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True)
+            if settled and hold:
                 step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND)
                 if isinstance(step, Save) and outcome is SaveOutcome.NOT_TRIED and s.view.conversation() is None:
                     self.counters.saves_missed += 1  # a start sent before this end emptied the slot
+        if settled and status == "ok":
+            self.idle.ended(s)  # its pause starts: saved behind if the slot stays idle (idle.py)
 
     def _end_may_save(self, s: Slot, key: str | None, status: str, n_tokens: int | None) -> bool:
         """Whether the end of a request of `key` may be saved right after it (the end save)."""
@@ -352,9 +357,15 @@ class Sessions:
 
     async def close(self) -> None:
         """At stop, after drain(): keep the index for the next start."""
+        self.idle.close()
         await self.upkeep.save_index()
         self.launch.close()
         self._turn.close()
+
+    async def save_idle_now(self, capped: bool = False) -> list[dict[str, Any]]:
+        """Every idle slot's conversation worth a save, saved now (idle.IdleSaver.save_now): for
+        a caller that knows the slots' state is about to go (an engine put to sleep)."""
+        return await self.idle.save_now(capped)
 
     async def watch_engine(self, every_s: float = 2.0, identity_every_s: float = 10.0) -> None:
         await self.watch.run(every_s, identity_every_s)

@@ -154,7 +154,7 @@ class Turn:
             # lies inside them, and depart from it when the two differ before either ends.
             n = common_prefix(v.tokens, known.tokens)
             if n == len(v.tokens) // 4:
-                self.ctx.counters.known_by_messages += 1
+                self._known_by_messages(result)
                 return Carry(v.tokens, sig, v.file, unknown_prompt=True)
             if n == len(known.tokens) // 4:
                 known = None  # the slot holds all that is known of them, and more: ask
@@ -166,7 +166,7 @@ class Turn:
             # Other messages (a client that rewrites what it sent before), the same tokens:
             # the request still goes on from what the slot holds.
             if exact:
-                self.ctx.counters.known_by_messages += 1
+                self._known_by_messages(result)
             return Carry(v.tokens, sig, v.file, len(tokens) // 4)
         # Same first message, but its tokens depart from the held ones (another system prompt,
         # an edited message): the engine keeps only what they share, so it is a switch too.
@@ -198,8 +198,12 @@ class Turn:
             return await self._restore_by_key(s, key, held, outcome, result, sig)
         assert body is not None and sig is not None
         if exact:
-            self.ctx.counters.known_by_messages += 1
+            self._known_by_messages(result)
         return await self._restore_by_tokens(s, key, held, outcome, result, body, sig, tokens, exact)
+
+    def _known_by_messages(self, result: TurnResult) -> None:
+        self.ctx.counters.known_by_messages += 1
+        result.tokens_from = "messages"
 
     def _sole(self, v: View, known: Known) -> tuple[str, int, int] | None:
         """recall.Recall.sole with what the slot shares with the request's known tokens, as the
@@ -217,7 +221,7 @@ class Turn:
         ctx = self.ctx
         assert ctx.index is not None
         name, n, shared = pick
-        ctx.counters.known_by_messages += 1
+        self._known_by_messages(result)
         step = policy.plan_restore_by_tokens(held, key, outcome, (name, n), shared, ctx.min_tokens)
         if isinstance(step, RestoreFile) and not self.saver.loadable(step.name):
             step = Skip("restore", key, policy.LAYOUT_MISMATCH)
@@ -329,6 +333,7 @@ class Turn:
         if chat is None or body is None:
             return None
         self.ctx.counters.tokenized += 1
+        result.tokens_from = "engine"
         try:
             tokens = await chat.prompt_tokens(body)
             if not tokens:
