@@ -266,7 +266,7 @@ class Gate:
         # half-way between two conversations while the FIFO moves on.
         turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key, body=chat))
         forwarded = False
-        watcher = SSEWatcher()
+        watcher = SSEWatcher(reply=chat is not None)
         try:
             await asyncio.shield(turn_task)
             await s.before_send(ticket)
@@ -321,7 +321,7 @@ class Gate:
         try:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
-            await self.sessions.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
+            await self.sessions.ended(ticket, key, status, n_tokens, cache_n, n_prompt, watcher.reply())
             if status == "ok":
                 self.sessions.prefill_seen(*watcher.prefill())
             if self.request_log and status != "not_run":

@@ -73,14 +73,18 @@ class Mark:
     request options and first n_messages messages whose keys.chain digest is `chain`. A save
     records the prompt of the request that made its state (those tokens exactly: the engine's
     own count of that prompt), so a request with those very messages has exactly those tokens,
-    and one whose messages begin with them starts with them: no need to ask the engine."""
+    and one whose messages begin with them starts with them: no need to ask the engine.
+
+    exact False: only the second holds (recall.py's reply marks: the file's reply as the next
+    assistant message, checked against the file's tokens after the save; kept by the index)."""
 
     n_messages: int
     n_tokens: int
     chain: str
+    exact: bool = True
 
     def to_list(self) -> list:
-        return [self.n_messages, self.n_tokens, self.chain]
+        return [self.n_messages, self.n_tokens, self.chain] + ([] if self.exact else [0])
 
     def to_text(self) -> str:
         return f"{self.n_messages}:{self.n_tokens}:{self.chain}"
@@ -93,13 +97,13 @@ class Mark:
             if len(v) != 3 or not all(v) or not v[0].isdigit() or not v[1].isdigit():
                 return None
             v = [int(v[0]), int(v[1]), v[2]]
-        if not isinstance(v, (list, tuple)) or len(v) != 3:
+        if not isinstance(v, (list, tuple)) or len(v) not in (3, 4) or (len(v) == 4 and v[3] != 0):
             return None
-        k, n, h = v
+        k, n, h = v[:3]
         if type(k) is not int or type(n) is not int or k < 1 or n < 1 or not isinstance(h, str) \
                 or not CHAIN_RE.match(h):
             return None
-        return cls(k, n, h)
+        return cls(k, n, h, len(v) == 3)
 
 
 CHAIN_RE = re.compile(r"^[0-9a-f]{16}$")

@@ -101,6 +101,11 @@ class Counters:
     known_by_messages: int = _counter("known_by_messages_total",
                                       "Turns whose request's tokens, or the file to restore, a file's recorded "
                                       "messages told: no tokens asked of the engine")
+    replies_checked: int = _counter("replies_checked_total",
+                                    "Saved replies whose tokens were checked against their file, off the request's "
+                                    "path (sliding-window models: may a request going on from it restore it?)")
+    replies_marked: int = _counter("replies_marked_total",
+                                   "Of those, replies that came back as the file's own tokens: marked")
     idle_saves: int = _counter("idle_saves_total",
                                "Conversations saved while their slot stayed idle after a reply (idle_save_s)")
     idle_saves_deferred: int = _counter("idle_saves_deferred_total",

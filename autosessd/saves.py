@@ -55,6 +55,9 @@ class Saver:
         self._finalizing: dict[str, asyncio.Future] = {}  # by the final file's key
         self._temps: dict[str, list] = {}  # temporary's key → [asyncio.Lock, users]
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
+        # Called on the loop once a conversation's save is final: (its name, its metadata, the
+        # tokens its header holds, the slot's view that was saved). recall.py checks its reply.
+        self.after_final: list[Callable[[str, Meta, bytes, View], None]] = []
 
     # -- the files' facts --------------------------------------------------------------------
     def meta_of(self, name: str) -> Meta | None:
@@ -271,7 +274,8 @@ class Saver:
             store.release(final)
             raise
         self._finalizing[file_key] = fut
-        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None))
+        saved = (v, tokens) if mine and tokens is not None and meta.marks else None
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None, saved))
         if mine:
             # The engine's count is the truth (a client's usage may differ by one), and the
             # header says token for token what the slot holds.
@@ -347,9 +351,11 @@ class Saver:
                 log.warning("auto sessions: indexing %s: %s", name, e)
         return meta
 
-    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool) -> None:
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool,
+                   saved: tuple[View, bytes] | None = None) -> None:
         """auto: a conversation's, a branch's or a prefix's file, uploaded to the shared bucket
-        once final (with the metadata finalize wrote). People's parked names stay local."""
+        once final (with the metadata finalize wrote). People's parked names stay local. saved:
+        the view saved and the file's tokens, for after_final."""
         store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
         if self._finalizing.get(file_key) is fut:
             del self._finalizing[file_key]
@@ -358,6 +364,12 @@ class Saver:
         if exc is None and not fut.cancelled() and auto and remote is not None:
             meta = fut.result()
             remote.upload_later(store.bin_path(meta.key), meta)
+        if exc is None and not fut.cancelled() and saved is not None:
+            for hook in self.after_final:
+                try:
+                    hook(final, fut.result(), saved[1], saved[0])
+                except Exception as e:  # a hook's bug must not fail the save
+                    log.exception("auto sessions: after the save of %s: %s", final, e)
         if exc is not None:
             self.ctx.counters.save_failures += 1
             store.discard_temp(key)

@@ -26,7 +26,7 @@ call says what it blocks on.
     s.sent(ticket)                     # right before forwarding: its start is in flight until the
                                        # engine shows it placed (a task of its own, bounded)
     ... forward the request; the response carries timings.cache_n ...
-    await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt)  # settle + verify; on an engine
+    await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt, reply)  # settle + verify; on an engine
                                        # that empties idle slots, the end save. Blocks: the gate, the engine
     ticket.release()                   # safe twice; after a client disconnect, only once the
                                        # engine's slot is idle again (s.wait_idle)
@@ -150,6 +150,7 @@ class Sessions:
                           PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver))
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
         self.idle = IdleSaver(ctx, self.placement, self.observer, self.saver, self.launch)
+        self.saver.after_final.append(self._turn.recall.saved)  # reply marks (recall.py)
         self.upkeep = Upkeep(ctx, self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
         self.listing = report.Listing()
@@ -222,14 +223,17 @@ class Sessions:
         return task if task is not None else _done()
 
     async def ended(self, ticket: Ticket, key: str | None, status: str, n_tokens: int | None = None,
-                    cache_n: int | None = None, n_prompt: int | None = None) -> None:
+                    cache_n: int | None = None, n_prompt: int | None = None, reply: str | None = None) -> None:
         """The request of `key` on the ticket's slot ended. status: ok | cancelled | error (it
         failed part-way) | rejected (a 4xx before it ran) | not_run (it never reached the
         engine); the numbers: what the response said (the engine's GET /slots is preferred
         for the count). On an engine that empties idle slots, the next start anywhere empties
-        this one: when its end may be saved, no start is sent until the save is done."""
+        this one: when its end may be saved, no start is sent until the save is done. reply:
+        the answer's text as the client got it (an OpenAI chat answer of text only)."""
         s = self.placement.slot_of(ticket)
         ours = s.ending(key)
+        if ours and reply is not None and status == "ok" and s.view.body is not None:
+            s.note(reply=reply)
         self.launch.ended(s, key, status, ours)
         if not ours:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,

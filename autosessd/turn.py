@@ -97,7 +97,11 @@ class Turn:
             if carry is None:
                 s.start(key)
             else:
-                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt)
+                # The body is kept for the check of its reply's mark (recall.py), which only a
+                # model with a sliding window needs.
+                keep = body if carry.messages is not None and ctx.swa_window is not None else None
+                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt,
+                        body=keep)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if ctx.cfg.auto_sessions and (key is not None or result.saved or result.errors):
                 ctx.events.emit("turn", **result.to_dict())
@@ -110,6 +114,7 @@ class Turn:
     def close(self) -> None:
         for task in list(self._learning):
             task.cancel()
+        self.recall.close()
 
     def _learn_prompt(self, s: Slot, key: str | None, body: dict[str, Any]) -> None:
         """A hook request that went on from the held one was let through without its tokens,

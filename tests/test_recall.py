@@ -146,3 +146,45 @@ def test_marks_in_metadata_are_checked():
     for bad in ([[0, 1, "0123456789abcdef"]], [[1, -1, "0123456789abcdef"]], [[1, 2, "xyz"]], [[True, 2, "0" * 16]],
                 "1:2", "a:b:0123456789abcdef", [[1, 2, "0" * 16]] * 65, {"k": 1}, 7, [[1, 2, "0" * 16], "junk"]):
         assert marks_from(bad) == (), bad
+
+
+async def replying(s, b, reply="Aye.", told=None):
+    """chat() as the gate does it, the answer's text as the client got it passed to the end
+    (told: what the client got, when it is not what the engine holds)."""
+    key = conversation_key(b)
+    async with await s.admit() as tk:
+        turn = await s.turn(tk, key, body=b)
+        cache_n, n_prompt = s.engine.chat(b, reply)
+        await s.ended(tk, key, "ok", cache_n=cache_n, n_prompt=n_prompt, reply=reply if told is None else told)
+    await s.drain()
+    await s._turn.recall.checked()
+    return turn, cache_n, n_prompt
+
+
+async def test_on_a_sliding_window_model_a_checked_reply_lets_the_next_request_restore_without_tokens(tmp_path):
+    """After X's save its reply is checked once, off the request's path: the engine's tokens
+    for X's messages, that reply and one more question hold all of the file. X going on from
+    that reply is then restored without its tokens; with the reply edited, it is tokenized."""
+    s = await make(tmp_path, swa=50)
+    await replying(s, X, "Aye, captain.")
+    await replying(s, OTHER)
+    assert s.counters.replies_checked == 1 and s.counters.replies_marked == 1
+    tokenized = s.counters.tokenized
+    turn, cache_n, n_prompt = await replying(s, grown(X, "Aye, captain."))
+    assert s.counters.tokenized == tokenized and turn.tokens_from == "messages"
+    assert turn.restored["file"] == f"auto-{K}.bin" and turn.restored["chosen_by"] == "messages"
+    assert cache_n == len(prompt(X)) + len("Aye, captain.")
+    await replying(s, OTHER)
+    turn, cache_n, n_prompt = await replying(s, grown(X, "Aye, captain!"))  # the client edited the reply
+    assert s.counters.tokenized == tokenized + 1 and turn.tokens_from == "engine"
+
+
+async def test_a_reply_that_comes_back_as_other_tokens_gets_no_mark(tmp_path):
+    s = await make(tmp_path, swa=50)
+    await replying(s, X, "Aye, captain.", told="Aye,  captain.")  # the client got other text than the slot holds
+    await replying(s, OTHER)
+    assert s.counters.replies_checked == 1 and s.counters.replies_marked == 0
+    tokenized = s.counters.tokenized
+    turn, _, _ = await replying(s, grown(X, "Aye,  captain."))
+    assert s.counters.tokenized == tokenized + 1  # asked: and the token rule finds the file not usable
+    assert turn.restored is None
