@@ -30,6 +30,7 @@ RUN_FLAGS = {
     "request_log": "tail.request_log",
     "engine_log": "engine.log",
     "state_dir": "state_dir",
+    "idle_save_s": "idle_save_s",
 }
 
 
@@ -67,6 +68,8 @@ def autosessd_main() -> None:
               help="engine.log: follow llama-server's own log (its --log-file, text or --log-jsonl): save behind "
                    "and restore after engine restarts with nothing in front of the engine")
 @click.option("--state-dir", metavar="DIR", help="state_dir: where what was held at the last stop is kept")
+@click.option("--idle-save-s", type=float, help="idle_save_s: save a conversation once its slot is idle this long "
+                                               "after a reply (0: off)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)

@@ -145,6 +145,13 @@ class Config:
     # the last writes. Below systemd's TimeoutStopSec (15 min in the shipped unit), so the
     # daemon says what it gave up on instead of being killed.
     stop_timeout_s: float = 300.0
+    # Save while idle (idle.py): after a reply through the gate, once the slot stays idle this
+    # many seconds, its conversation is saved behind if its file lacks idle_save_min_new_tokens
+    # of it, so that a switch finds the file up to date and only restores. 0: off. Idle saves
+    # write at most idle_save_mb_per_min in any minute.
+    idle_save_s: float = 3.0
+    idle_save_min_new_tokens: int = 1
+    idle_save_mb_per_min: float = 4096.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     tail: TailConfig = field(default_factory=TailConfig)
@@ -333,6 +340,12 @@ def _validate(c: Config, source: str) -> None:
         bad("auto_sessions_max_gb", f"must be more than 0, got {c.auto_sessions_max_gb}")
     if not c.stop_timeout_s > 0:
         bad("stop_timeout_s", f"must be more than 0, got {c.stop_timeout_s}")
+    if c.idle_save_s < 0:
+        bad("idle_save_s", f"must be 0 (off) or more (seconds), got {c.idle_save_s}")
+    if c.idle_save_min_new_tokens < 1:
+        bad("idle_save_min_new_tokens", f"must be 1 or more, got {c.idle_save_min_new_tokens}")
+    if not c.idle_save_mb_per_min > 0:
+        bad("idle_save_mb_per_min", f"must be more than 0, got {c.idle_save_mb_per_min}")
     if c.state_dir is not None and not os.path.isabs(c.state_dir):
         bad("state_dir", f"must be an absolute path, got {c.state_dir!r}")
 

@@ -39,6 +39,9 @@ class Context:
     swa_window: int | None = None
     remote: Remote | None = None  # the shared bucket ([shared]), when configured
     n_ctx: int | None = None  # tokens one slot can hold: a file of more is never handed to the engine
+    # The engine's chat template identity (EngineInfo.template): the seed of every keys.chain,
+    # so a file's messages stand for its tokens only under the template that made them.
+    template: str = ""
     # Set when the engine refused a restore or answered one with a 5xx: a failed restore can
     # leave written K/V behind that spoils later completions until the engine restarts
     # (llama.cpp #27068). {"at", "file", "error"}; cleared when the engine restarts.

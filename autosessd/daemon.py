@@ -170,6 +170,7 @@ class Checked:
     n_ctx: int | None = None  # tokens one slot holds (/props)
     router: bool = False  # llama-server in router mode: its models are checked as they load (models.py)
     max_loaded: int | None = None  # the router's --models-max
+    template: str = ""  # the chat template's identity (EngineInfo.template)
 
 
 async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
@@ -202,7 +203,8 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
                  info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
         if visible:
             clears = await probe_idle_clearing(engine)
-    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx)
+    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx,
+                   template=info.template)
 
 
 async def probe_idle_clearing(engine: Engine) -> bool:
@@ -368,7 +370,8 @@ class Daemon:
         self.house = self.sessions = Sessions(
             self.cfg, self.engine, self.store, checked.model, checked.model_name,
             slots_visible=checked.slots_visible, n_slots=checked.total_slots, layout=checked.layout,
-            empties_idle_slots=checked.clears_idle_slots, engine_healthy=True, n_ctx=checked.n_ctx)
+            empties_idle_slots=checked.clears_idle_slots, engine_healthy=True, n_ctx=checked.n_ctx,
+            template=checked.template)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
@@ -421,7 +424,7 @@ class Daemon:
         clears = info.total_slots > 1 and visible and await probe_idle_clearing(adapter)
         s = Sessions(self.cfg, adapter, self.store, info.model, info.model_name, slots_visible=visible,
                      n_slots=info.total_slots, layout=layout, empties_idle_slots=clears, engine_healthy=True,
-                     n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep)
+                     n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep, template=info.template)
         s.ctx.swa_window = await Upkeep.swa_window(s.ctx)
         s.inputs = self.router.inputs
         seconds = sleep.find_seconds(self.cfg, model.args)
@@ -536,6 +539,8 @@ class Daemon:
 
         if self._watcher is not None:
             self._watcher.cancel()
+        if self.sessions is not None:
+            self.sessions.idle.close()  # no save while idle starts now: the stop save comes
         # The inputs stop together: each stops taking requests at once, then gives those in
         # flight the same bounded time (not one grace after another), at most half the
         # deadline: the stop save needs the rest.

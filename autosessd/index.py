@@ -32,6 +32,12 @@ written in place by the engine can show a complete header before its state: its 
 mtime then change, and the next `scan()` reads it again; a restore of it meanwhile fails
 at the engine and is handled like any failed restore.
 
+Marks (issue 23). An auto file's metadata may record where its tokens came from by messages
+(names.Mark: its first n tokens are the prompt of a request whose messages keys.chain names).
+The index keeps them with the entry, and `by_messages` finds the files with a mark at the
+longest prefix of a request's messages: recall.py then knows the request's tokens, or the file
+to restore, without asking the engine.
+
 Between starts the index is cached in one file in the state directory, keyed per file by
 (inode, mtime, size) of the .bin and of its metadata (as store.py's metadata cache), so a
 start with 1,000 files stats them instead of reading every header. The cache holds token
@@ -51,6 +57,7 @@ another line: never over a file whose tokens it does not contain.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
@@ -65,13 +72,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from .files import read_small
+from .names import Mark, marks_from
 from .slotfile import TOKEN_NULL, BadSlotFile, read_header
 from .store import AUTO_BIN
 
 # Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
 # entry's token bytes one after another, u32 crc32 of all that precedes it.
 CACHE_MAGIC = b"autosessd-index\n"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: each entry carries its file's marks (issue 23)
 CACHE_MAX = 1 << 30  # the cache holds every file's comparable tokens: 1 GiB is ~250 M tokens
 
 Ident = tuple[int, int, int]  # (inode, mtime_ns, size)
@@ -131,6 +139,7 @@ class Entry:
     tokens: bytes  # encoded; the comparable part only
     ident: Ident | None  # of the .bin, when indexed from the disk
     meta_ident: Ident | None = None  # of auto-<key>.json, when it had one
+    marks: tuple[Mark, ...] = ()  # its metadata's: where its tokens came from, by messages
 
     def token_list(self) -> list[int]:
         return decode(self.tokens)
@@ -223,6 +232,13 @@ class TokenRun:
         yield from self.side(q, floor, +1)
 
 
+def _fitting(marks: tuple[Mark, ...], tokens: bytes) -> tuple[Mark, ...]:
+    """The marks a file's tokens can back: none past its comparable tokens (a media placeholder
+    ends them), none that claims more."""
+    n = len(tokens) // 4
+    return tuple(m for m in marks if m.n_tokens <= n)
+
+
 def swa_usable(n_tokens: int, lcp: int, window: int | None) -> bool:
     """Can a file of n_tokens, sharing lcp with a request, be restored for it on a model with
     sliding-window layers of `window` tokens? llama-server saves only the last window of
@@ -248,6 +264,8 @@ class TokenIndex:
         self._entries: dict[str, Entry] = {}
         # Per model its files in sorted order; unknown models under None.
         self._runs: dict[str | None, TokenRun] = {}
+        # keys.chain digest → the files with a mark there (by_messages).
+        self._marks: dict[str, set[str]] = {}
         self.skipped: dict[str, str] = {}
         self.dirty = False  # changed since the cache was last written or loaded
         # add/remove/learn while a scan reads the disk win over what the scan saw: they
@@ -334,32 +352,34 @@ class TokenIndex:
     def _read(self, name: str, ident: Ident, meta_ident: Ident | None, old: Entry | None) -> Entry:
         path = self.directory / name
         header = read_header(path, self.max_tokens)
-        model = None
+        model, marks = None, ()
         if AUTO_BIN.match(name):
-            model = self._meta_model(name, ident[2])
+            model, marks = self._meta_facts(name, ident[2])
         elif old is not None and old.ident == ident:
             model = old.model  # learned, and the file is the same one
-        return Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=encode(comparable(header.tokens)),
-                     ident=ident, meta_ident=meta_ident)
+        tokens = encode(comparable(header.tokens))
+        return Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=ident,
+                     meta_ident=meta_ident, marks=_fitting(marks, tokens))
 
-    def _meta_model(self, name: str, size: int) -> str | None:
-        """The model in auto-<key>.json when that metadata belongs to this very file."""
+    def _meta_facts(self, name: str, size: int) -> tuple[str | None, tuple[Mark, ...]]:
+        """The model and the marks in auto-<key>.json when that metadata belongs to this very file."""
         try:
             d = json.loads(read_small(self.directory / (name[:-4] + ".json")))
             if d["key"] != AUTO_BIN.match(name).group(1) or int(d["bytes"]) != size:
-                return None
-            return str(d["model"])
+                return None, ()
+            return str(d["model"]), marks_from(d.get("marks"))
         except (OSError, ValueError, KeyError, TypeError):
-            return None
+            return None, ()
 
     # -- keeping up with saves and removals ---------------------------------------
-    def add(self, name: str, tokens: Sequence[int], model: str | None) -> Entry:
-        """A file that was just made final under `name`, holding `tokens`, for `model`.
-        The file must exist (its identity is what keeps the cache honest)."""
+    def add(self, name: str, tokens: Sequence[int], model: str | None, marks: Sequence[Mark] = ()) -> Entry:
+        """A file that was just made final under `name`, holding `tokens`, for `model` (marks:
+        its metadata's). The file must exist (its identity is what keeps the cache honest)."""
         check_name(name)
         st = os.stat(self.directory / name, follow_symlinks=False)
-        entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=encode(comparable(tokens)),
-                      ident=_ident(st), meta_ident=self._meta_ident(name))
+        data = encode(comparable(tokens))
+        entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=data, ident=_ident(st),
+                      meta_ident=self._meta_ident(name), marks=_fitting(tuple(marks), data))
         self._put(entry)
         return entry
 
@@ -380,16 +400,33 @@ class TokenIndex:
         st = os.stat(path, follow_symlinks=False)
         header = read_header(path, self.max_tokens)
         meta_ident = self._meta_ident(name)
-        if model is None and AUTO_BIN.match(name):
-            model = self._meta_model(name, st.st_size)
+        marks: tuple[Mark, ...] = ()
+        if AUTO_BIN.match(name):
+            meta_model, marks = self._meta_facts(name, st.st_size)
+            model = model if model is not None else meta_model
         elif model is None:
             with self._lock:
                 old = self._entries.get(name)
             model = old.model if old is not None and old.ident == _ident(st) else None
-        entry = Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=encode(comparable(header.tokens)),
-                      ident=_ident(st), meta_ident=meta_ident)
+        tokens = encode(comparable(header.tokens))
+        entry = Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=_ident(st),
+                      meta_ident=meta_ident, marks=_fitting(marks, tokens))
         self._put(entry)
         return entry
+
+    def add_marks(self, name: str, ident: object, marks: Sequence[Mark]) -> bool:
+        """Marks learned of a file after it was indexed (recall.py's reply marks), kept while it
+        is the same file (its identity `ident` as indexed). False when it is not (any more)."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or e.ident != ident:
+                return False
+            new = tuple(m for m in _fitting(tuple(marks), e.tokens) if m not in e.marks)
+            if new:
+                self._drop(e)
+                self._insert(dataclasses.replace(e, marks=e.marks + new))
+                self._touch(name)
+            return True
 
     def learn(self, name: str, model: str) -> bool:
         """The model of a file is now known (a person's file autosessd parked, or restored
@@ -400,7 +437,7 @@ class TokenIndex:
                 return False
             if e.model != model:
                 self._drop(e)
-                self._insert(Entry(e.name, model, e.n_tokens, e.tokens, e.ident, e.meta_ident))
+                self._insert(dataclasses.replace(e, model=model))
                 self._touch(name)
             return True
 
@@ -430,9 +467,17 @@ class TokenIndex:
     def _insert(self, e: Entry) -> None:
         self._entries[e.name] = e
         self._runs.setdefault(e.model, TokenRun()).insert(e.tokens, e.name)
+        for m in e.marks:
+            self._marks.setdefault(m.chain, set()).add(e.name)
 
     def _drop(self, e: Entry) -> None:
         del self._entries[e.name]
+        for m in e.marks:
+            names = self._marks.get(m.chain)
+            if names is not None:
+                names.discard(e.name)
+                if not names:
+                    del self._marks[m.chain]
         run = self._runs[e.model]
         run.delete(e.tokens, e.name)
         if not run.items:
@@ -443,6 +488,10 @@ class TokenIndex:
         for e in self._entries.values():
             by_model.setdefault(e.model, []).append((e.tokens, e.name))
         self._runs = {m: TokenRun(items) for m, items in by_model.items()}
+        self._marks = {}
+        for e in self._entries.values():
+            for m in e.marks:
+                self._marks.setdefault(m.chain, set()).add(e.name)
 
     # -- lookups -------------------------------------------------------------------
     def get(self, name: str) -> Entry | None:
@@ -460,6 +509,25 @@ class TokenIndex:
     def __contains__(self, name: object) -> bool:
         with self._lock:
             return name in self._entries
+
+    def by_messages(self, chain: Sequence[str], model: str | None) -> tuple[int, list[tuple[Entry, Mark]]]:
+        """The files of `model` with a mark at the longest prefix of a request's messages
+        (chain: keys.chain of its signature): (how many of its messages that mark covers, [(the
+        file, its mark)]); (0, []) when none has one. One dict lookup per message."""
+        with self._lock:
+            for i in range(len(chain) - 1, -1, -1):
+                names = self._marks.get(chain[i])
+                if not names:
+                    continue
+                found = []
+                for name in sorted(names):
+                    e = self._entries[name]
+                    m = next((m for m in e.marks if m.chain == chain[i] and m.n_messages == i + 1), None)
+                    if e.model == model and m is not None:
+                        found.append((e, m))
+                if found:
+                    return i + 1, found
+        return 0, []
 
     def lcp(self, name: str, tokens: Sequence[int] | bytes) -> int | None:
         """Tokens `name` shares with `tokens` from the start; None when not indexed."""
@@ -525,7 +593,8 @@ class TokenIndex:
             dst = os.stat(self.directory)
             desc = {"dir": str(self.directory.resolve()), "dev": dst.st_dev, "ino": dst.st_ino,
                     "entries": [[e.name, e.model, e.n_tokens, len(e.tokens) // 4, list(e.ident or (0, 0, 0)),
-                                 list(e.meta_ident) if e.meta_ident else None] for e in entries]}
+                                 list(e.meta_ident) if e.meta_ident else None, [m.to_list() for m in e.marks]]
+                                for e in entries]}
             head = json.dumps(desc, separators=(",", ":")).encode()
             body = CACHE_MAGIC + struct.pack("<II", CACHE_VERSION, len(head)) + head
             crc = zlib.crc32(body)
@@ -578,11 +647,12 @@ class TokenIndex:
                 return {}, f"for another directory ({desc['dir']})"
             at += n_head
             entries = {}
-            for name, model, n_tokens, n_cmp, ident, meta_ident in desc["entries"]:
+            for name, model, n_tokens, n_cmp, ident, meta_ident, marks in desc["entries"]:
                 tokens = data[at:at + 4 * n_cmp]
                 at += 4 * n_cmp
                 entries[check_name(name)] = Entry(name, model, int(n_tokens), tokens, tuple(ident),
-                                                  tuple(meta_ident) if meta_ident else None)
+                                                  tuple(meta_ident) if meta_ident else None,
+                                                  _fitting(marks_from(marks), tokens))
             if at != len(data) - 4:
                 return {}, "damaged (length)"
             return entries, "loaded"

@@ -124,3 +124,19 @@ def continues(held: tuple[str, ...] | None, new: tuple[str, ...] | None) -> bool
     """Does a request of signature `new` go on from the held request's (same options, its
     messages first)?"""
     return held is not None and new is not None and len(new) >= len(held) and new[:len(held)] == held
+
+
+# -- a file known by its messages (issue 23) ------------------------------------------------
+def chain(sig: tuple[str, ...], seed: str = "") -> list[str]:
+    """Cumulative digests of a chat signature: chain(sig)[i] stands for the options and the
+    first i + 1 messages together, so one string per message boundary says "this request's
+    messages begin with those". `seed` is the engine's template identity: a file's messages
+    mean its tokens only under the template that rendered them. A file records the digest at
+    the boundaries whose token offsets it knows (names.Mark); a request compares its own
+    chain with them, one dict lookup per message, no tokens asked for."""
+    h = hashlib.sha1(b"autosessd chain\0" + seed.encode("utf-8", "surrogatepass") + b"\0" + sig[0].encode())
+    out = []
+    for d in sig[1:]:
+        h = hashlib.sha1(h.digest() + d.encode())
+        out.append(h.hexdigest()[:16])
+    return out

@@ -68,6 +68,58 @@ def manual_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class Mark:
+    """A message boundary of a file's tokens (issue 23): its first n_tokens tokens came from the
+    request options and first n_messages messages whose keys.chain digest is `chain`. A save
+    records the prompt of the request that made its state (those tokens exactly: the engine's
+    own count of that prompt), so a request with those very messages has exactly those tokens,
+    and one whose messages begin with them starts with them: no need to ask the engine.
+
+    exact False: only the second holds (recall.py's reply marks: the file's reply as the next
+    assistant message, checked against the file's tokens after the save; kept by the index)."""
+
+    n_messages: int
+    n_tokens: int
+    chain: str
+    exact: bool = True
+
+    def to_list(self) -> list:
+        return [self.n_messages, self.n_tokens, self.chain] + ([] if self.exact else [0])
+
+    def to_text(self) -> str:
+        return f"{self.n_messages}:{self.n_tokens}:{self.chain}"
+
+    @classmethod
+    def from_list(cls, v: object) -> "Mark | None":
+        """A mark as metadata holds it, or None for anything else (never raises)."""
+        if isinstance(v, str):
+            v = v.split(":")
+            if len(v) != 3 or not all(v) or not v[0].isdigit() or not v[1].isdigit():
+                return None
+            v = [int(v[0]), int(v[1]), v[2]]
+        if not isinstance(v, (list, tuple)) or len(v) not in (3, 4) or (len(v) == 4 and v[3] != 0):
+            return None
+        k, n, h = v[:3]
+        if type(k) is not int or type(n) is not int or k < 1 or n < 1 or not isinstance(h, str) \
+                or not CHAIN_RE.match(h):
+            return None
+        return cls(k, n, h, len(v) == 3)
+
+
+CHAIN_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def marks_from(v: object) -> tuple[Mark, ...]:
+    """Metadata's marks (a JSON list, or the bucket's "k:n:chain;…" text); () for anything else."""
+    if isinstance(v, str):
+        v = v.split(";") if v else []
+    if not isinstance(v, list) or len(v) > 64:
+        return ()
+    marks = tuple(m for m in (Mark.from_list(x) for x in v) if m is not None)
+    return marks if len(marks) == len(v) else ()
+
+
+@dataclass(frozen=True)
 class Meta:
     key: str  # the file's: auto-<key>.bin
     n_tokens: int
@@ -94,6 +146,10 @@ class Meta:
     digest: str | None = None
     # The .bin's identity when the digest was last checked: the same one needs no new check.
     ident: Ident | None = None
+    # Where its tokens came from, by messages (Mark): a return to the conversation is matched
+    # by them without asking the engine for its tokens. (): not known (older metadata, a
+    # prefix, a state no request of ours made).
+    marks: tuple[Mark, ...] = ()
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
@@ -105,7 +161,8 @@ class Meta:
                    line=str(line) if line is not None else None,
                    n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)),
                    host=str(d["host"]) if d.get("host") is not None else None,
-                   digest=digest if isinstance(digest, str) else None, ident=Ident.from_list(d.get("ident")))
+                   digest=digest if isinstance(digest, str) else None, ident=Ident.from_list(d.get("ident")),
+                   marks=marks_from(d.get("marks")))
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -114,4 +171,8 @@ class Meta:
                 del d[k]  # absent, as in metadata written before these existed
         if self.ident is not None:
             d["ident"] = self.ident.to_list()
+        if self.marks:
+            d["marks"] = [m.to_list() for m in self.marks]
+        else:
+            del d["marks"]
         return json.dumps(d, sort_keys=True).encode() + b"\n"

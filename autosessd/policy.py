@@ -107,6 +107,7 @@ class Occasion(Enum):
     STOP = "stop"        # the daemon stops
     UNLOAD = "unload"    # the model is about to be unloaded (a model switch behind a router, sleep)
     BEHIND = "behind"    # tail: the held conversation's request ended and the engine is idle
+    IDLE = "idle"        # the slot stayed idle after a reply (idle.py): saved before a switch needs it
 
 
 def plan_save(held: Held | None, occasion: Occasion, min_tokens: int, saved: FileInfo | None = None,
@@ -127,7 +128,7 @@ def plan_save(held: Held | None, occasion: Occasion, min_tokens: int, saved: Fil
         return Skip("save", held.key, BELOW_MIN)
     if saved is not None and n is not None and saved.n_tokens == n and saved.model == model and held.durable:
         return Skip("save", held.key, UP_TO_DATE)
-    if occasion is Occasion.BEHIND and not held.durable:
+    if occasion in (Occasion.BEHIND, Occasion.IDLE) and not held.durable:
         # A cancelled request's partial state is worth a save only when it is about to be lost.
         return Skip("save", held.key, PROVISIONAL)
     return Save(held.key, n)

@@ -363,6 +363,16 @@ class Fetcher:
             return None
         return await self._fetch(save, fetch, result)
 
+    def holds(self, tokens: bytes, n: int) -> bool:
+        """Does the bucket hold a save sharing at least n tokens with `tokens` (encoded) that the
+        local index has not weighed already (a save newer than the local file of its name)?
+        recall.py asks before it restores a file without the request's tokens."""
+        remote = self.ctx.remote
+        assert remote is not None
+        writing = self.saver.writing()
+        return remote.best(tokens, n, None, skip=lambda r: r.name in writing or remote.shared.is_bad(r.key)
+                           or self._have_locally(r)) is not None
+
     def _have_locally(self, r: RemoteSession) -> bool:
         """A local file of that name is as new as the bucket's save (the local index already
         weighed it): nothing to download."""

@@ -105,6 +105,19 @@ class Counters:
     pruned_files: int = _counter("pruned_files_total", "Auto files removed by prune")
     pruned_bytes: int = _counter("pruned_bytes_total", "Bytes freed by prune")
     tokenized: int = _counter("tokenized_turns_total", "Turns that asked the engine for the request's tokens")
+    known_by_messages: int = _counter("known_by_messages_total",
+                                      "Turns whose request's tokens, or the file to restore, a file's recorded "
+                                      "messages told: no tokens asked of the engine")
+    replies_checked: int = _counter("replies_checked_total",
+                                    "Saved replies whose tokens were checked against their file, off the request's "
+                                    "path (sliding-window models: may a request going on from it restore it?)")
+    replies_marked: int = _counter("replies_marked_total",
+                                   "Of those, replies that came back as the file's own tokens: marked")
+    idle_saves: int = _counter("idle_saves_total",
+                               "Conversations saved while their slot stayed idle after a reply (idle_save_s)")
+    idle_saves_deferred: int = _counter("idle_saves_deferred_total",
+                                        "Saves while idle put off by idle_save_mb_per_min")
+    bytes_saved_idle: int = _counter("idle_saved_bytes_total", "Bytes saved while idle (also in saved_bytes_total)")
     tokenize_failures: int = _counter("tokenize_failures_total",
                                       "Turns that got no tokens from the engine (the key rule decided)")
     restores_by_tokens: int = _counter("restores_by_tokens_total",
@@ -229,6 +242,10 @@ class TurnResult:
     saved: dict[str, Any] | None = None
     restored: dict[str, Any] | None = None
     prefix: dict[str, Any] | None = None  # a shared prefix read and saved before the request
+    # Where the turn had the request's tokens from: "engine" (it asked: /apply-template +
+    # /tokenize), "messages" (a file's marks told them, or the file to restore: recall.py), or
+    # None (none needed: the request goes on from the held one, or is matched by its key).
+    tokens_from: str | None = None
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     ms: float = 0.0
@@ -322,6 +339,7 @@ def status(s: Sessions) -> dict[str, Any]:
                                   "latest": quarantined[:5]}},
         "index": None if s.index is None else {"files": len(s.index), "skipped": len(s.index.skipped),
                                                "swa_window": s.ctx.swa_window},
+        "idle_save": s.idle.status(),
         "inputs": {name: describe() for name, describe in s.inputs.items()},
         "shared": None if s.remote is None else s.remote.status(),
     }

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 from . import policy, slotfile
 from .engines.base import EngineError
 from .index import SavedFile, comparable, encode, save_key
+from .keys import chain
 from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
 from .slot import Phase, Slot, View
-from .store import AUTO_BIN, Meta, StoreError, auto_name, temp_name
+from .store import AUTO_BIN, Mark, Meta, StoreError, auto_name, temp_name
 
 if TYPE_CHECKING:
     from .context import Context
@@ -54,6 +55,9 @@ class Saver:
         self._finalizing: dict[str, asyncio.Future] = {}  # by the final file's key
         self._temps: dict[str, list] = {}  # temporary's key → [asyncio.Lock, users]
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
+        # Called on the loop once a conversation's save is final: (its name, its metadata, the
+        # tokens its header holds, the slot's view that was saved). recall.py checks its reply.
+        self.after_final: list[Callable[[str, Meta, bytes, View], None]] = []
 
     # -- the files' facts --------------------------------------------------------------------
     def meta_of(self, name: str) -> Meta | None:
@@ -261,7 +265,8 @@ class Saver:
         layout = self._learn_layout(key)
         meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=ctx.model,
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
-                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None)
+                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
+                    marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
         store.acquire(final)
         try:
             fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
@@ -269,7 +274,8 @@ class Saver:
             store.release(final)
             raise
         self._finalizing[file_key] = fut
-        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None))
+        saved = (v, tokens) if mine and tokens is not None and meta.marks else None
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None, saved))
         if mine:
             # The engine's count is the truth (a client's usage may differ by one), and the
             # header says token for token what the slot holds.
@@ -290,6 +296,17 @@ class Saver:
         if result is not None:
             result.saved = info
         return SaveOutcome.SAVED
+
+    def _marks(self, v: View, n_prompt: int | None, tokens: bytes | None) -> tuple[Mark, ...]:
+        """Where the saved state's tokens came from, by messages (names.Mark): its first n_prompt
+        tokens are the prompt of the request that made it, whose chat signature the view holds.
+        None of it for a state a cancelled request left (how much of its prompt it holds is not
+        known), nor when what the turn learned of that prompt disagrees with the file."""
+        if v.messages is None or n_prompt is None or not v.durable or tokens is None or n_prompt > len(tokens) // 4:
+            return ()
+        if v.tokens is not None and len(v.tokens) // 4 == n_prompt and tokens[:4 * n_prompt] != v.tokens:
+            return ()  # the prompt's tokens as the turn asked for them are not the file's first ones
+        return (Mark(len(v.messages) - 1, n_prompt, chain(v.messages, self.ctx.template)[-1]),)
 
     def _check_header(self, key: str, n_saved: int) -> slotfile.SlotHeader | None:
         """The file's own header must agree with the engine's answer (llama-server files).
@@ -331,14 +348,16 @@ class Saver:
             name = target  # parked by us: its model is known
         if index is not None and header is not None:
             try:
-                index.add(name, header.tokens, self.ctx.model)
+                index.add(name, header.tokens, self.ctx.model, meta.marks if target is None else ())
             except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
                 log.warning("auto sessions: indexing %s: %s", name, e)
         return meta
 
-    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool) -> None:
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool,
+                   saved: tuple[View, bytes] | None = None) -> None:
         """auto: a conversation's, a branch's or a prefix's file, uploaded to the shared bucket
-        once final (with the metadata finalize wrote). People's parked names stay local."""
+        once final (with the metadata finalize wrote). People's parked names stay local. saved:
+        the view saved and the file's tokens, for after_final."""
         store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
         if self._finalizing.get(file_key) is fut:
             del self._finalizing[file_key]
@@ -347,6 +366,12 @@ class Saver:
         if exc is None and not fut.cancelled() and auto and remote is not None:
             meta = fut.result()
             remote.upload_later(store.bin_path(meta.key), meta)
+        if exc is None and not fut.cancelled() and saved is not None:
+            for hook in self.after_final:
+                try:
+                    hook(final, fut.result(), saved[1], saved[0])
+                except Exception as e:  # a hook's bug must not fail the save
+                    log.exception("auto sessions: after the save of %s: %s", final, e)
         if exc is not None:
             self.ctx.counters.save_failures += 1
             store.discard_temp(key)

@@ -26,7 +26,7 @@ call says what it blocks on.
     s.sent(ticket)                     # right before forwarding: its start is in flight until the
                                        # engine shows it placed (a task of its own, bounded)
     ... forward the request; the response carries timings.cache_n ...
-    await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt)  # settle + verify; on an engine
+    await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt, reply)  # settle + verify; on an engine
                                        # that empties idle slots, the end save. Blocks: the gate, the engine
     ticket.release()                   # safe twice; after a client disconnect, only once the
                                        # engine's slot is idle again (s.wait_idle)
@@ -97,6 +97,7 @@ from .commands import Commands
 from .config import Config
 from .context import Context
 from .engines.base import Engine, EngineError, SlotState
+from .idle import IdleSaver
 from .launch import Launch
 from .observe import Observer
 from .placement import Placement, Ticket
@@ -131,13 +132,15 @@ class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True, n_slots: int = 1, layout: KVLayout | None = None,
                  empties_idle_slots: bool = False, engine_healthy: bool | None = None, n_ctx: int | None = None,
-                 house: Context | None = None, upkeep: Upkeep | None = None):
+                 house: Context | None = None, upkeep: Upkeep | None = None, template: str = ""):
         """The daemon's start checks give the rest: n_slots, the engine's slots (0..n-1, all
         driven); layout, its state files' KV layout as the probe saw it; empties_idle_slots, the
         probe saw it empty idle slots; engine_healthy, it answered /health; n_ctx, the tokens one
-        of its slots holds. house, upkeep: one model's Sessions behind a router (models.py)
-        shares the house's counters, events and token index, and its one prune."""
-        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx)
+        of its slots holds; template, its chat template's identity. house, upkeep: one model's
+        Sessions behind a router (models.py) shares the house's counters, events and token
+        index, and its one prune."""
+        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx,
+                                 template=template)
         if house is not None:
             ctx.counters, ctx.events, ctx.index = house.counters, house.events, house.index
         self.started_at = time.time()
@@ -154,6 +157,8 @@ class Sessions:
         self._turn = Turn(ctx, self.observer, self.saver, self.restorer,
                           PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver))
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
+        self.idle = IdleSaver(ctx, self.placement, self.observer, self.saver, self.launch)
+        self.saver.after_final.append(self._turn.recall.saved)  # reply marks (recall.py)
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
@@ -232,14 +237,17 @@ class Sessions:
         return task if task is not None else _done()
 
     async def ended(self, ticket: Ticket, key: str | None, status: str, n_tokens: int | None = None,
-                    cache_n: int | None = None, n_prompt: int | None = None) -> None:
+                    cache_n: int | None = None, n_prompt: int | None = None, reply: str | None = None) -> None:
         """The request of `key` on the ticket's slot ended. status: ok | cancelled | error (it
         failed part-way) | rejected (a 4xx before it ran) | not_run (it never reached the
         engine); the numbers: what the response said (the engine's GET /slots is preferred
         for the count). On an engine that empties idle slots, the next start anywhere empties
-        this one: when its end may be saved, no start is sent until the save is done."""
+        this one: when its end may be saved, no start is sent until the save is done. reply:
+        the answer's text as the client got it (an OpenAI chat answer of text only)."""
         s = self.placement.slot_of(ticket)
         ours = s.ending(key)
+        if ours and reply is not None and status == "ok" and s.view.body is not None:
+            s.note(reply=reply)
         self.launch.ended(s, key, status, ours)
         if not ours:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,
@@ -248,10 +256,13 @@ class Sessions:
         self.flush_savings_later()
         hold = self._end_may_save(s, key, status, n_tokens)
         async with self.launch.end_save_hold(hold):  # may wait: observe.end checks the view again
-            if await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True) and hold:
+            settled = await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True)
+            if settled and hold:
                 step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND)
                 if isinstance(step, Save) and outcome is SaveOutcome.NOT_TRIED and s.view.conversation() is None:
                     self.counters.saves_missed += 1  # a start sent before this end emptied the slot
+        if settled and status == "ok":
+            self.idle.ended(s)  # its pause starts: saved behind if the slot stays idle (idle.py)
 
     def _end_may_save(self, s: Slot, key: str | None, status: str, n_tokens: int | None) -> bool:
         """Whether the end of a request of `key` may be saved right after it (the end save)."""
@@ -393,6 +404,7 @@ class Sessions:
     async def close(self, index: bool = True) -> None:
         """At stop, after drain(): keep the index for the next start (index=False: the house
         keeps it, behind a router)."""
+        self.idle.close()
         if self.sleep is not None:
             self.sleep.stop()
         if index:
@@ -403,6 +415,11 @@ class Sessions:
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.savings.flush, self.counters)
         self.launch.close()
         self._turn.close()
+
+    async def save_idle_now(self, capped: bool = False) -> list[dict[str, Any]]:
+        """Every idle slot's conversation worth a save, saved now (idle.IdleSaver.save_now): for
+        a caller that knows the slots' state is about to go (an engine put to sleep)."""
+        return await self.idle.save_now(capped)
 
     async def watch_engine(self, every_s: float = 2.0, identity_every_s: float = 10.0) -> None:
         await self.watch.run(every_s, identity_every_s)

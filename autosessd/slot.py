@@ -124,10 +124,15 @@ class View:
     # file      the session file holding this conversation's latest saved state: what a save
     #           compares with (up to date?). RESTORED: the file restored
     # n_prompt  of n_tokens, the prompt of the last reply (a save records it: index.save_key)
+    # body      that request's chat body, and reply the text of its answer as the client got it:
+    # reply     after a save, recall.py checks that the reply sent back goes on from the file's
+    #           end (kept only for a model with a sliding window, where that decides a restore)
     tokens: bytes | None = None
     messages: tuple[str, ...] | None = None
     file: str | None = None
     n_prompt: int | None = None
+    body: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    reply: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def conversation(self) -> Held | None:
         """The conversation a save would write, when the slot holds one we can name."""
@@ -218,7 +223,7 @@ class Slot:
 
     # -- transitions ---------------------------------------------------------------------
     def start(self, key: str | None, tokens: bytes | None = None, messages: tuple[str, ...] | None = None,
-              file: str | None = None, n_prompt: int | None = None) -> None:
+              file: str | None = None, n_prompt: int | None = None, body: dict | None = None) -> None:
         """START: a request of `key` starts on the slot now, whatever we do (after a turn, with
         what the turn learned of it; or seen in a request log). n_prompt: its prompt's length,
         when the turn asked the engine for its tokens (the turn hook's requests report no end,
@@ -233,7 +238,7 @@ class Slot:
             prior, restored = v, (v.restored if v.key == key else None)
         self.seen_cache_n = None
         self._change(Event.START, View(Phase.SWITCHED, key, n_tokens=None, restored=restored, prior=prior,
-                                       tokens=tokens, messages=messages, file=file, n_prompt=n_prompt))
+                                       tokens=tokens, messages=messages, file=file, n_prompt=n_prompt, body=body))
 
     def note(self, **changes: Any) -> None:
         """NOTE: what the turn learned of the request that runs next (SWITCHED only)."""
@@ -268,7 +273,8 @@ class Slot:
             new = View(Phase.UNKNOWN, n_tokens=None, why="a request without a conversation ran")
         elif status == "ok":
             new = View(Phase.HELD, v.key, n_tokens=n, tokens=v.tokens, messages=v.messages, file=v.file,
-                       n_prompt=n_prompt if n_prompt is not None and (n is None or n_prompt <= n) else None)
+                       n_prompt=n_prompt if n_prompt is not None and (n is None or n_prompt <= n) else None,
+                       body=v.body, reply=v.reply)
         else:  # cancelled part-way: how much of the prompt it holds is not known
             new = View(Phase.HELD, v.key, n_tokens=n, durable=False, file=v.file)
         verify = None

@@ -60,7 +60,7 @@ import psutil
 
 from . import files, slotfile
 from .files import Ident
-from .names import (AUTO_BIN, AUTO_META, MANUAL_NAME, QUARANTINE, TEMP_PREFIX, InUse, Meta, NewerHere,  # noqa: F401
+from .names import (AUTO_BIN, AUTO_META, MANUAL_NAME, QUARANTINE, TEMP_PREFIX, InUse, Mark, Meta, NewerHere,  # noqa: F401
                     StoreError, auto_name, manual_name, meta_name, temp_name)
 
 log = logging.getLogger("autosessd")

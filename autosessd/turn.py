@@ -35,6 +35,7 @@ from .engines.base import EngineError
 from .index import common_prefix, encode
 from .keys import chat_signature, continues
 from .policy import Held, Occasion, Restore, RestoreFile, SaveOutcome, Skip
+from .recall import Known, Recall
 from .report import TurnResult, skipped
 from .slot import Phase, Slot, View
 from .store import Meta, auto_name
@@ -58,7 +59,7 @@ class Carry:
     messages: tuple[str, ...] | None
     file: str | None
     n_prompt: int | None = None  # the request's prompt length, when its tokens were asked for
-    went_on: bool = False  # it goes on from the held request, let through without its tokens
+    unknown_prompt: bool = False  # let through without all its tokens (it goes on from the held request or a file)
 
 
 class Turn:
@@ -70,6 +71,7 @@ class Turn:
         self.restorer = restorer
         self.prefix = prefix
         self.fetcher = fetcher
+        self.recall = Recall(ctx, fetcher)
         self._learning: set[asyncio.Task] = set()  # _learn_prompt's, held until done
 
     async def run(self, s: Slot, key: str | None, sees_end: bool, body: dict[str, Any] | None) -> TurnResult:
@@ -95,19 +97,24 @@ class Turn:
             if carry is None:
                 s.start(key)
             else:
-                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt)
+                # The body is kept for the check of its reply's mark (recall.py), which only a
+                # model with a sliding window needs.
+                keep = body if carry.messages is not None and ctx.swa_window is not None else None
+                s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt,
+                        body=keep)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if ctx.cfg.auto_sessions and (key is not None or result.saved or result.errors):
                 ctx.events.emit("turn", **result.to_dict())
         if not sees_end:
             self.observer.watch_request(s)
-            if carry is not None and carry.went_on and body is not None and self.ctx.index is not None:
+            if carry is not None and carry.unknown_prompt and body is not None and self.ctx.index is not None:
                 self._learn_prompt(s, key, body)
         return result
 
     def close(self) -> None:
         for task in list(self._learning):
             task.cancel()
+        self.recall.close()
 
     def _learn_prompt(self, s: Slot, key: str | None, body: dict[str, Any]) -> None:
         """A hook request that went on from the held one was let through without its tokens,
@@ -140,22 +147,40 @@ class Turn:
         if same and (sig is None or continues(v.messages, sig)):
             # The same conversation going on: its count is updated when the request ends. No
             # tokens asked for: the request extends what the slot holds.
-            return Carry(v.tokens, sig, v.file, went_on=sig is not None)
+            return Carry(v.tokens, sig, v.file, unknown_prompt=sig is not None)
         want = sig is not None and self.ctx.index is not None
-        tokens = await self._request_tokens(body, result) if want and same else None
-        if same and tokens is None:
+        # A file's mark may tell the request's tokens (its very messages) or the file to restore
+        # (messages that go on from the mark's) without asking the engine (recall.py).
+        known = self.recall.known(sig) if want and sig is not None else None
+        exact = known is not None and known.exact
+        tokens = known.tokens if known is not None and known.exact else None
+        if same and want and tokens is None and known is not None and v.tokens:
+            # Its tokens begin with known.tokens: they go on from what the slot holds when that
+            # lies inside them, and depart from it when the two differ before either ends.
+            n = common_prefix(v.tokens, known.tokens)
+            if n == len(v.tokens) // 4:
+                self._known_by_messages(result)
+                return Carry(v.tokens, sig, v.file, unknown_prompt=True)
+            if n == len(known.tokens) // 4:
+                known = None  # the slot holds all that is known of them, and more: ask
+        if same and want and tokens is None and known is None:
+            tokens = await self._request_tokens(body, result)
+        if same and tokens is None and known is None:
             return Carry(v.tokens, sig, v.file)  # the key rule: the same conversation
-        if same and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
+        if same and tokens is not None and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
             # Other messages (a client that rewrites what it sent before), the same tokens:
             # the request still goes on from what the slot holds.
+            if exact:
+                self._known_by_messages(result)
             return Carry(v.tokens, sig, v.file, len(tokens) // 4)
         # Same first message, but its tokens depart from the held ones (another system prompt,
         # an edited message): the engine keeps only what they share, so it is a switch too.
         occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
-        # At a switch the engine tokenizes the request while it saves the held conversation
-        # (/tokenize does not wait for the slot): the save hides the tokens' cost.
+        # Unless a mark decides, the engine tokenizes the request while it saves the held
+        # conversation (/tokenize does not wait for the slot): the save hides the tokens' cost.
+        sure = tokens is not None or (known is not None and self._sole(s.view, known) is not None)
         asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
-            if want and not same else None
+            if want and not sure else None
         try:
             step, outcome = await self.saver.save_if_worth(s, occasion, key, result)
             if isinstance(step, Skip):
@@ -167,10 +192,57 @@ class Turn:
                 asking.cancel()
         if key is None:
             return None
+        if tokens is None and known is not None:
+            # Asked again: the save changed what the slot holds, and the index.
+            pick = self._sole(s.view, known)
+            if pick is not None:
+                assert sig is not None
+                return await self._restore_by_messages(s, key, held, outcome, result, sig, known, pick)
+            tokens = await self._request_tokens(body, result)  # the save made it unsure (rare)
         if tokens is None:
             return await self._restore_by_key(s, key, held, outcome, result, sig)
         assert body is not None and sig is not None
-        return await self._restore_by_tokens(s, key, held, outcome, result, body, sig, tokens)
+        if exact:
+            self._known_by_messages(result)
+        return await self._restore_by_tokens(s, key, held, outcome, result, body, sig, tokens, exact)
+
+    def _known_by_messages(self, result: TurnResult) -> None:
+        self.ctx.counters.known_by_messages += 1
+        result.tokens_from = "messages"
+
+    def _sole(self, v: View, known: Known) -> tuple[str, int, int] | None:
+        """recall.Recall.sole with what the slot shares with the request's known tokens, as the
+        token rule would count it: (file, tokens it shares at least, the slot's share)."""
+        shared = self._slot_prefix(v, known.tokens)
+        pick = self.recall.sole(known, shared, self.saver.writing())
+        return None if pick is None else (*pick, shared)
+
+    async def _restore_by_messages(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
+                                   result: TurnResult, sig: tuple[str, ...], known: Known,
+                                   pick: tuple[str, int, int]) -> Carry:
+        """A request that goes on from a file's mark, the file being the one the token rule is
+        sure to pick (recall.py): restored without the request's tokens. The engine reads the
+        request's new part itself; the next cache_n verifies the restore as always."""
+        ctx = self.ctx
+        assert ctx.index is not None
+        name, n, shared = pick
+        self._known_by_messages(result)
+        step = policy.plan_restore_by_tokens(held, key, outcome, (name, n), shared, ctx.min_tokens)
+        if isinstance(step, RestoreFile) and not self.saver.loadable(step.name):
+            step = Skip("restore", key, policy.LAYOUT_MISMATCH)
+        own = None
+        if isinstance(step, RestoreFile):
+            entry = ctx.index.get(name)
+            if await self.restorer.restore(s, key, result, name, expect=n,
+                                           tokens=entry.tokens if entry is not None else None):
+                meta = self.saver.meta_of(name)
+                own = name if self._own(key, step, meta) else None
+                ctx.counters.restores_by_tokens += 1
+                self._record_restore(s, result, name, n, shared, "messages", meta)
+        else:
+            skipped(ctx.counters, step, result)
+        # Its tokens begin with the file's first n; how many more, its response says.
+        return Carry(known.tokens, sig, own, unknown_prompt=True)
 
     async def _restore_by_key(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome, result: TurnResult,
                               sig: tuple[str, ...] | None) -> Carry:
@@ -201,14 +273,16 @@ class Turn:
         return Carry(None, sig, own)
 
     async def _restore_by_tokens(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
-                                 result: TurnResult, body: dict[str, Any], sig: tuple[str, ...], tokens: bytes
-                                 ) -> Carry:
+                                 result: TurnResult, body: dict[str, Any], sig: tuple[str, ...], tokens: bytes,
+                                 from_messages: bool = False) -> Carry:
         """DESIGN §9: restore the file of this model sharing the longest prefix with the
         request's tokens, when it shares at least min_tokens more than the slot already does
         (the engine keeps that much of what the slot holds). Its name plays no part: a file
         under the request's own key that shares less is not restored. Files being written
         are left out (the slot holds them live); so are files the engine could not reuse
-        after their sliding-window layers (swa_window)."""
+        after their sliding-window layers (swa_window). from_messages: the tokens are a file's
+        (its mark's messages are the request's, recall.py): a known conversation, whose shared
+        prefix is not looked for (prefix.py reads one for a new conversation only)."""
         ctx = self.ctx
         assert ctx.index is not None
         min_tokens = ctx.min_tokens
@@ -237,7 +311,8 @@ class Turn:
                 own = step.name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, step.name, step.shared, shared,
-                                     "tokens" if claim is None else "tokens, downloaded", meta, len(tokens) // 4)
+                                     "tokens" if claim is None else "tokens, downloaded", meta, len(tokens) // 4,
+                                     "messages" if from_messages else "engine")
                 ctx.restore_log.bodies[s.id] = body  # doctor's, should the engine not reuse it
                 shared = step.shared
             else:
@@ -253,7 +328,7 @@ class Turn:
                 log.debug("auto sessions: %s", msg)
             else:
                 skipped(ctx.counters, step, result)
-        if not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
+        if not from_messages and not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
             await self.prefix.split(s, key, body, tokens, shared, result)
         return Carry(tokens, sig, own, len(tokens) // 4)
 
@@ -264,6 +339,7 @@ class Turn:
         if chat is None or body is None:
             return None
         self.ctx.counters.tokenized += 1
+        result.tokens_from = "engine"
         try:
             tokens = await chat.prompt_tokens(body)
             if not tokens:
@@ -299,10 +375,13 @@ class Turn:
         return step.shared >= (meta.n_prompt if meta.n_prompt is not None else meta.n_tokens)
 
     def _record_restore(self, s: Slot, result: TurnResult, name: str, shared: int | None, slot_shared: int | None,
-                        by: str, meta: Meta | None = None, n_prompt: int | None = None) -> None:
-        """What status shows of the slot's last restore; observe.verify adds the engine's cache_n."""
+                        by: str, meta: Meta | None = None, n_prompt: int | None = None,
+                        tokens_from: str | None = None) -> None:
+        """What status shows of the slot's last restore; observe.verify adds the engine's cache_n.
+        by: key | tokens | messages (the file the token rule is sure of, recall.py); tokens_from:
+        where a tokens choice had them (the engine, or a file's messages)."""
         self.ctx.restore_log.bodies.pop(s.id, None)  # an earlier restore's request is not this one's
-        info = {"file": name, "chosen_by": by, "shared": shared, "slot_shared": slot_shared,
+        info = {"file": name, "chosen_by": by, "tokens_from": tokens_from, "shared": shared, "slot_shared": slot_shared,
                 "line": meta.line if meta is not None else None, "prefix": bool(meta is not None and meta.prefix)}
         if result.restored is not None:
             result.restored.update(info)

@@ -19,6 +19,9 @@ Scenarios (each competitor is measured in the same run, interleaved with autoses
   6 tail reaction     log `end` line written → save behind issued, p50/p99
   7 directory scale   status, ls and prune plan at 10 / 1,000 / 10,000 files
   8 footprint         RSS and CPU idle for 60 s (gate, tail, socket on), RSS after 1,000 turns
+  11 real sizes       a fake engine moving 1 GB and 4 GB state files at the disk's speed: a
+                      switch's wait against the engine's restore, saved at the switch or while
+                      idle, and the bytes written per turn (bench/gb.py)
 
 Writes bench/results/<date>-<host>.json and prints Markdown tables; with scenario 1, also
 bench/results/switch-back.png (bench/plot.py), the README's plot.
@@ -45,12 +48,12 @@ from typing import Any, Callable
 
 import psutil
 
-from autosessd.keys import conversation_key
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "bench"))
 import demo  # noqa: E402  (free_port, wait_http, facts, ask: the demo's client and helpers)
+from gb import s11_gb, t11  # noqa: E402  (scenario 11: switches at a real model's size)
 
 SIZES = [int(x) for x in os.environ.get("BENCH_SIZES", "1000,4000,16000").split(",")]
 REPS = int(os.environ.get("BENCH_REPS", "3"))
@@ -151,6 +154,13 @@ def conv(n_tokens: int, topic: str) -> list[dict[str, str]]:
 SMALL_B = [{"role": "user", "content": demo.facts(8, "jar") + "\nWhich jar is red?"}]
 
 
+def going_on(messages: list[dict[str, str]], answer: str, question: str) -> list[dict[str, str]]:
+    """A client's next request of a conversation: the answer sent back, then a new question.
+    (Sending the same prompt again would end before the file's reply: on a sliding-window model
+    such as Gemma 3 that file is rightly not restored, index.swa_usable.)"""
+    return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+
+
 # -- 1. switch back ---------------------------------------------------------------------
 def s1_switch_back(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": {}}
@@ -161,28 +171,43 @@ def s1_switch_back(run: Run) -> dict[str, Any]:
         comps["a. engine alone, --cache-ram 0"] = e["port"]
         e = run.engine(cache_ram=None)
         comps["b. engine alone, default RAM cache"] = e["port"]
+        daemons = {}
         e = run.engine(cache_ram=0)
-        comps["c. autosessd gate, engine --cache-ram 0"] = run.daemon(e)["port"]
+        daemons["c"] = run.daemon(e)
+        comps["c. autosessd gate, engine --cache-ram 0"] = daemons["c"]["port"]
         e = run.engine(cache_ram=None)
-        comps["d. autosessd gate, engine default RAM cache"] = run.daemon(e)["port"]
+        daemons["d"] = run.daemon(e)
+        comps["d. autosessd gate, engine default RAM cache"] = daemons["d"]["port"]
         ttft: dict[str, list[float]] = {k: [] for k in comps}
         cached: dict[str, list[int]] = {k: [] for k in comps}
         prompt = 0
-        for port in comps.values():  # conversation A once on each
-            prompt = demo.ask(port, a)["prompt"]
-        for _ in range(REPS):
+        history: dict[str, list[dict[str, str]]] = {}
+        for name, port in comps.items():  # conversation A once on each
+            r = demo.ask(port, a)
+            prompt, history[name] = r["prompt"], going_on(a, r["text"], "And box 1?")
+        before = {k: ctl(d["socket"], "status")["counters"] for k, d in daemons.items()}
+        for rep in range(REPS):
             for name, port in comps.items():  # interleaved: every competitor each repetition
                 demo.ask(port, SMALL_B)
-                r = demo.ask(port, a)
+                r = demo.ask(port, history[name])  # the return to A, going on from its answer
                 ttft[name].append(r["ttft"])
                 cached[name].append(r["cache_n"])
+                history[name] = going_on(history[name], r["text"], f"And box {rep + 2}?")
+        after = {k: ctl(d["socket"], "status")["counters"] for k, d in daemons.items()}
         run.close()
         rows = {k: {"ttft_median_s": med(v), "ttft_min_s": min(v), "ttft_max_s": max(v),
                     "cache_n_median": med(cached[k]), "ttft_s": v} for k, v in ttft.items()}
         names = list(comps)
         out["sizes"][str(size)] = {"prompt_tokens": prompt, "rows": rows,
-                                   "a_over_c": rows[names[0]]["ttft_median_s"] / rows[names[2]]["ttft_median_s"]}
-        print(f"  switch back at {size:,}: a/c = {out['sizes'][str(size)]['a_over_c']:.1f}×", flush=True)
+                                   "a_over_c": rows[names[0]]["ttft_median_s"] / rows[names[2]]["ttft_median_s"],
+                                   "c_over_b": rows[names[2]]["ttft_median_s"] / rows[names[1]]["ttft_median_s"],
+                                   # Turns of the measured repetitions that asked the engine for tokens
+                                   # (the small B's first request among them), and those known by messages.
+                                   "tokenized": {k: after[k]["tokenized"] - before[k]["tokenized"] for k in after},
+                                   "known_by_messages": {k: after[k]["known_by_messages"]
+                                                         - before[k]["known_by_messages"] for k in after}}
+        d = out["sizes"][str(size)]
+        print(f"  switch back at {size:,}: a/c = {d['a_over_c']:.1f}×, c/b = {d['c_over_b']:.2f}", flush=True)
     return out
 
 
@@ -195,6 +220,16 @@ def t1(r: dict[str, Any]) -> str:
                          f"{spread(row['ttft_s'])} | {row['cache_n_median']:,.0f} |")
         target = " (target ≥ 10× at 4k)" if size == "4000" else ""
         lines.append(f"| {d['prompt_tokens']:,} | **a / c** | **{d['a_over_c']:.1f}×**{target} | | |")
+        if "c_over_b" in d:  # autosessd from the disk against the engine's own RAM hit
+            lines.append(f"| {d['prompt_tokens']:,} | **c / b** | **{d['c_over_b']:.2f}** (target ≤ 1.1) | | |")
+    if any("tokenized" in d for d in r["sizes"].values()):
+        lines += ["", "Turns of the measured repetitions through autosessd (c / d): tokenized (asked the engine for "
+                      "the request's tokens) and known by messages (no tokens asked for):", ""]
+        for d in r["sizes"].values():
+            if "tokenized" in d:
+                lines.append(f"- {d['prompt_tokens']:,} tokens: c {d['tokenized']['c']} tokenized, "
+                             f"{d['known_by_messages']['c']} by messages; d {d['tokenized']['d']} tokenized, "
+                             f"{d['known_by_messages']['d']} by messages")
     return "\n".join(lines)
 
 
@@ -292,13 +327,11 @@ def s4_disk(run: Run) -> dict[str, Any]:
         e = run.engine(cache_ram=0)
         d = run.daemon(e)
         a = conv(size, f"disk{size}")
-        demo.ask(d["port"], a)
-        for _ in range(max(REPS, 3)):
-            demo.ask(d["port"], SMALL_B)  # saves A (big), restores B (small)
-            demo.ask(d["port"], a)  # saves B (small), restores A (big)
-            # A's file is now up to date, and a turn never writes an up-to-date file again:
-            # without this only the first away turn would save (one sample shown as a median).
-            ctl(d["socket"], "forget", key=conversation_key({"messages": a}))
+        history = going_on(a, demo.ask(d["port"], a)["text"], "And box 1?")
+        for rep in range(max(REPS, 3)):
+            demo.ask(d["port"], SMALL_B)  # saves A (big; it grew since its last file), B is new
+            r = demo.ask(d["port"], history)  # restores A (big), B is too small to save
+            history = going_on(history, r["text"], f"And box {rep + 2}?")
         events = [ev for ev in ctl(d["socket"], "events", limit=1000) if ev["type"] == "turn"]
         run.close()
         big_save = [ev for ev in events if ev.get("saved") and ev["saved"]["n_tokens"] > size / 2]
@@ -312,7 +345,9 @@ def s4_disk(run: Run) -> dict[str, Any]:
             return {"turn_ms": med(turn), "engine_ms": med(engine), "overhead_ms": med([t - e for t, e in
                                                                                          zip(turn, engine)]),
                     "overhead_share": med([(t - e) / t for t, e in zip(turn, engine)]),
-                    "mb_s": med([b / (t / 1000) / 1e6 for b, t in zip(nbytes, turn)]), "n": len(evs)}
+                    "mb_s": med([b / (t / 1000) / 1e6 for b, t in zip(nbytes, turn)]), "n": len(evs),
+                    # Turns that asked the engine for the request's tokens (/apply-template + /tokenize).
+                    "tokenized": sum(1 for ev in evs if ev.get("tokens_from") == "engine")}
 
         state_bytes = big_save[0]["saved"]["bytes"]
         w_mbs, r_mbs = plain_loop(e["sessions"], state_bytes)
@@ -330,15 +365,19 @@ def t4(r: dict[str, Any]) -> str:
              "restores it (and saves a small one). Overhead = the turn's wall time minus the engine's own "
              "save_ms + restore_ms. The fsync/rename/metadata runs after the turn, off the request's path.", "",
              "Every figure but the plain loop is a median over the turns counted in `n`.", "",
-             "| state | engine save ms | engine restore ms | turn | n | turn wall ms | overhead ms (share) | "
+             "`tokenized`: of those turns, how many asked the engine for the request's tokens (the return "
+             "to a known conversation is matched by its messages: target 0; target overhead of *back* ≤ 2 ms).",
+             "",
+             "| state | engine save ms | engine restore ms | turn | n | tokenized | turn wall ms | overhead ms (share) | "
              "turn MB/s | plain write+fsync / read MB/s | turn / plain |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for d in r["sizes"].values():
         for name in ("away", "back"):
             t = d[name]
             plain = d["plain_write_mb_s"] if name == "away" else d["plain_read_mb_s"]
             lines.append(f"| {d['state_tokens']:,} tok, {d['state_bytes'] / 1e6:.1f} MB | {d['save_ms_median']:.1f} | "
-                         f"{d['restore_ms_median']:.1f} | {name} | {t['n']} | {t['turn_ms']:.1f} | "
+                         f"{d['restore_ms_median']:.1f} | {name} | {t['n']} | {t.get('tokenized', '-')} | "
+                         f"{t['turn_ms']:.1f} | "
                          f"{t['overhead_ms']:.1f} ({t['overhead_share']:.0%}) | {t['mb_s']:,.0f} | {d['plain_write_mb_s']:,.0f} / "
                          f"{d['plain_read_mb_s']:,.0f} | {t['mb_s'] / plain:.2f} |")
     return "\n".join(lines)
@@ -561,6 +600,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[
     "6": ("Tail reaction", s6_tail, t6),
     "7": ("Scale of the session directory", s7_scale, t7),
     "8": ("Footprint", s8_footprint, t8),
+    "11": ("Switches at real sizes: 1 GB and 4 GB state files, saved at the switch or while idle", s11_gb, t11),
 }
 
 

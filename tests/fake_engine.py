@@ -15,9 +15,12 @@ autosessd, and misbehaves when asked to:
 A chat answer echoes the request (answer_for): a digest of its messages and the start of
 its last user message. Faults apply to session files, not to autosessd's start probe. State
 files have llama-server's header (autosessd/slotfile.py: magic "qsgg", the token list), then
-the prompt text (its "KV state"), padded to --bytes-per-token per token. Unlike llama-server,
-the fake serves a chat while a slot action on the same slot is still running (the real
-engine runs a slot's actions and requests in order).
+the prompt text (its "KV state"), padded to --bytes-per-token per token. Saves write and
+restores read every byte, in 8 MiB chunks, and report the time they took (as the engine's
+save_ms / restore_ms): with a real model's size per token (an 8B model: 131072) the files are
+gigabytes, moved at this disk's speed (bench/run.py scenario 11). Unlike llama-server, the
+fake serves a chat while a slot action on the same slot is still running (the real engine
+runs a slot's actions and requests in order).
 
     python tests/fake_engine.py --port P --dir D [--control unix:/path] [--fault F]
 """
@@ -35,6 +38,9 @@ import time
 from aiohttp import web
 
 from autosessd import slotfile
+
+CHUNK = 8 << 20  # bytes a save writes, or a restore reads, at a time
+FILL = b"\x01" * CHUNK
 
 
 def answer_for(body: dict) -> str:
@@ -89,7 +95,10 @@ class Fake:
             chunks = 20 if slow else (2 if die else 1)
             for i in range(chunks):
                 part = body // chunks + (body % chunks if i == chunks - 1 else 0)
-                f.write(b"\x01" * part)
+                while part > 0:  # never the whole state in memory at once
+                    n = min(part, CHUNK)
+                    f.write(FILL[:n])
+                    part -= n
                 f.flush()
                 if die and i >= chunks // 2 - 1:
                     os._exit(9)  # half a file on disk, no answer
@@ -107,11 +116,15 @@ class Fake:
             raise web.HTTPInternalServerError(text='{"error": {"message": "boom"}}', content_type="application/json")
         if self.fault("die-restore", name):
             os._exit(9)
+        t0 = time.monotonic()
         try:
             header = slotfile.read_header(path)
             with open(path, "rb") as f:
                 f.seek(12 + 4 * (header.n_tokens + 4))
                 prompt = f.read(int.from_bytes(f.read(4), "little")).decode(errors="replace")
+                buf = bytearray(CHUNK)
+                while f.readinto(buf):  # the rest of the "KV state", read as the engine reads it
+                    pass
         except FileNotFoundError:
             self.tokens = 0
             raise web.HTTPBadRequest(text='{"error": {"message": "failed to open file"}}',
@@ -123,7 +136,7 @@ class Fake:
         self.tokens = header.n_tokens
         self.last_prompt = prompt
         return {"n_restored": self.tokens, "n_read": os.path.getsize(path),
-                "timings": {"restore_ms": 1.0}}
+                "timings": {"restore_ms": (time.monotonic() - t0) * 1000}}
 
     # -- HTTP -------------------------------------------------------------------
     async def slots_post(self, request: web.Request) -> web.Response:

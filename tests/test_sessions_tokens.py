@@ -138,10 +138,12 @@ async def test_a_file_under_the_requests_own_key_that_shares_too_little_is_not_r
 
 async def test_without_tokens_the_key_decides(tmp_path):
     """The engine cannot tokenize, or the body is not OpenAI chat (Anthropic, images): the
-    file under the request's key is restored, as before issue 11."""
+    file under the request's key is restored, as before issue 11. (X's file records its
+    messages, which would tell its tokens: not under another template.)"""
     s = await make(tmp_path)
     await chat(s, X)
     await chat(s, body(("user", "Something else: " + LONG_2)))
+    s.ctx.template = "another template"
     s.engine.tokenize_fails = True
     turn, _, _ = await chat(s, X)
     assert turn.restored["file"] == f"auto-{K}.bin" and turn.restored["chosen_by"] == "key"

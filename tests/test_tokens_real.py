@@ -10,7 +10,7 @@ import pytest
 
 from autosessd import slotfile
 from autosessd.keys import conversation_key
-from harness import Daemon, long_text
+from harness import Daemon, long_text, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -32,6 +32,19 @@ def reused(out):
     return out["timings"]["cache_n"], out["usage"]["prompt_tokens"]
 
 
+def going_on(body, out, question):
+    """A client's next request: the answer `out` sent back, and a new question. (A return that
+    sends the same prompt again ends before the file's reply: on this sliding-window model the
+    file is then not restored, index.swa_usable.)"""
+    answer = out["choices"][0]["message"]["content"]
+    return {**body, "messages": body["messages"] + [{"role": "assistant", "content": answer},
+                                                    {"role": "user", "content": question}]}
+
+
+def answer(out):
+    return out["choices"][0]["message"]["content"]
+
+
 def header(path):
     return list(slotfile.read_header(path).tokens)
 
@@ -42,7 +55,8 @@ def metas(session_dir):
 
 def test_same_opener_two_conversations_switch_back_and_forth(engines, session_dir, tmp_path):
     """X (a pirate) and Y (a lawyer) both open with "Hello": one key. X → Y → X → Y: each
-    return reuses its own state, and two files hold the two conversations."""
+    return (going on from its answer) reuses its own state, answers as the engine alone does,
+    and two files hold the two conversations."""
     x = chat(("system", "You are a pirate."), ("user", "Hello"), ("assistant", long_text(30, "ship")),
              ("user", "Which ship holds the most marbles?"))
     y = chat(("system", "You are a lawyer."), ("user", "Hello"), ("assistant", long_text(30, "case")),
@@ -52,12 +66,11 @@ def test_same_opener_two_conversations_switch_back_and_forth(engines, session_di
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
         x1, y1 = post(d.gate_url, x), post(d.gate_url, y)
-        x2, y2 = post(d.gate_url, x), post(d.gate_url, y)
+        x2_body, y2_body = going_on(x, x1, "And the fewest?"), going_on(y, y1, "And the fewest?")
+        x2, y2 = post(d.gate_url, x2_body), post(d.gate_url, y2_body)
         for out in (x2, y2):
             cache_n, prompt = reused(out)
             assert prompt > 500 and cache_n >= 0.9 * prompt, (cache_n, prompt)
-        assert x2["choices"][0]["message"]["content"] == x1["choices"][0]["message"]["content"]
-        assert y2["choices"][0]["message"]["content"] == y1["choices"][0]["message"]["content"]
         files = sorted(session_dir.glob("auto-*.bin"))
         assert len(files) == 2
         # Each holds its own conversation, token for token, as the engine tokenizes it.
@@ -67,9 +80,11 @@ def test_same_opener_two_conversations_switch_back_and_forth(engines, session_di
         st = d.status()
         assert st["counters"]["restores_reused"] == 2 and st["counters"]["saves_branched"] == 1
         last = st["slots"][0]["last_restore"]
-        assert last["chosen_by"] == "tokens" and last["cache_n"] == reused(y2)[0] and last["reused"]
+        assert last["chosen_by"] in ("tokens", "messages") and last["cache_n"] == reused(y2)[0] and last["reused"]
     finally:
         d.stop()
+    eng.post("/slots/0?action=erase", {})  # the engine alone, reading y2 from its first token
+    assert answer(eng.post("/v1/chat/completions", y2_body)) == answer(y2)
 
 
 SYSTEM = "You are a careful clerk. Follow these rules exactly. " + long_text(80, "rule")  # ~1,450 tokens
@@ -119,11 +134,11 @@ def test_an_edited_message_branches_and_the_parent_stays_whole(engines, session_
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        post(d.gate_url, parent)
+        first = post(d.gate_url, parent)
         post(d.gate_url, edited)  # the parent is saved before the edit replaces it
         parent_file = session_dir / f"auto-{conversation_key(parent)}.bin"
         before = header(parent_file)
-        cache_n, prompt = reused(post(d.gate_url, parent))
+        cache_n, prompt = reused(post(d.gate_url, going_on(parent, first, "And in box 5?")))
         assert cache_n >= 0.9 * prompt, (cache_n, prompt)
         assert header(parent_file) == before
         files = list(session_dir.glob("auto-*.bin"))
@@ -163,3 +178,38 @@ def test_a_file_under_the_requests_own_key_sharing_too_little_is_not_restored(en
         assert cache_n == 0 and prompt >= 200
     finally:
         d.stop()
+
+
+def test_a_return_asks_the_engine_for_no_tokens_and_a_switch_after_a_pause_only_restores(engines, session_dir,
+                                                                                         tmp_path):
+    """Issue 23: A answered, then a pause: A is saved while the engine is idle, and its reply
+    checked. B's request then saves nothing (its switch only restores); B's pause saves B. A
+    going on from its answer is restored without asking the engine for its tokens (status:
+    tokenized unchanged), reused, and answered as the engine alone answers it."""
+    a = chat(("user", long_text(40, "box") + "\nWhich box holds the most marbles?"))
+    b = chat(("user", long_text(40, "jar") + "\nWhich jar holds the most marbles?"))
+    eng = engines(session_dir)
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 0.3").start()
+    counters = lambda: d.status()["counters"]  # noqa: E731
+    try:
+        a1 = post(d.gate_url, a)
+        wait_until(lambda: counters()["idle_saves"] == 1 and counters()["replies_marked"] == 1, 30,
+                   what="A saved while idle, its reply checked")
+        post(d.gate_url, b)
+        assert counters()["saves"] == 1  # B's switch saved nothing: A's file was up to date
+        wait_until(lambda: counters()["idle_saves"] == 2, 30, what="B saved while idle")
+        before = counters()
+        a2_body = going_on(a, a1, "And which holds the fewest?")
+        a2 = post(d.gate_url, a2_body)
+        cache_n, prompt = reused(a2)
+        assert cache_n >= 0.9 * prompt, (cache_n, prompt)
+        st = d.status()
+        assert st["counters"]["tokenized"] == before["tokenized"]
+        assert st["counters"]["known_by_messages"] == before["known_by_messages"] + 1
+        assert st["counters"]["saves"] == before["saves"]  # B's file was up to date too
+        last = st["slots"][0]["last_restore"]
+        assert (last["file"], last["chosen_by"], last["reused"]) == (f"auto-{conversation_key(a)}.bin", "messages", True)
+    finally:
+        d.stop()
+    eng.post("/slots/0?action=erase", {})
+    assert answer(eng.post("/v1/chat/completions", a2_body)) == answer(a2)

@@ -51,6 +51,9 @@ class EngineInfo:
     n_ctx: int | None = None  # tokens one slot can hold (llama-server /props default_generation_settings.n_ctx)
     router: bool = False  # llama-server in router mode: models behind it, none of its own (models.py)
     max_loaded: int | None = None  # a router's --models-max (None: no limit)
+    # The chat template's identity (a digest of /props chat_template): the same messages give
+    # the same tokens only under the same template (keys.chain's seed). "": not known.
+    template: str = ""
 
 
 class EngineError(Exception):

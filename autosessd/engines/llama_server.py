@@ -274,9 +274,14 @@ class LlamaServer:
         fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         dgs = props.get("default_generation_settings")
         n_ctx = dgs.get("n_ctx") if isinstance(dgs, dict) else None
+        # What turns a request's messages into its tokens besides the model: the template and
+        # the special tokens it is given.
+        chat = {k: props.get(k) for k in ("chat_template", "bos_token", "eos_token")}
+        template = hashlib.sha1(json.dumps(chat, sort_keys=True).encode()).hexdigest()[:16] \
+            if isinstance(chat["chat_template"], str) else ""
         return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1),
                           model_path=str(props.get("model_path") or ""),
-                          n_ctx=n_ctx if type(n_ctx) is int and n_ctx > 0 else None)
+                          n_ctx=n_ctx if type(n_ctx) is int and n_ctx > 0 else None, template=template)
 
 
 def _error_message(data: Any, text: str) -> str:

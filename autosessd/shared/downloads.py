@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from .. import files, slotfile
+from ..names import marks_from
 from ..store import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
 from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate,
                      stem_of)
@@ -284,7 +285,7 @@ class Downloads:
     def _local_meta(self, s: RemoteSession, conv: str, md: dict[str, str],
                     layout: slotfile.KVLayout | None) -> Meta:
         """The local metadata of a downloaded save: what its name says, and what the saving
-        host recorded in the object's metadata (older objects lack the last four: None)."""
+        host recorded in the object's metadata (older objects lack the last five: None, ())."""
 
         def num(k: str, kind: type) -> Any:
             try:
@@ -297,7 +298,8 @@ class Downloads:
                     model=md.get("model", s.model), save_ms=num("save-ms", float) or 0.0,
                     line=line if line and AUTO_BIN.match(f"auto-{line}.bin") else None,
                     n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
-                    layout=layout.fingerprint() if layout is not None else None, host=s.host)
+                    layout=layout.fingerprint() if layout is not None else None, host=s.host,
+                    marks=marks_from(md.get("marks", "")))
 
 
 def _object_meta(md: dict[str, str]) -> dict[str, str]:

@@ -251,7 +251,8 @@ class Uploads:
                   "bytes": str(meta.bytes), "host": self.host}
             # What the turn on another host reads from the metadata a download writes: the
             # conversation's line and prompt length (is the file its own?), a shared prefix,
-            # the KV layout (can that engine load it?).
+            # the KV layout (can that engine load it?), the messages its tokens came from (a
+            # return matched without tokenizing: "k:n:chain;…", well under S3's 2 KB).
             if meta.line is not None:
                 md["line"] = meta.line
             if meta.n_prompt is not None:
@@ -262,6 +263,8 @@ class Uploads:
                 md["layout"] = meta.layout
             if meta.digest is not None:
                 md["digest"] = meta.digest  # a download checks the bytes that arrive against it
+            if meta.marks:
+                md["marks"] = ";".join(m.to_text() for m in meta.marks)
             try:
                 # upload_fileobj's own steps, keeping the future: stop() cancels it, so that
                 # s3transfer's threads (joined at the interpreter's exit) send no further part.
