@@ -217,9 +217,11 @@ class EngineChild:
         out = open(self.output, "ab") if self.output else None
         try:
             fd = out.fileno() if out else sys.stderr.fileno()
+            # systemd's notify socket and watchdog are the main process's (autosessd's) alone.
+            env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True,
-                preexec_fn=_pdeathsig())
+                preexec_fn=_pdeathsig(), env=env)
         except OSError as e:
             raise ExecError(f"cannot run the engine command {self.argv[0]}: {e.strerror or e}") from None
         finally:
