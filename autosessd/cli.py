@@ -31,6 +31,7 @@ RUN_FLAGS = {
     "engine_log": "engine.log",
     "state_dir": "state_dir",
     "idle_save_s": "idle_save_s",
+    "stop_timeout_s": "stop_timeout_s",
 }
 
 
@@ -49,7 +50,7 @@ def autosessd_main() -> None:
     around conversation switches and restarts."""
 
 
-@autosessd_main.command()
+@autosessd_main.command(context_settings={"allow_interspersed_args": False})
 @click.option("--config", "config_path", metavar="PATH", help="TOML config file (default: search order of DESIGN §6).")
 @click.option("--engine-kind", type=click.Choice(config_mod.ENGINE_KINDS), help="engine.kind")
 @click.option("--engine-url", metavar="URL", help="engine.url, e.g. http://127.0.0.1:8080")
@@ -70,17 +71,84 @@ def autosessd_main() -> None:
 @click.option("--state-dir", metavar="DIR", help="state_dir: where what was held at the last stop is kept")
 @click.option("--idle-save-s", type=float, help="idle_save_s: save a conversation once its slot is idle this long "
                                                "after a reply (0: off)")
+@click.option("--stop-timeout-s", type=float, metavar="SECONDS", help="stop_timeout_s: the whole stop's deadline")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def run(config_path: str | None, log_level: str, log_format: str, **flags: Any) -> None:
+@click.option("--exec", "exec_", is_flag=True,
+              help="start the engine command given after -- as autosessd's child, on a private loopback port, "
+                   "with the gate on the command's --host/--port (e.g. as llama-swap's cmd, --port ${PORT})")
+@click.option("--exec-log", metavar="PATH", help="with --exec: append the engine's output to PATH (default: "
+                                                 "autosessd's stderr)")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- ENGINE COMMAND...]")
+def run(config_path: str | None, log_level: str, log_format: str, exec_: bool, exec_log: str | None,
+        command: tuple[str, ...], **flags: Any) -> None:
     """Run the daemon in the foreground."""
     from . import daemon
 
     overrides = {RUN_FLAGS[k]: v for k, v in flags.items() if v is not None}
+    child = None
+    if exec_ or command or exec_log:
+        overrides, child = _exec_plan(exec_, exec_log, command, overrides)
     cfg = _load_or_exit(config_path, overrides)
+    if child is not None:
+        child = _exec_child(cfg, child, exec_log)
     daemon.setup_logging(log_level, log_format)
-    exit_after_stop(daemon.run(cfg, config_path, overrides))
+    exit_after_stop(daemon.run(cfg, config_path, overrides, child))
+
+
+def _exec_plan(exec_: bool, exec_log: str | None, command: tuple[str, ...], overrides: dict[str, Any]
+               ) -> tuple[dict[str, Any], Any]:
+    """--exec: the config keys the engine command decides (the gate's address, the engine's
+    URL, slot_save_path, the api key), and the command read. A usage error exits 2."""
+    from .child import ExecError, parse_command, private_port
+
+    def usage(msg: str) -> NoReturn:
+        click.echo(f"autosessd: {msg}", err=True)
+        sys.exit(2)
+
+    if not exec_:
+        usage(f"{'--exec-log' if exec_log else 'an engine command (' + command[0] + ')'} is given only with --exec")
+    for flag, key in (("--gate", "gate.listen"), ("--engine-url", "engine.url"), ("--engine-control", "engine.control")):
+        if key in overrides:
+            usage(f"{flag} and --exec: with --exec the gate listens on the engine command's --host/--port and the "
+                  f"engine on a private port; leave {flag} out")
+    if overrides.get("engine.kind", "llama-server") != "llama-server":
+        usage("--exec runs llama-server: --engine-kind must be llama-server")
+    try:
+        cmd = parse_command(command, os.getcwd())
+    except ExecError as e:
+        usage(str(e))
+    out = {**overrides, "gate.listen": list(cmd.listen), "engine.url": f"http://127.0.0.1:{private_port()}"}
+    if cmd.slot_save_path is not None:
+        flag = overrides.get("slot_save_path")
+        if flag is not None and os.path.normpath(flag) != cmd.slot_save_path:
+            usage(f"--slot-save-path {flag} and the engine command's --slot-save-path {cmd.slot_save_path} differ: "
+                  f"give one of them")
+        out["slot_save_path"] = cmd.slot_save_path
+    if cmd.api_key is not None:
+        out["engine.api_key"] = cmd.api_key
+    return out, cmd
+
+
+def _exec_child(cfg: config_mod.Config, cmd: Any, exec_log: str | None) -> Any:
+    """The child to start, once the config is whole; a command that cannot run exits 2."""
+    from urllib.parse import urlsplit
+
+    from .child import EngineChild, ExecError, find_executable
+
+    if cfg.engine.kind != "llama-server":
+        click.echo(f"autosessd: --exec runs llama-server, but {cfg.source} sets engine.kind = {cfg.engine.kind!r}",
+                   err=True)
+        sys.exit(2)
+    try:
+        program = find_executable(cmd.program)
+    except ExecError as e:
+        click.echo(f"autosessd: {e}", err=True)
+        sys.exit(2)
+    port = urlsplit(cfg.engine.url).port
+    assert port is not None
+    return EngineChild(cmd.argv(program, port, cfg.slot_save_path), exec_log)
 
 
 def exit_after_stop(code: int) -> NoReturn:

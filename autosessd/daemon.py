@@ -10,10 +10,16 @@ Life of the daemon:
     run      inputs feed sessions; SIGHUP reloads the config
     stop     (SIGTERM or SIGINT) STOPPING=1, inputs stop taking
              requests and get a bounded time to finish, the held conversation is saved
-             if the engine is idle, what was held is recorded, the uploads still queued
-             get their try (they are queued again at the next start otherwise), exit 0 --
-             all within one deadline (stop_timeout_s); what it cuts is named in the log.
-             A stop during the start ends the start. A second SIGINT exits at once.
+             if the engine is idle, what was held is recorded, with --exec the engine is
+             stopped, the uploads still queued get their try (they are queued again at
+             the next start otherwise), exit 0 -- all within one deadline
+             (stop_timeout_s); what it cuts is named in the log. A stop during the start
+             ends the start. A second SIGINT exits at once.
+
+With --exec (child.py) the engine is autosessd's child: started after the store check and
+a check that the gate's address is free, checked as any engine is (a child that exits during
+the checks ends the start), stopped after the stop save (SIGTERM, SIGKILL at the deadline);
+a child that exits by itself ends autosessd with exit 1.
 
 Signal handlers only set state (initiate_shutdown); the work happens in run().
 """
@@ -34,6 +40,7 @@ from typing import Any, Protocol
 
 from . import config as config_mod
 from . import slotfile
+from .child import EngineChild, ExecError, check_free, describe_exit
 from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
@@ -55,6 +62,10 @@ from .upstream import Upstream
 log = logging.getLogger("autosessd")
 
 STOP_GRACE_S = 30.0  # in-flight requests get at most this long to finish at a stop (within stop_timeout_s)
+# With --exec, the part of stop_timeout_s kept from the stop save for the engine's own exit
+# after its SIGTERM (at most a quarter of it): llama-server frees its model and exits in well
+# under a second here; a large model on a GPU takes longer.
+CHILD_STOP_S = 5.0
 
 
 class StartupError(Exception):
@@ -289,8 +300,12 @@ def check_store(cfg: Config) -> Store:
 
 # -- the daemon ---------------------------------------------------------------------
 class Daemon:
-    def __init__(self, cfg: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None):
+    def __init__(self, cfg: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None,
+                 child: EngineChild | None = None):
+        """child: with --exec, the engine to start (and stop) as autosessd's child."""
         self.cfg = cfg
+        self.child = child
+        self._engine_gone = False  # the child exited by itself: nothing left to save
         self.config_path = config_path
         self.overrides = overrides or {}
         # One HTTP pool to the engine, for the engine adapter and the gate alike (DESIGN §8).
@@ -330,10 +345,18 @@ class Daemon:
         return inputs
 
     async def start(self) -> None:
+        if self.child is not None:
+            # The engine refuses a --slot-save-path that is not a directory; a new model's
+            # directory under llama-swap is made here, for its user only.
+            try:
+                os.makedirs(self.cfg.slot_save_path, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise StartupError(f"slot_save_path {self.cfg.slot_save_path}: cannot create it: "
+                                   f"{e.strerror or e}") from None
         self.store = check_store(self.cfg)
         if self.cfg.shared is not None:
             await self._open_shared()
-        checked = await check_engine(self.cfg, self.engine, self.store)
+        checked = await self._check_engine()
         model_name = checked.model_name
         if checked.router:
             router_refusals(self.cfg)
@@ -434,6 +457,36 @@ class Daemon:
         log.info("router: model %s: %d slot(s), %s tokens each", model.id, info.total_slots, info.n_ctx)
         return s
 
+    async def _check_engine(self) -> Checked:
+        """The start checks; with --exec, against the child started here, and a child that
+        exits during them ends the start."""
+        assert self.store is not None
+        if self.child is None:
+            return await check_engine(self.cfg, self.engine, self.store)
+        # A port in use is found now, not after a model of many GB has loaded.
+        for hostport in [config_mod.parse_hostport(a) for a in self.cfg.gate.listen or ()]:
+            why = check_free(hostport)
+            if why is not None:
+                host, port = hostport
+                raise StartupError(f"gate.listen {f'[{host}]' if ':' in host else host}:{port} (the engine "
+                                   f"command's --host/--port): cannot listen there: {why}")
+        try:
+            await self.child.spawn()
+        except ExecError as e:
+            raise StartupError(str(e)) from None
+        loop = asyncio.get_running_loop()
+        checking = loop.create_task(check_engine(self.cfg, self.engine, self.store))
+        died = loop.create_task(self.child.exited())
+        await asyncio.wait({checking, died}, return_when=asyncio.FIRST_COMPLETED)
+        if checking.done():
+            died.cancel()
+            return checking.result()
+        checking.cancel()
+        await asyncio.gather(checking, return_exceptions=True)
+        where = f"in {self.child.output}" if self.child.output else "above"
+        raise StartupError(f"the engine command {self.child.name} exited before it was ready "
+                           f"({describe_exit(died.result())}); its output is {where}")
+
     async def _open_shared(self) -> None:
         """The shared bucket: a setup that cannot work (boto3 or credentials missing) refuses
         the start, as a wrong config does; a bucket that does not answer now is only a warning
@@ -508,6 +561,7 @@ class Daemon:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             log.info("stopping (%s) before the start finished", self._stop_reason)
+            await self._stop_child(self.cfg.stop_timeout_s)
             await self.engine.close()
             await self.pool.close()
             return 0
@@ -515,24 +569,51 @@ class Daemon:
             starting.result()
         except StartupError as e:
             log.error("cannot start: %s", e)
+            await self._stop_child(self.cfg.stop_timeout_s)
             await self.engine.close()
             await self.pool.close()
             return 1
         sd_notify("READY=1\nSTATUS=serving")
         watchdog = self._start_watchdog()
-        await self._stop.wait()
+        code = await self._serve()
         log.info("stopping (%s)", self._stop_reason)
         sd_notify("STOPPING=1\nSTATUS=stopping: saving the held conversation")
         if watchdog:
             watchdog.cancel()
         await self.stop()
-        return 0
+        return code
+
+    async def _serve(self) -> int:
+        """Until a stop is asked for (0), or with --exec the engine exits by itself (1)."""
+        loop = asyncio.get_running_loop()
+        stop_wait = loop.create_task(self._stop.wait())
+        waits = {stop_wait}
+        if self.child is not None:
+            waits.add(loop.create_task(self.child.exited()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self._stop.is_set() or self.child is None or self.child.alive():
+            return 0
+        assert self.child.proc is not None
+        # The process manager (llama-swap, systemd) must see that its command died: the gate
+        # has no engine behind it, and restarting the engine is the manager's to decide.
+        why = describe_exit(self.child.proc.returncode or 0)
+        log.error("engine: %s (pid %d) exited by itself (%s): autosessd stops and exits 1, its gate has no "
+                  "engine behind it", self.child.name, self.child.proc.pid, why)
+        self._engine_gone = True
+        self.initiate_shutdown(f"the engine exited: {why}")
+        return 1
 
     async def stop(self) -> None:
         """One deadline (stop_timeout_s) for the whole stop: the inputs' requests in flight
-        (at most STOP_GRACE_S of it, or half), then the stop save, then the background
-        writes. What is still running at the deadline is given up, and the log says what."""
+        (at most STOP_GRACE_S of it, or half), then the stop save, then with --exec the
+        engine (SIGTERM; SIGKILL at the deadline), then the background writes. What is still
+        running at the deadline is given up, and the log says what."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
+        # With --exec, the stop save ends this much before the deadline: the engine's exit
+        # after its SIGTERM has that long before the SIGKILL.
+        reserve = min(CHILD_STOP_S, self.cfg.stop_timeout_s / 4) if self.child is not None else 0.0
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
@@ -551,19 +632,27 @@ class Daemon:
             sd_notify(f"EXTEND_TIMEOUT_USEC={int((left() + 5) * 1e6)}")
             self._stopping = "the stop save"
             try:
-                await asyncio.wait_for(self._stop_save(), left())
+                await asyncio.wait_for(self._stop_save(), max(0.0, left() - reserve))
             except asyncio.TimeoutError:
-                log.error("stop: gave up on %s after stop_timeout_s = %g s; a save the engine was still "
+                log.error("stop: gave up on %s after stop_timeout_s = %g s%s; a save the engine was still "
                           "writing is left as a temporary, removed at the next start", self._stopping,
-                          self.cfg.stop_timeout_s)
+                          self.cfg.stop_timeout_s, f" (less {reserve:g} s for the engine's exit)" if reserve else "")
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
             if self.sessions is not None:
                 self.sessions.record_held()
+        await self._stop_child(left())
         if self.shared is not None:
             await self._stop_shared(left)
         await self.engine.close()
         await self.pool.close()
+
+    async def _stop_child(self, within_s: float) -> None:
+        if self.child is not None:
+            try:
+                await self.child.stop(within_s)
+            except Exception as e:  # a stop always ends
+                log.error("engine: stopping %s: %s", self.child.name, e)
 
     async def _stop_shared(self, left: Any) -> None:
         """After the last saves were finalized (and queued): what is still queued gets its try
@@ -596,15 +685,20 @@ class Daemon:
 
     async def _stop_save(self) -> None:
         if self.router is not None:
-            self._stopping = "the stop saves of the router's loaded models"
-            await self.router.save_at_stop()
+            if self._engine_gone:
+                log.warning("auto sessions: stop: the engine is gone, nothing of what its slots held can be saved")
+            else:
+                self._stopping = "the stop saves of the router's loaded models"
+                await self.router.save_at_stop()
             self._stopping = "the last session files being written (finalize, prune)"
             await self.router.drain()
             self._stopping = "the index cache"
             await self.router.close()
             return
         assert self.sessions is not None
-        for sid in list(self.sessions.slots) or [self.cfg.engine.slot]:
+        if self._engine_gone:
+            log.warning("auto sessions: stop: the engine is gone, nothing of what its slots held can be saved")
+        for sid in [] if self._engine_gone else list(self.sessions.slots) or [self.cfg.engine.slot]:
             key = self.sessions.view(sid).key
             self._stopping = f"the stop save of slot {sid}" + (f" (conversation {key})" if key else "")
             await self.sessions.save_at_stop(sid, "stop")
@@ -627,6 +721,7 @@ class Daemon:
         return asyncio.get_running_loop().create_task(beat())
 
 
-def run(cfg: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None) -> int:
+def run(cfg: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None,
+        child: EngineChild | None = None) -> int:
     """The daemon's whole life in the foreground; returns the exit code."""
-    return asyncio.run(Daemon(cfg, config_path, overrides).run())
+    return asyncio.run(Daemon(cfg, config_path, overrides, child).run())

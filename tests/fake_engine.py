@@ -11,6 +11,7 @@ autosessd, and misbehaves when asked to:
     --fault die-save        the process exits in the middle of writing a save
     --fault hang-restore / 500-restore / die-restore   the same for restore
     --fault slow-save=SECONDS   write the file slowly (for crash tests)
+    --fault ignore-sigterm  SIGTERM does nothing (only SIGKILL stops it)
 
 A chat answer echoes the request (answer_for): a digest of its messages and the start of
 its last user message. Faults apply to session files, not to autosessd's start probe. State
@@ -23,6 +24,9 @@ fake serves a chat while a slot action on the same slot is still running (the re
 runs a slot's actions and requests in order).
 
     python tests/fake_engine.py --port P --dir D [--control unix:/path] [--fault F]
+
+It also takes llama-server's own words for these (`--host H --port P --slot-save-path D`), so
+autosessd can run it as its child (`autosessd run --exec -- python fake_engine.py ...`).
 """
 
 from __future__ import annotations
@@ -224,16 +228,21 @@ class Fake:
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--dir", required=True)
+    p.add_argument("--dir", "--slot-save-path", dest="dir", required=True)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--control")
     p.add_argument("--fault", action="append", default=[])
     p.add_argument("--model", default="fake-model")
     p.add_argument("--bytes-per-token", type=int, default=1000)
     a = p.parse_args()
     fake = Fake(a.dir, a.fault, a.model, a.bytes_per_token)
+    if "ignore-sigterm" in fake.faults:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     runner = web.AppRunner(fake.app(), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", a.port).start()
+    await web.TCPSite(runner, a.host, a.port).start()
     if a.control:
         await asyncio.start_unix_server(fake.control, a.control.removeprefix("unix:"))
     print("ready", flush=True)

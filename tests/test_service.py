@@ -23,11 +23,12 @@ def test_systemd_units_verify(tmp_path):
     # verify checks that ExecStart binaries exist: point them at the ones this checkout has.
     autosessd = shutil.which("autosessd") or str(ROOT / ".venv" / "bin" / "autosessd")
     server = engine_paths()["LLAMA_SERVER"]
-    for unit in ("autosessd.service", "llama-server.service"):
+    units = ("autosessd.service", "llama-server.service", "autosessd-exec.service")
+    for unit in units:
         text = (UNITS / unit).read_text().replace("/usr/local/bin/autosessd", autosessd)
         (tmp_path / unit).write_text(text.replace("/usr/local/bin/llama-server", server))
-    r = subprocess.run(["systemd-analyze", "verify", "--man=no", "autosessd.service", "llama-server.service"],
-                       cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", *units], cwd=tmp_path, capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip() == ""
 
@@ -44,6 +45,39 @@ def test_autosessd_unit_has_what_the_daemon_relies_on():
     assert "-np 1" in (UNITS / "llama-server.service").read_text()
     # Both write files that hold conversations.
     assert "UMask=0077" in text and "UMask=0077" in (UNITS / "llama-server.service").read_text()
+
+
+def unit_lines(name: str) -> list[str]:
+    """A unit's settings, continuation lines joined."""
+    return (UNITS / name).read_text().replace("\\\n", " ").splitlines()
+
+
+def test_the_pair_stops_autosessd_first_so_its_stop_save_finds_the_engine_up():
+    """systemd stops units in the reverse of their start order: autosessd, ordered After= the
+    engine and bound to it, is stopped first (also when only the engine is stopped or
+    restarted: BindsTo puts autosessd's stop in the same job), and the engine's stop waits
+    for autosessd's to finish. Nothing in the engine's unit may order it after autosessd."""
+    ours = unit_lines("autosessd.service")
+    assert "After=llama-server.service" in ours and "BindsTo=llama-server.service" in ours
+    engine = unit_lines("llama-server.service")
+    assert not [line for line in engine if "autosessd" in line and not line.startswith("#")]
+    # The stop save's deadline lies inside the stop systemd allows (and autosessd asks for more).
+    from autosessd.config import Config
+
+    assert "TimeoutStopSec=15min" in ours and Config().stop_timeout_s < 15 * 60
+
+
+def test_the_exec_unit_signals_autosessd_alone_at_a_stop():
+    """With the engine as autosessd's child in one unit, systemd's default KillMode would
+    SIGTERM the engine together with autosessd: the stop save would find it gone."""
+    lines = unit_lines("autosessd-exec.service")
+    assert "KillMode=mixed" in lines and "Type=notify" in lines and "NotifyAccess=main" in lines
+    [start] = [line for line in lines if line.startswith("ExecStart=")]
+    words = start.split()
+    command = words[words.index("--") + 1:]
+    assert words[1] == "run" and "--exec" in words and command[0] == "/usr/local/bin/llama-server"
+    assert "--port" in command and "--slot-save-path" in command and "-np" in command
+    assert "/var/lib/llm-sessions" in start and "StateDirectory=autosessd llm-sessions llm-models" in lines
 
 
 def test_the_engine_unit_writes_the_log_autosessd_is_told_to_follow():
