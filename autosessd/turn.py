@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import policy
+from . import files, policy
 from .engines.base import EngineError
 from .index import common_prefix, encode
 from .keys import chat_signature, continues
@@ -287,8 +287,7 @@ class Turn:
         assert ctx.index is not None
         min_tokens = ctx.min_tokens
         shared = self._slot_prefix(s.view, tokens)
-        found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=auto_name(key),
-                               min_lcp=shared + max(min_tokens, 1), window=ctx.swa_window)
+        found = self._best_present(tokens, key, shared + max(min_tokens, 1))
         claim = None
         if ctx.remote is not None:
             found, claim = await self.fetcher.by_tokens(key, held, outcome, tokens, shared, found, result)
@@ -331,6 +330,22 @@ class Turn:
         if not from_messages and not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
             await self.prefix.split(s, key, body, tokens, shared, result)
         return Carry(tokens, sig, own, len(tokens) // 4)
+
+    def _best_present(self, tokens: bytes, key: str, min_lcp: int) -> tuple[str, int] | None:
+        """index.best, passing over files removed from the directory behind autosessd's back
+        (rm, another tool): each is forgotten by the index as it is found gone (a stat), and
+        the choice made again, so that the next best file, or the bucket's save, serves."""
+        ctx = self.ctx
+        assert ctx.index is not None
+        while True:
+            found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=auto_name(key),
+                                   min_lcp=min_lcp, window=ctx.swa_window)
+            if found is None or files.regular_ident(ctx.store.path / found[0]) is not None:
+                return found
+            log.info("auto sessions: %s is gone from the session directory (removed by hand?): the index "
+                     "forgets it", found[0])
+            if not ctx.index.remove(found[0]):
+                return None
 
     async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither

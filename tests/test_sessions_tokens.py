@@ -358,3 +358,24 @@ async def test_hook_growth_after_a_regenerated_reply_goes_to_the_conversations_o
     assert r.saved["file"] == f"auto-{ka}.bin" and r.saved["named"] == "replaces", r.saved
     assert header(s, f"auto-{ka}.bin") == prompt(again) + [ord(c) for c in "Done."]
     assert s.counters.saves_branched == 0
+
+
+async def test_a_file_removed_by_hand_is_forgotten_and_the_next_best_restored(tmp_path):
+    """A file removed from the directory behind autosessd's back (rm, another tool) while the
+    index still lists it: the turn finds it gone, the index forgets it and the next best file
+    (here the shared system prompt's) is restored, instead of a refused restore and a re-read."""
+    s = await make(tmp_path)
+    c = body(("system", SYSTEM), ("user", TASK_1))
+    await chat(s, c)
+    await s.save_at_stop()
+    await s.close()
+    head = tokenize(f"<system>{SYSTEM}<end><user>")
+    pname, cname = f"auto-{prefix_key(head)}.bin", f"auto-{conversation_key(c)}.bin"
+    s2 = await make(tmp_path, engine=StubEngine(tmp_path / "sessions"))
+    d = body(("system", SYSTEM), ("user", TASK_2))
+    assert s2.index.lcp(cname, prompt(d)) > len(head)  # C's file would be the best
+    (s2.store.path / cname).unlink()
+    (s2.store.path / f"{cname[:-4]}.json").unlink()
+    turn, cache_n, n_prompt = await chat(s2, d)
+    assert turn.restored["file"] == pname and cache_n == len(head)
+    assert s2.counters.restores_refused == 0 and s2.index.get(cname) is None
