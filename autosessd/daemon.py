@@ -620,8 +620,8 @@ class Daemon:
 
         if self._watcher is not None:
             self._watcher.cancel()
-        if self.sessions is not None:
-            self.sessions.idle.close()  # no save while idle starts now: the stop save comes
+        for s in [self.sessions] if self.sessions is not None else self.router.all_sessions() if self.router else []:
+            s.idle.close()  # no save while idle starts now: the stop save comes
         # The inputs stop together: each stops taking requests at once, then gives those in
         # flight the same bounded time (not one grace after another), at most half the
         # deadline: the stop save needs the rest.

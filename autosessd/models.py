@@ -291,6 +291,8 @@ class Router:
         nots = [s.restore_log.not_reused for s in self.all_sessions() if s.restore_log.not_reused]
         st["last_not_reused"] = max(nots, key=lambda n: n["at"]) if nots else None
         st["router"] = {"max_loaded": self.max_loaded, "models": self.describe_models()}
+        idle = [s.idle.status() for s in self.all_sessions()]
+        st["idle_save"] = {**idle[0], "pausing": sum(i["pausing"] for i in idle)} if idle else None
         return st
 
     async def ls_words(self, model: str | None = None) -> list[dict[str, Any]]:

@@ -339,7 +339,7 @@ def status(s: Sessions) -> dict[str, Any]:
                                   "latest": quarantined[:5]}},
         "index": None if s.index is None else {"files": len(s.index), "skipped": len(s.index.skipped),
                                                "swa_window": s.ctx.swa_window},
-        "idle_save": s.idle.status(),
+        "idle_save": s.idle.status() if hasattr(s, "idle") else None,  # a router: its models' (models.py)
         "inputs": {name: describe() for name, describe in s.inputs.items()},
         "shared": None if s.remote is None else s.remote.status(),
     }

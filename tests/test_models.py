@@ -153,6 +153,9 @@ async def test_switch_saves_before_its_own_unload_and_the_return_restores(tmp_pa
     assert turn.restored is not None and cache_n >= 0.9 * n_prompt
     c = router.counters
     assert c.model_unloads == 2 and c.saves_at_model_switch >= 1 and c.restores_after_model_switch == 1
+    st = router.status()  # what autosessctl status and /autosessd/status show behind a router
+    assert [sl["model"] for sl in st["slots"]] == ["ga"] and st["idle_save"]["after_s"] == 3.0
+    assert json.dumps(st)
 
 
 async def test_each_file_holds_its_own_models_conversation(tmp_path):

@@ -381,7 +381,8 @@ def test_a_torn_save_in_the_bucket_ends_in_a_re_read_never_an_engine_abort(engin
     (s2 / f"auto-{key}.json").unlink(missing_ok=True)
     time.sleep(1.5)  # list_every_s = 0.5
     # A goes on from its answer (a client's next request): a whole save of A, the newest,
-    # is downloaded and restored.
+    # is downloaded and restored. (B's own request may have downloaded host 1's B.)
+    before = shared(d2)["downloads"]
     third = post(d2.gate_url, going_on(a2, second, "And in box 8?"))
     assert third["timings"]["cache_n"] >= 0.9 * third["usage"]["prompt_tokens"] - 200
-    assert shared(d2)["downloads"] == 1 and shared(d2)["downloads_refused_bad"] == 1
+    assert shared(d2)["downloads"] == before + 1 and shared(d2)["downloads_refused_bad"] == 1
