@@ -34,29 +34,27 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from . import config as config_mod
-from . import slotfile
+from .checks import (Checked, StartupError, check_engine, check_store, probe_idle_clearing, probe_save,
+                     router_refusals)
 from .child import EngineChild, ExecError, check_free, describe_exit
 from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
 from .guard import raise_nofile
-from .engines.base import ChatEngine, Engine, EngineError, SlotSavingOff, SlotsHidden
+from .engines.base import Engine, EngineError, SlotsHidden
 from .engines.llama_server import LlamaServer
 from .remote import Remote
 from .requestlog import RequestLogError
-from .report import fmt_bytes
 from .sessions import Sessions
 from . import sleep
 from .models import UP, Model, Router
 from .sleep import SleepWatch
 from .upkeep import Upkeep
 from .control import SocketInUse
-from .store import TEMP_PREFIX, Store
+from .store import Store
 from .upstream import Upstream
 
 log = logging.getLogger("autosessd")
@@ -66,10 +64,6 @@ STOP_GRACE_S = 30.0  # in-flight requests get at most this long to finish at a s
 # after its SIGTERM (at most a quarter of it): llama-server frees its model and exits in well
 # under a second here; a large model on a GPU takes longer.
 CHILD_STOP_S = 5.0
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message says what to do."""
 
 
 class Input(Protocol):
@@ -123,179 +117,6 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     aio.handlers[:] = [handler]
     aio.setLevel(logging.WARNING)
     aio.propagate = False
-
-
-# -- start checks ----------------------------------------------------------------------
-async def wait_engine(engine: Engine, deadline_s: float) -> None:
-    """Until the engine answers /health with its model loaded, or the deadline."""
-    deadline = time.monotonic() + deadline_s
-    # Said before the first try: an engine that is down (or a wrong URL) would otherwise
-    # leave the log silent for the whole wait.
-    log.info("engine check: waiting up to %g s (engine.timeout_s) for the engine at %s to answer /health "
-             "with its model loaded", deadline_s, engine.address)
-    last: Exception | None = None
-    said = ""
-    while True:
-        try:
-            if await engine.health():
-                return
-            last = EngineError(f"the engine at {engine.address} is still loading its model")
-        except EngineError as e:
-            last = e
-        if time.monotonic() >= deadline:
-            raise StartupError(f"{last} (waited {deadline_s:g} s)")
-        if str(last) != said:  # each new reason once, not every quarter second
-            said = str(last)
-            log.info("engine check: not yet: %s; still waiting", said)
-        await asyncio.sleep(0.25)
-
-
-async def wait_idle(engine: Engine, slot: int, deadline_s: float) -> bool:
-    """Until the slot is idle. False when the engine does not show its slots (--no-slots)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            states = await engine.slots()
-        except SlotsHidden:
-            return False
-        st = next((s for s in states if s.id == slot), None)
-        if st is None:
-            raise StartupError(f"the engine at {engine.address} has no slot {slot} "
-                               f"(it has {', '.join(str(s.id) for s in states) or 'none'}): fix engine.slot")
-        if not st.is_processing:
-            return True
-        if time.monotonic() >= deadline:
-            raise StartupError(f"slot {slot} of the engine at {engine.address} stayed busy for {deadline_s:g} s; "
-                               f"autosessd checks the engine with a probe save while it is idle")
-        await asyncio.sleep(0.25)
-
-
-@dataclass(frozen=True)
-class Checked:
-    model: str  # fingerprint
-    model_name: str
-    slots_visible: bool  # False: the engine runs with --no-slots
-    total_slots: int = 1
-    layout: KVLayout | None = None  # of the engine's state files, as far as the probe shows (its streams)
-    clears_idle_slots: bool = False
-    n_ctx: int | None = None  # tokens one slot holds (/props)
-    router: bool = False  # llama-server in router mode: its models are checked as they load (models.py)
-    max_loaded: int | None = None  # the router's --models-max
-    template: str = ""  # the chat template's identity (EngineInfo.template)
-
-
-async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
-    """Refuse to start unless the engine is usable."""
-    await wait_engine(engine, cfg.engine.timeout_s)
-    try:
-        info = await engine.info()
-    except EngineError as e:
-        raise StartupError(f"cannot read the engine's properties: {e}") from None
-    if info.router:
-        return Checked("router", "router", True, 0, router=True, max_loaded=info.max_loaded)
-    if cfg.engine.slot >= info.total_slots:
-        raise StartupError(f"engine.slot is {cfg.engine.slot}, but the engine at {engine.address} runs "
-                           f"{info.total_slots} slot(s) (0-{info.total_slots - 1}): fix engine.slot")
-    try:
-        visible = await wait_idle(engine, cfg.engine.slot, cfg.engine.timeout_s)
-        layout = await probe_save(engine, store, cfg.engine.slot)
-    except SlotSavingOff:
-        raise StartupError(f"slot saving is off in the engine at {engine.address}: start llama-server with "
-                           f"--slot-save-path {store.path}") from None
-    except EngineError as e:
-        raise StartupError(f"the probe save failed: {e}") from None
-    if not visible:
-        log.warning("engine: %s does not show its slots (--no-slots): autosessd takes token counts from the "
-                    "responses, and cannot see requests that bypass the gate (or a serving layer that does not "
-                    "use the turn hook); switch-back and restart work as usual", engine.address)
-    clears = False
-    if info.total_slots > 1:
-        log.info("engine: %d slots%s; each conversation is placed on one and pinned there (id_slot)",
-                 info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
-        if visible:
-            clears = await probe_idle_clearing(engine)
-    return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx,
-                   template=info.template)
-
-
-async def probe_idle_clearing(engine: Engine) -> bool:
-    """Does the engine empty idle slots whenever a request starts on another one (a unified KV
-    cache with --cache-idle-slots, llama-server's defaults for -np auto)? No endpoint says;
-    a tiny request on slot 0, then one on slot 1, shows it: slot 0 keeps its tokens or not.
-    Only on an engine whose first two slots hold nothing (nothing of anyone's is moved)."""
-    if not isinstance(engine, ChatEngine):
-        return False
-    try:
-        states = {s.id: s for s in await engine.slots()}
-        if any(states[i].is_processing or states[i].n_tokens for i in (0, 1) if i in states):
-            return False
-        for sid in (0, 1):
-            await engine.complete(sid, "Hello", 1)
-        states = {s.id: s for s in await engine.slots()}
-        clears = states[0].n_tokens == 0
-        for sid in (0, 1):
-            await engine.erase(sid)
-    except (EngineError, KeyError) as e:
-        log.debug("engine check: idle-slot probe: %s", e)
-        return False
-    if clears:
-        log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
-                    "cache with --cache-idle-slots, the defaults of -np auto): autosessd saves each conversation "
-                    "when its request ends, not only when its slot is taken, and a conversation whose request "
-                    "ends just as another starts can miss its save. Start llama-server with "
-                    "--no-cache-idle-slots to keep idle slots (README: Several slots)", engine.address)
-    return clears
-
-
-async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None:
-    """Ask the engine to save into a probe name and look for it in our directory: the only
-    way to learn that the engine's --slot-save-path is the directory we manage. The file also
-    tells how many KV streams the engine's state files carry (what makes them loadable)."""
-    name = f"{TEMP_PREFIX}probe-{os.getpid()}.partial"
-    path = store.path / name
-    try:
-        res = await engine.save(slot, name)
-        if not path.exists():
-            raise StartupError(f"the engine saves its sessions somewhere other than slot_save_path={store.path}: "
-                               f"start the engine with --slot-save-path {store.path} (the probe file {name} it "
-                               f"wrote is in the engine's directory; it can be removed)")
-        size = path.stat().st_size
-        if size != res.n_bytes:
-            raise StartupError(f"probe save: the engine reported {res.n_bytes:,} bytes, {name} has {size:,}")
-        log.info("engine check: probe save of %s tokens (%s) landed in %s", f"{res.n_tokens:,}",
-                 fmt_bytes(res.n_bytes), store.path)
-        if engine.magic != slotfile.MAGIC_BYTES:
-            return None
-        try:
-            return slotfile.read_layout(path)
-        except (slotfile.BadSlotFile, OSError) as e:
-            log.warning("engine check: cannot read the KV layout of the probe file: %s", e)
-            return None
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def router_refusals(cfg: Config) -> None:
-    """What autosessd does not do behind a router yet: each refused with the reason."""
-    for key, on in (("tail.request_log", cfg.tail.request_log), ("engine.log", cfg.engine.log),
-                    ("[shared]", cfg.shared is not None)):
-        if on:
-            raise StartupError(f"{key} is set, but the engine at {cfg.engine.url} is a router (--models-dir): "
-                               f"behind a router autosessd learns about requests through the gate and the turn "
-                               f"hook only, and keeps its files locally; unset {key}")
-
-
-def check_store(cfg: Config) -> Store:
-    path = Path(cfg.slot_save_path)
-    if not path.is_dir():
-        raise StartupError(f"slot_save_path {path} is not a directory: create it, and start the engine with "
-                           f"--slot-save-path {path}")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise StartupError(f"slot_save_path {path} is not writable by uid {os.getuid()}")
-    import grp
-
-    # Session files share the socket's audience: the owner, or with control.group its members too.
-    return Store(path, grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None)
 
 
 # -- the daemon ---------------------------------------------------------------------

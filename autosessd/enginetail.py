@@ -14,7 +14,7 @@ What a line means (the tail's protocol of sessions.py, no ticket for what alread
                              engine process, with the engine watch), then the restore below
 
 LINE: the log names no conversation, so every request is of one line key, and each save is
-named by its tokens (index.save_key under LINE: the first conversation saved takes auto-LINE,
+named by its tokens (branches.save_key under LINE: the first conversation saved takes auto-LINE,
 one that departs from it inside its prompt a branch name of the tokens up to where it
 departs, and so on): the same conversation lands on the same name as it grows, another one
 never on its name, and the gate or a hook with messages, started later, finds the files by

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import json
 import os
 import struct
@@ -69,7 +68,7 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .files import read_small
 from .names import Mark, marks_from
@@ -658,75 +657,3 @@ class TokenIndex:
             return entries, "loaded"
         except (ValueError, KeyError, TypeError, struct.error, OSError) as e:
             return {}, f"damaged ({e})"
-
-
-# -- naming -----------------------------------------------------------------------
-def branch_key(key: str, tokens: Sequence[int] | bytes) -> str:
-    """The owned key for a conversation that departs from the file under `key`; `tokens`:
-    the conversation's tokens up to and including the first one that departs.
-
-    Those tokens never change as the conversation grows (it only appends), so every later
-    save of the same conversation lands on the same name; a conversation that departs at
-    another point, or with another token, gets another name."""
-    data = tokens if isinstance(tokens, bytes) else encode(tokens)
-    return hashlib.sha1(b"autosessd branch\0" + key.encode() + b"\0" + data).hexdigest()[:16]
-
-
-def prefix_key(tokens: Sequence[int] | bytes) -> str:
-    """The owned key of a file that holds exactly a shared prefix (a system prompt and its
-    tools, read on its own before a new conversation): the same tokens, the same name."""
-    data = tokens if isinstance(tokens, bytes) else encode(tokens)
-    return hashlib.sha1(b"autosessd prefix\0" + data).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class SavedFile:
-    """What save_key needs of a file: its tokens and how many of them were the prompt it
-    was generated from (the rest is the reply). n_prompt None: not known (a person's file,
-    an older save): all of it counts as the conversation."""
-
-    tokens: bytes | Sequence[int]
-    n_prompt: int | None = None
-
-
-@dataclass(frozen=True)
-class SaveTarget:
-    key: str  # save as auto-<key>.bin
-    why: str  # "new", "extends", "replaces", "branch", "covered"
-    shared: int  # tokens the conversation shares with the file now under key (0 when none)
-
-
-def save_key(key: str, tokens: Sequence[int] | bytes,
-             file_at: Callable[[str], SavedFile | bytes | Sequence[int] | None], max_steps: int = 64) -> SaveTarget:
-    """Where a conversation whose first user message has key `key` and whose state holds
-    `tokens` is saved. file_at(k): auto-<k>.bin's SavedFile (or bare tokens), None when
-    there is none.
-
-    Walk from `key`: no file there → save there ("new"; "branch" below the first step);
-    the tokens extend (or equal) that file → replace it ("extends": the new file holds all
-    the old one did); they are a strict prefix of it → "covered", no save needed (the file
-    holds this state and more); they depart inside the file's reply, past its prompt →
-    replace it ("replaces": the same conversation going on — a chat client sends the reply
-    back as text, and text sampled as uncommon tokens comes back as other tokens: seen with
-    Gemma 3 at temperature 0.8 — or its last reply regenerated); they depart inside the
-    file's prompt at token d → go on to branch_key(k, tokens[:d + 1]). max_steps guards
-    against a directory edited by hand."""
-    q = tokens if isinstance(tokens, bytes) else encode(tokens)
-    n = len(q) // 4
-    k = key
-    for step in range(max_steps):
-        f = file_at(k)
-        if f is None:
-            return SaveTarget(k, "new" if step == 0 else "branch", 0)
-        if not isinstance(f, SavedFile):
-            f = SavedFile(f)
-        fb = f.tokens if isinstance(f.tokens, bytes) else encode(f.tokens)
-        d = common_prefix(q, fb)
-        if d == len(fb) // 4:
-            return SaveTarget(k, "extends", d)
-        if d == n:
-            return SaveTarget(k, "covered", d)
-        if f.n_prompt is not None and d >= f.n_prompt:
-            return SaveTarget(k, "replaces", d)
-        k = branch_key(k, q[:4 * (d + 1)])
-    raise ValueError(f"no free name for a conversation of key {key} after {max_steps} branches")

@@ -129,7 +129,7 @@ class Meta:
     save_ms: float
     layout: str | None = None  # slotfile.KVLayout.fingerprint(): the KV streams, cache types, layers
     # The conversation's line: the key of its first user message. It names the file too,
-    # unless the conversation departs from another one of the same line (index.save_key:
+    # unless the conversation departs from another one of the same line (branches.save_key:
     # the file is then a branch, auto-<branch key>.bin). None: a prefix, or older metadata.
     line: str | None = None
     # Of n_tokens, how many were the prompt the last reply was generated from (None: not known).

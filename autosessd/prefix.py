@@ -21,7 +21,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .engines.base import EngineError
-from .index import common_prefix, decode, encode, prefix_key
+from .branches import prefix_key
+from .index import common_prefix, decode, encode
 from .policy import Held, SaveOutcome
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot

@@ -12,7 +12,7 @@ stop_timeout_s).
                                                      two slots saving one prefix, or one key)
     checked         size against the engine's answer (Store.verify_temp), header tokens against
                     its count (_check_header), the KV layout learned from the file
-    named           by its header's tokens (index.save_key): the conversation's own file, a
+    named           by its header's tokens (branches.save_key): the conversation's own file, a
                     branch, or none when a file holds it all already ("covered")
     finalize        fsync → rename → metadata, in a worker thread off the request's path;
                     the name is held in Store.in_use until then, and the slot's view says
@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from . import policy, slotfile
 from .engines.base import EngineError
-from .index import SavedFile, comparable, encode, save_key
+from .branches import SavedFile, save_key
+from .index import comparable, encode
 from .keys import chain
 from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
@@ -85,7 +86,7 @@ class Saver:
         return FileInfo(meta.n_tokens, meta.model) if meta else None
 
     def saved_file(self, key: str) -> SavedFile | None:
-        """auto-<key>.bin as index.save_key needs it: its tokens (the index's, else its header)
+        """auto-<key>.bin as branches.save_key needs it: its tokens (the index's, else its header)
         and the prompt count its metadata recorded."""
         store, index = self.ctx.store, self.ctx.index
         meta = store.read_meta(key)

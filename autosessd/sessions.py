@@ -52,7 +52,7 @@ call says what it blocks on.
 
   engine log (enginetail.py): the tail's protocol, for llama-server's own log. Every request
     is of one line key (enginetail.LINE: the log names no conversation), and its saves are
-    named by their tokens (index.save_key under that key). A launch line is observed_start,
+    named by their tokens (branches.save_key under that key). A launch line is observed_start,
     a release observed_end (with the engine's count, and cache_n and n_prompt from the timing
     lines); the engine's start in its log is s.engine_started(why) (a restart, reported once
     per engine process with the engine watch), after which s.restore_behind(slot, LINE, check,

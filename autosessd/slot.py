@@ -123,7 +123,7 @@ class View:
     #           from it needs no tokens
     # file      the session file holding this conversation's latest saved state: what a save
     #           compares with (up to date?). RESTORED: the file restored
-    # n_prompt  of n_tokens, the prompt of the last reply (a save records it: index.save_key)
+    # n_prompt  of n_tokens, the prompt of the last reply (a save records it: branches.save_key)
     # body      that request's chat body, and reply the text of its answer as the client got it:
     # reply     after a save, recall.py checks that the reply sent back goes on from the file's
     #           end (kept only for a model with a sliding window, where that decides a restore)

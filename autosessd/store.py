@@ -20,7 +20,7 @@ back from a backup, touched by a tool, or damaged in place). The engine aborts o
 file one byte short: no file reaches it unchecked.
 
 <key> is the conversation's first-message key; <target> is that key, or the branch key
-sessions.py chose from the file's tokens (index.save_key) when another conversation of
+sessions.py chose from the file's tokens (branches.save_key) when another conversation of
 the same first message holds auto-<key>.bin.
 
 Both files hold a conversation (the state file its tokens, the metadata its key), so
@@ -256,7 +256,7 @@ class Store:
 
     def finalize(self, key: str, meta: Meta) -> Meta:
         """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
-        or the name index.save_key chose for it), then its metadata, with the file's digest.
+        or the name branches.save_key chose for it), then its metadata, with the file's digest.
         Returns the metadata written. Blocking."""
         temp, final = self.temp_path(key), self.bin_path(meta.key)
         self._seal(temp)

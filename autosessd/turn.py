@@ -120,7 +120,7 @@ class Turn:
         """A hook request that went on from the held one was let through without its tokens,
         and its end is never reported: ask for them beside it (/tokenize does not wait for the
         slot), so that the state it leaves is known token for token and how much of it is
-        prompt (index.save_key tells a regenerated reply from an edited message by that).
+        prompt (branches.save_key tells a regenerated reply from an edited message by that).
         Holds no ticket: a compare-and-swap, noted only while the slot runs that request (a
         SWITCHED view is never anyone's prior again, so `s.view is v` cannot come back)."""
         v = s.view

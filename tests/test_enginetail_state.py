@@ -17,7 +17,8 @@ import pytest
 from autosessd import slotfile
 from autosessd.config import ConfigError, parse
 from autosessd.enginetail import LINE, RUN_TTL_S, EngineTail
-from autosessd.index import branch_key, encode
+from autosessd.branches import branch_key
+from autosessd.index import encode
 from autosessd.sessions import Sessions
 from autosessd.slot import Phase
 from autosessd.store import Store

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from autosessd import index as index_mod
-from autosessd.index import (Match, SavedFile, SaveTarget, TokenIndex, branch_key, common_prefix, encode,
-                             save_key)
+from autosessd.branches import SavedFile, SaveTarget, branch_key, save_key
+from autosessd.index import Match, TokenIndex, common_prefix, encode
 from autosessd.slotfile import build
 from stub_engine import lcp as brute_lcp  # the naive reference the index must agree with
 

@@ -12,7 +12,7 @@ import json
 
 from autosessd import slotfile
 from autosessd.config import parse
-from autosessd.index import branch_key, prefix_key
+from autosessd.branches import branch_key, prefix_key
 from autosessd.keys import conversation_key
 from autosessd.sessions import Sessions
 from autosessd.slot import Phase
