@@ -270,6 +270,7 @@ class Daemon:
                      n_slots=info.total_slots, layout=layout, empties_idle_slots=clears, engine_healthy=True,
                      n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep, template=info.template)
         s.ctx.swa_window = await Upkeep.swa_window(s.ctx)
+        await s.check_template()
         s.inputs = self.router.inputs
         seconds = sleep.find_seconds(self.cfg, model.args)
         if seconds:
@@ -345,7 +346,8 @@ class Daemon:
         except ConfigError as e:
             log.error("reload refused, keeping the running config: %s", e)
             return
-        needs_restart = [k for k in ("slot_save_path", "engine", "gate", "tail", "control", "shared")
+        needs_restart = [k for k in ("slot_save_path", "state_dir", "stop_timeout_s", "engine", "gate", "tail",
+                                     "control", "shared")
                          if getattr(new, k) != getattr(self.cfg, k)]
         if needs_restart:
             log.warning("reload: %s changed and take effect at the next start", ", ".join(needs_restart))
@@ -355,14 +357,16 @@ class Daemon:
         self.cfg = dataclasses.replace(self.cfg, auto_sessions=new.auto_sessions,
                                        auto_sessions_min_tokens=new.auto_sessions_min_tokens,
                                        auto_sessions_keep=new.auto_sessions_keep,
-                                       auto_sessions_max_gb=new.auto_sessions_max_gb)
+                                       auto_sessions_max_gb=new.auto_sessions_max_gb,
+                                       idle_save_s=new.idle_save_s, idle_save_min_new_tokens=new.idle_save_min_new_tokens,
+                                       idle_save_mb_per_min=new.idle_save_mb_per_min)
         if self.sessions:
             self.sessions.cfg = self.cfg
         if self.router:
             self.router.set_cfg(self.cfg)
-        log.info("reloaded %s: min_tokens=%s keep=%s max_gb=%s auto_sessions=%s", new.source,
+        log.info("reloaded %s: min_tokens=%s keep=%s max_gb=%s auto_sessions=%s idle_save_s=%s", new.source,
                  self.cfg.auto_sessions_min_tokens, self.cfg.auto_sessions_keep, self.cfg.auto_sessions_max_gb,
-                 self.cfg.auto_sessions)
+                 self.cfg.auto_sessions, self.cfg.idle_save_s)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

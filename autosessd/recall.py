@@ -40,6 +40,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import files
 from .engines.base import EngineError
 from .index import common_prefix, encode
 from .keys import chain, chat_signature
@@ -70,6 +71,36 @@ class Recall:
         self.ctx = ctx
         self.fetcher = fetcher
         self._checking: set[asyncio.Task] = set()
+        # Does the engine's template render a conversation's later turns after its earlier
+        # ones, unchanged (check_appends)? Only then does "goes on" hold; None: not checked.
+        self.appends: bool | None = None
+
+    async def check_appends(self) -> bool:
+        """Once per engine, at start: a conversation and the same one a turn later, templated
+        by the engine. Some templates rewrite earlier turns as a conversation grows (the system
+        prompt moved into the last user message, a thinking block dropped from older replies):
+        there a request that goes on from a mark's messages does not start with its tokens, so
+        only exact marks are trusted."""
+        chat = self.ctx.chat
+        first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."}]
+        later = first + [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Bye."}]
+        if chat is None:
+            self.appends = False
+            return False
+        try:
+            a = await chat.apply_template({"messages": first})
+            b = await chat.apply_template({"messages": later})
+            self.appends = b.startswith(a)
+        except EngineError as e:
+            log.info("auto sessions: the template could not be checked (%s): returns are matched by their "
+                     "very messages only", e)
+            self.appends = False
+            return False
+        if not self.appends:
+            log.info("auto sessions: the engine's template rewrites earlier turns as a conversation grows: a "
+                     "return going on from a file's messages is tokenized (only a resent request is matched "
+                     "by its messages)")
+        return self.appends
 
     def known(self, sig: tuple[str, ...]) -> Known | None:
         """The request's tokens as far as a file's mark tells them (no engine call); None when
@@ -80,7 +111,11 @@ class Recall:
         n_messages, found = index.by_messages(chain(sig, self.ctx.template), self.ctx.model)
         if not found:
             return None
-        exact = n_messages == len(sig) - 1
+        # Exact: the request's messages are a mark's, and that mark says its tokens are exactly
+        # the prompt's (a reply mark's end-of-turn token is the next request's, not this one's).
+        exact = n_messages == len(sig) - 1 and all(m.exact for _, m in found)
+        if not exact and self.appends is not True:
+            return None  # "goes on" is not known to hold for this engine's template
         heads = {e.tokens[:4 * m.n_tokens] for e, m in found}
         if len(heads) != 1:
             return None  # two files say different things of the same messages: ask the engine
@@ -98,6 +133,9 @@ class Recall:
         n = len(known.tokens) // 4
         e = index.get(known.file)
         if e is None or known.file in exclude or slot_shared >= n or n < slot_shared + max(ctx.min_tokens, 1):
+            return None
+        if files.regular_ident(ctx.store.path / known.file) is None:
+            index.remove(known.file)  # removed by hand: forgotten, and the token rule decides
             return None
         window = ctx.swa_window
         if window is not None and e.n_tokens > window and e.n_tokens - n > 1:

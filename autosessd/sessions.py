@@ -394,6 +394,11 @@ class Sessions:
     # -- life ---------------------------------------------------------------------------------------
     async def prepare(self) -> None:
         await self.upkeep.prepare()
+        await self.check_template()
+
+    async def check_template(self) -> None:
+        """Whether a return may be matched by messages that go on from a file's (recall.py)."""
+        await self._turn.recall.check_appends()
 
     async def drain(self) -> None:
         """Wait for every background finalize and prune (at shutdown, and in tests)."""

@@ -188,3 +188,46 @@ async def test_a_reply_that_comes_back_as_other_tokens_gets_no_mark(tmp_path):
     turn, _, _ = await replying(s, grown(X, "Aye,  captain."))
     assert s.counters.tokenized == tokenized + 1  # asked: and the token rule finds the file not usable
     assert turn.restored is None
+
+
+class RewritingEngine(StubEngine):
+    """A template that moves the system prompt into the last user message (Mistral v0.3's
+    does so): a conversation a turn later does not start with its earlier prompt."""
+
+    async def apply_template(self, body, timeout_s=None):
+        msgs = body["messages"]
+        system = [m for m in msgs if m["role"] == "system"]
+        rest = [m for m in msgs if m["role"] != "system"]
+        if system and rest:
+            last = max(i for i, m in enumerate(rest) if m["role"] == "user")
+            rest = [dict(m, content=system[0]["content"] + " " + m["content"]) if i == last else m
+                    for i, m in enumerate(rest)]
+        return await super().apply_template({**body, "messages": rest}, timeout_s)
+
+
+async def test_a_template_that_rewrites_earlier_turns_is_found_and_returns_are_tokenized(tmp_path):
+    """The "goes on" match assumes a template that appends: checked at start. Where it does not
+    hold, a return going on from a file's messages is tokenized (the token rule decides) instead
+    of restoring the file for a prompt that does not start with it."""
+    d = tmp_path / "sessions"
+    d.mkdir()
+    s = await make(tmp_path, engine=RewritingEngine(d))
+    assert s._turn.recall.appends is False
+    await chat(s, X)
+    await chat(s, OTHER)
+    before = calls(s)
+    await chat(s, grown(X))
+    assert calls(s) > before and s.counters.known_by_messages == 0
+    s2 = await make(tmp_path / "plain")
+    assert s2._turn.recall.appends is True
+
+
+async def test_a_known_file_removed_by_hand_is_forgotten_and_the_return_tokenized(tmp_path):
+    s = await make(tmp_path)
+    await chat(s, X)
+    await chat(s, OTHER)
+    (s.store.path / f"auto-{K}.bin").unlink()
+    before = calls(s)
+    turn, _, _ = await chat(s, grown(X))
+    assert s.counters.restores_refused == 0 and s.index.get(f"auto-{K}.bin") is None
+    assert calls(s) > before and turn.restored is None

@@ -153,9 +153,10 @@ def test_sighup_reloads_and_keeps_the_old_config_when_the_new_one_is_bad(tmp_pat
     try:
         assert d.status()["store"]["min_tokens"] == 100
         d.config.write_text(d.config.read_text().replace("auto_sessions_min_tokens = 100",
-                                                         "auto_sessions_min_tokens = 7"))
+                                                         "auto_sessions_min_tokens = 7\nidle_save_s = 9"))
         d.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: d.status()["store"]["min_tokens"] == 7, 10, what="the reload")
+        assert d.status()["idle_save"]["after_s"] == 9  # saving while idle is policy too
         good = d.config.read_text()
         d.config.write_text(good + "\nbogus_key = 1\n")
         d.proc.send_signal(signal.SIGHUP)
