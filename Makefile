@@ -33,7 +33,7 @@ prometheus-packages:
 
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
 test: $(BIN)/.installed engine s3-packages prometheus-packages
-	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some. Scenario 1
 # also draws bench/results/switch-back.png (matplotlib, the `bench` extra), the README's plot.
