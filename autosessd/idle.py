@@ -15,6 +15,9 @@ Bounds, each a promise:
     a cap                idle saves write at most `idle_save_mb_per_min` in any minute, by the
                          size the store expects of the save (a save larger than the whole cap
                          runs only after a minute with none); a switch saves what was deferred
+    others first         never while a request runs on another slot (llama-server writes a save on
+                         its main loop, and every slot's generation stops for its time): the
+                         pause waits until the other slots are free
     give way             never while another request holds or waits for the slot: the slot's
                          ticket comes from try_admit, which never waits, and a pause that finds
                          the slot taken saves nothing. A request that arrives during the save
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("autosessd")
 
 WINDOW_S = 60.0  # the cap counts the idle saves of the last minute
+OTHERS_BUSY_S = 0.25  # how often a pause looks again while another slot runs a request
 
 
 class IdleSaver:
@@ -87,6 +91,10 @@ class IdleSaver:
         try:
             await asyncio.sleep(self.ctx.cfg.idle_save_s)
             while True:
+                # llama-server writes a slot's state on its main loop: while it does, no other
+                # slot generates. So a pause saves only while no other slot runs a request.
+                while any(o.busy for o in self.placement.slots.values() if o is not s):
+                    await asyncio.sleep(OTHERS_BUSY_S)
                 wait = await self._save(s, v, capped=True, why="idle")
                 if wait is None:
                     return

@@ -116,3 +116,15 @@ def test_idle_save_keys_are_checked():
             parse(f'slot_save_path = "/tmp/x"\n{text}\n'.encode())
         assert e.value.key == key
     assert parse(b'slot_save_path = "/tmp/x"\nidle_save_s = 0\n').idle_save_s == 0
+
+
+async def test_no_save_while_another_slot_runs_a_request(tmp_path):
+    """llama-server writes a save on its main loop: every slot's generation stops meanwhile. So
+    a pause that ends while another slot runs a request waits for that slot to be free."""
+    s = await make(tmp_path, n_slots=2)
+    await t.chat(s, A)  # on slot 0
+    other = await s.admit(1)  # a request runs on slot 1 past slot 0's pause
+    await asyncio.sleep(PAUSE * 6)
+    assert s.counters.idle_saves == 0 and s.engine.saves == []
+    other.release()
+    await until(lambda: s.counters.idle_saves == 1)
