@@ -271,6 +271,8 @@ class Daemon:
                      n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep, template=info.template)
         s.ctx.swa_window = await Upkeep.swa_window(s.ctx)
         await s.check_template()
+        if self._stop.is_set():
+            s.idle.close()  # loaded during the stop's grace: no save while idle after the stop save
         s.inputs = self.router.inputs
         seconds = sleep.find_seconds(self.cfg, model.args)
         if seconds:
@@ -392,12 +394,17 @@ class Daemon:
             return 0
         try:
             starting.result()
-        except StartupError as e:
-            log.error("cannot start: %s", e)
+        except BaseException as e:
+            # A start check's refusal, or anything else that ended the start: with --exec the
+            # engine started here is stopped either way, never left behind on its port.
+            if isinstance(e, StartupError):
+                log.error("cannot start: %s", e)
             await self._stop_child(self.cfg.stop_timeout_s)
             await self.engine.close()
             await self.pool.close()
-            return 1
+            if isinstance(e, StartupError):
+                return 1
+            raise
         sd_notify("READY=1\nSTATUS=serving")
         watchdog = self._start_watchdog()
         code = await self._serve()
