@@ -197,7 +197,7 @@ class Turn:
             pick = self._sole(s.view, known)
             if pick is not None:
                 assert sig is not None
-                return await self._restore_by_messages(s, key, held, outcome, result, sig, known, pick)
+                return await self._restore_by_messages(s, key, held, outcome, result, sig, known, pick, body)
             tokens = await self._request_tokens(body, result)  # the save made it unsure (rare)
         if tokens is None:
             return await self._restore_by_key(s, key, held, outcome, result, sig)
@@ -219,7 +219,7 @@ class Turn:
 
     async def _restore_by_messages(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
                                    result: TurnResult, sig: tuple[str, ...], known: Known,
-                                   pick: tuple[str, int, int]) -> Carry:
+                                   pick: tuple[str, int, int], body: dict[str, Any] | None = None) -> Carry:
         """A request that goes on from a file's mark, the file being the one the token rule is
         sure to pick (recall.py): restored without the request's tokens. The engine reads the
         request's new part itself; the next cache_n verifies the restore as always."""
@@ -239,6 +239,8 @@ class Turn:
                 own = name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, name, n, shared, "messages", meta)
+                if body is not None:
+                    ctx.restore_log.bodies[s.id] = body  # doctor's, should the engine not reuse it
         else:
             skipped(ctx.counters, step, result)
         # Its tokens begin with the file's first n; how many more, its response says.

@@ -304,8 +304,10 @@ def test_sigterm_gives_an_upload_waiting_out_its_backoff_its_try_before_the_exit
     s1.mkdir()
     eng = FakeEngine(s1).start()
     stopping(eng)
-    d = Daemon(tmp_path, s1, eng.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1",
-                                                            retry_max_s=600))
+    # No save while idle: its new upload would be tried as the gateway comes back, while this
+    # test is about the one waiting out its backoff.
+    d = Daemon(tmp_path, s1, eng.url, extra_toml="idle_save_s = 0\n" + shared_toml(s3_gateway.endpoint, s3_bucket,
+                                                                                  "host1", retry_max_s=600))
     stopping(d)
     d.start()
     a = chat_body(long_text(30) + "\nBox 5?")
