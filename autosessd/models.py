@@ -219,7 +219,7 @@ class Router:
 
         saved = 0
         if victim.sessions is not None and victim.status != "sleeping":  # asleep: nothing held, and a look wakes it
-            saved = await victim.sessions.put_away(UNLOADED, unload)
+            saved = await victim.sessions.commands.put_away(UNLOADED, unload)
         else:
             await unload()
         c.model_unloads += 1

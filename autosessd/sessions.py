@@ -362,12 +362,6 @@ class Sessions:
     async def save_at_stop(self, slot_id: int | None = None, why: str = "stop") -> bool:
         return await self.commands.save_at_stop(slot_id, why)
 
-    async def put_away(self, why: str, then: Callable[[], Awaitable[None]] | None = None) -> int:
-        return await self.commands.put_away(why, then)
-
-    async def save_all_worth(self) -> int:
-        return await self.commands.save_all_worth()
-
     async def prune(self, keep: int | None = None, max_gb: float | None = None,
                     dry_run: bool = False) -> dict[str, Any]:
         return await self.upkeep.prune(keep, max_gb, dry_run)
@@ -396,8 +390,7 @@ class Sessions:
         await self.upkeep.prepare()
         await self.check_template()
 
-    async def check_template(self) -> None:
-        """Whether a return may be matched by messages that go on from a file's (recall.py)."""
+    async def check_template(self) -> None:  # may returns be matched by messages that go on (recall.py)?
         await self._turn.recall.check_appends()
 
     async def drain(self) -> None:

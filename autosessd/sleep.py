@@ -153,7 +153,7 @@ class SleepWatch:
         s = self.sessions
         self._own = True
         try:
-            saved = await s.save_all_worth()
+            saved = await s.commands.save_all_worth()
         finally:
             self._own = False
         self._saved = True

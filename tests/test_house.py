@@ -12,7 +12,7 @@ def lines(p: Path) -> int:
 
 
 def test_the_facade_stays_thin_and_no_module_grows_past_700_lines():
-    assert lines(PKG / "sessions.py") <= 470
+    assert lines(PKG / "sessions.py") <= 450
     big = {p.relative_to(PKG).as_posix(): lines(p) for p in PKG.rglob("*.py") if lines(p) > 700}
     assert big == {}, f"split these (README, The code): {big}"
 

@@ -32,7 +32,7 @@ def tools():
         msg = f"no promtool/prometheus: {why} (make test installs Debian's prometheus package as root)"
         if os.environ.get("AUTOSESSD_REQUIRE_PROMETHEUS"):
             pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
+        pytest.skip(reason=msg)
     return shutil.which("promtool"), shutil.which("prometheus")
 
 
