@@ -240,7 +240,12 @@ class Daemon:
         self.house = self.router = Router(self.cfg, self.engine, self.store, listed, checked.max_loaded,
                                           self._model_sessions)
         managed = [m.id for m in self.router.models.values() if m.managed]
-        if not managed:
+        if not listed:
+            # A router with no model (yet): nothing to keep; its requests pass untouched.
+            log.warning("engine: the router at %s lists no models: its requests are forwarded untouched, and "
+                        "autosessd keeps no conversations until it is restarted with models to serve",
+                        self.engine.address)
+        elif not managed:
             raise StartupError(f"none of the models of the router at {self.engine.address} saves its slots into "
                                f"{self.store.path}: start llama-server with --slot-save-path {self.store.path}")
         await self.router.upkeep.prepare(swa=False)  # the one token index; each model's window as it loads

@@ -136,3 +136,27 @@ def test_model_swaps_through_exec_keep_every_conversation(tmp_path):
             assert "Traceback" not in log
     finally:
         swap.stop()
+
+
+def test_a_router_with_no_models_starts_and_its_requests_pass(tmp_path):
+    """llama.cpp's own server tests start llama-server with no model at all (a router that
+    loads on demand: ServerPreset.router()). autosessd refused that start ("none of the
+    models … saves its slots"); there is nothing to keep, so it starts, says so, and the
+    router's answers pass untouched (here its CORS preflight)."""
+    port = free_port()
+    log = tmp_path / "autosessd.log"
+    cmd = [sys.executable, "-m", "autosessd", "run", "--slot-save-path", str(tmp_path / "sessions"), "--socket",
+           str(tmp_path / "ctl.sock"), "--state-dir", str(tmp_path / "state"), "--exec", "--",
+           engine_paths()["LLAMA_SERVER"], "--port", str(port), "--cors-origins", "localhost", "--no-webui"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    try:
+        wait_until(lambda: p.poll() is not None or "autosessd ready" in log.read_text(), 60, what="the start")
+        assert p.poll() is None, log.read_text()
+        assert "lists no models" in log.read_text()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completions", method="OPTIONS",
+                                     headers={"Origin": "http://localhost", "Access-Control-Request-Method": "POST"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "http://localhost"
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        assert p.wait(30) == 0
