@@ -457,8 +457,10 @@ class Daemon:
 
         if self._watcher is not None:
             self._watcher.cancel()
-        for s in [self.sessions] if self.sessions is not None else self.router.all_sessions() if self.router else []:
-            s.idle.close()  # no save while idle starts now: the stop save comes
+        # No save while idle starts now: the stop save comes.
+        every = self.router.all_sessions() if self.router is not None else [self.sessions]
+        for s in filter(None, every):
+            s.idle.close()
         # The inputs stop together: each stops taking requests at once, then gives those in
         # flight the same bounded time (not one grace after another), at most half the
         # deadline: the stop save needs the rest.

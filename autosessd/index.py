@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import logging
 import os
 import struct
 import sys
@@ -70,10 +71,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from .files import read_small
+from .files import read_small, regular_ident
 from .names import Mark, marks_from
 from .slotfile import TOKEN_NULL, BadSlotFile, read_header
 from .store import AUTO_BIN
+
+log = logging.getLogger("autosessd")
 
 # Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
 # entry's token bytes one after another, u32 crc32 of all that precedes it.
@@ -439,6 +442,15 @@ class TokenIndex:
                 self._insert(dataclasses.replace(e, model=model))
                 self._touch(name)
             return True
+
+    def forget_if_gone(self, name: str) -> bool:
+        """Forget `name` when it is no longer a regular file in the directory (removed behind
+        autosessd's back: rm, another tool). A stat. → whether it was forgotten now."""
+        if regular_ident(self.directory / name) is not None:
+            return False
+        log.info("auto sessions: %s is gone from the session directory (removed by hand?): the index forgets it",
+                 name)
+        return self.remove(name)
 
     def remove(self, name: str) -> bool:
         with self._lock:

@@ -40,7 +40,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import files
 from .engines.base import EngineError
 from .index import common_prefix, encode
 from .keys import chain, chat_signature
@@ -134,9 +133,8 @@ class Recall:
         e = index.get(known.file)
         if e is None or known.file in exclude or slot_shared >= n or n < slot_shared + max(ctx.min_tokens, 1):
             return None
-        if files.regular_ident(ctx.store.path / known.file) is None:
-            index.remove(known.file)  # removed by hand: forgotten, and the token rule decides
-            return None
+        if index.forget_if_gone(known.file):
+            return None  # removed by hand: the token rule decides
         window = ctx.swa_window
         if window is not None and e.n_tokens > window and e.n_tokens - n > 1:
             return None  # usable only if the request goes on from (nearly) its end: unknown here

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import files, policy
+from . import policy
 from .engines.base import EngineError
 from .index import common_prefix, encode
 from .keys import chat_signature, continues
@@ -342,12 +342,8 @@ class Turn:
         while True:
             found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=auto_name(key),
                                    min_lcp=min_lcp, window=ctx.swa_window)
-            if found is None or files.regular_ident(ctx.store.path / found[0]) is not None:
+            if found is None or not ctx.index.forget_if_gone(found[0]):
                 return found
-            log.info("auto sessions: %s is gone from the session directory (removed by hand?): the index "
-                     "forgets it", found[0])
-            if not ctx.index.remove(found[0]):
-                return None
 
     async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither
