@@ -18,9 +18,10 @@ from pathlib import Path
 from . import slotfile
 from .config import Config
 from .report import fmt_bytes
-from .engines.base import ChatEngine, Engine, EngineError, SlotSavingOff, SlotsHidden
+from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
 from .slotfile import KVLayout
 from .store import TEMP_PREFIX, Store
+from .watch import engine_command
 
 log = logging.getLogger("autosessd")
 
@@ -116,38 +117,71 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         log.info("engine: %d slots%s; each conversation is placed on one and pinned there (id_slot)",
                  info.total_slots, f", {layout.n_stream} KV stream(s)" if layout else "")
         if visible:
-            clears = await probe_idle_clearing(engine)
+            command = await asyncio.to_thread(engine_command, cfg.engine.kind, cfg.engine.url)
+            clears, how = empties_idle_slots(info.total_slots, layout, command)
+            warn_empties_idle(engine, clears, how)
     return Checked(info.model, info.model_name, visible, info.total_slots, layout, clears, info.n_ctx,
                    template=info.template)
 
 
-async def probe_idle_clearing(engine: Engine) -> bool:
-    """Does the engine empty idle slots whenever a request starts on another one (a unified KV
-    cache with --cache-idle-slots, llama-server's defaults for -np auto)? No endpoint says;
-    a tiny request on slot 0, then one on slot 1, shows it: slot 0 keeps its tokens or not.
-    Only on an engine whose first two slots hold nothing (nothing of anyone's is moved)."""
-    if not isinstance(engine, ChatEngine):
-        return False
-    try:
-        states = {s.id: s for s in await engine.slots()}
-        if any(states[i].is_processing or states[i].n_tokens for i in (0, 1) if i in states):
-            return False
-        for sid in (0, 1):
-            await engine.complete(sid, "Hello", 1)
-        states = {s.id: s for s in await engine.slots()}
-        clears = states[0].n_tokens == 0
-        for sid in (0, 1):
-            await engine.erase(sid)
-    except (EngineError, KeyError) as e:
-        log.debug("engine check: idle-slot probe: %s", e)
-        return False
+def warn_empties_idle(engine: Engine, clears: bool, how: str) -> None:
     if clears:
-        log.warning("engine: %s empties idle slots whenever a request starts on another one (a unified KV "
-                    "cache with --cache-idle-slots, the defaults of -np auto): autosessd saves each conversation "
-                    "when its request ends, not only when its slot is taken, and a conversation whose request "
-                    "ends just as another starts can miss its save. Start llama-server with "
-                    "--no-cache-idle-slots to keep idle slots (README: Several slots)", engine.address)
-    return clears
+        log.warning("engine: %s empties idle slots whenever a request starts on another one (%s): autosessd "
+                    "saves each conversation when its request ends, not only when its slot is taken, and a "
+                    "conversation whose request ends just as another starts can miss its save. Start llama-server "
+                    "with --no-cache-idle-slots to keep idle slots (README: Several slots)", engine.address, how)
+    else:
+        log.info("engine: idle slots keep what they hold (%s)", how)
+
+
+def empties_idle_slots(total_slots: int, layout: KVLayout | None,
+                       command: tuple[list[str], dict[str, str]] | None) -> tuple[bool, str]:
+    """Does the engine empty every idle slot whenever a request starts on another one? →
+    (it does, how that is known). llama-server does with a unified KV cache, --cache-idle-slots
+    and a RAM prompt cache: the defaults of -np auto. The probe save's file tells the first (one
+    KV stream for several slots); no endpoint tells the other two, so they are read from the
+    engine's command line and environment (command: argv, env) when its process runs here, and
+    the engine's defaults assumed otherwise. A slot seen emptied without a task of its own says
+    so later too (observe.emptied_by_engine). The engine is not asked with requests of our own:
+    their tasks would stay in a fresh engine's GET /slots ("params", llama.cpp's server test
+    test_server_slots), and they would run on slots someone may be about to use."""
+    if total_slots <= 1 or layout is None or layout.n_stream != 1:
+        return False, "not a unified KV cache" if layout is not None else "unknown"
+    if command is None:
+        return True, "a unified KV cache, and --cache-idle-slots with a RAM cache assumed (llama-server's defaults)"
+    args, env = command
+    idle = _flag(env.get("LLAMA_ARG_CACHE_IDLE_SLOTS"), True)
+    ram = _number(env.get("LLAMA_ARG_CACHE_RAM"), 1)
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        nxt = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+        if a == "--cache-idle-slots":
+            idle = True
+        elif a == "--no-cache-idle-slots":
+            idle = False
+        elif name in ("-cram", "--cache-ram"):
+            ram = _number(nxt, ram)
+    if not idle:
+        return False, "--no-cache-idle-slots on its command line"
+    if ram == 0:
+        return False, "--cache-ram 0 on its command line"
+    return True, "a unified KV cache with --cache-idle-slots and a RAM cache (its command line)"
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    """A boolean the way llama.cpp's argument parser reads one from the environment."""
+    if value in ("on", "enabled", "true", "1"):
+        return True
+    if value in ("off", "disabled", "false", "0"):
+        return False
+    return default
+
+
+def _number(value: str | None, default: int) -> int:
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
 
 
 async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None:

@@ -37,8 +37,8 @@ import time
 from typing import Any, Protocol
 
 from . import config as config_mod
-from .checks import (Checked, StartupError, check_engine, check_store, probe_idle_clearing, probe_save,
-                     router_refusals)
+from .checks import (Checked, StartupError, check_engine, check_store, empties_idle_slots, probe_save,
+                     router_refusals, warn_empties_idle)
 from .child import EngineChild, ExecError, check_free, describe_exit
 from .slotfile import KVLayout
 from .config import Config, ConfigError
@@ -52,6 +52,7 @@ from .sessions import Sessions
 from . import sleep
 from .models import UP, Model, Router
 from .sleep import SleepWatch
+from .watch import engine_command
 from .upkeep import Upkeep
 from .control import SocketInUse
 from .store import Store
@@ -270,7 +271,12 @@ class Daemon:
             layout = await probe_save(adapter, self.store, 0)
         except (StartupError, EngineError) as e:
             log.warning("router: model %s: the probe save: %s", model.id, e)
-        clears = info.total_slots > 1 and visible and await probe_idle_clearing(adapter)
+        clears = False
+        if info.total_slots > 1 and visible:
+            router = await asyncio.to_thread(engine_command, self.cfg.engine.kind, self.cfg.engine.url)
+            command = (model.args, router[1] if router else {}) if model.args else router
+            clears, how = empties_idle_slots(info.total_slots, layout, command)
+            warn_empties_idle(adapter, clears, how)
         s = Sessions(self.cfg, adapter, self.store, info.model, info.model_name, slots_visible=visible,
                      n_slots=info.total_slots, layout=layout, empties_idle_slots=clears, engine_healthy=True,
                      n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep, template=info.template)

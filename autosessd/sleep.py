@@ -26,11 +26,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-import psutil
-
 from .engines.base import EngineError
 from .observe import SLEPT
-from .watch import engine_identity
+from .watch import engine_command
 
 if TYPE_CHECKING:
     from .config import Config
@@ -50,13 +48,10 @@ def find_seconds(cfg: Config, args: list[str] | None = None) -> float | None:
     if cfg.engine.sleep_idle_s is not None:
         return cfg.engine.sleep_idle_s or None
     if args is None:
-        ident = engine_identity(cfg.engine.kind, cfg.engine.url)
-        if ident is None:
+        command = engine_command(cfg.engine.kind, cfg.engine.url)
+        if command is None:
             return None
-        try:
-            args = psutil.Process(ident[0]).cmdline()
-        except (psutil.Error, OSError):
-            return None
+        args = command[0]
     return sleep_seconds(args)
 
 

@@ -41,6 +41,25 @@ def engine_identity(kind: str, url: str) -> tuple[int, float] | None:
     return None
 
 
+
+def engine_command(kind: str, url: str) -> tuple[list[str], dict[str, str]] | None:
+    """(argv, environment) of the process listening on the engine's port, when it runs on this
+    host and is ours to read; None otherwise (the environment {} when only it is hidden).
+    Blocking (psutil)."""
+    ident = engine_identity(kind, url)
+    if ident is None:
+        return None
+    try:
+        p = psutil.Process(ident[0])
+        args = p.cmdline()
+    except (psutil.Error, OSError):
+        return None
+    try:
+        env = p.environ()
+    except (psutil.Error, OSError):
+        env = {}
+    return args, env
+
 class EngineWatch:
     def __init__(self, ctx: Context, on_restart: Callable[[str], Awaitable[None]], healthy: bool | None = None):
         self.ctx = ctx

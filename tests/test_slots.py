@@ -558,3 +558,26 @@ async def test_make_room_on_a_slot_where_a_request_starts_meanwhile_leaves_it_un
     s.engine.no_room, s.engine.erase = True, erase_while_a_request_starts
     assert (await s.restore_now(A, 1))["key"] == A
     assert s.view(0).phase is Phase.UNKNOWN and (s.view(1).phase, s.view(1).key) == (Phase.RESTORED, A)
+
+
+# -- whether the engine empties idle slots, known at start without a request of our own --------
+def test_the_mode_is_read_from_the_kv_layout_and_the_engines_command_line():
+    from autosessd.checks import empties_idle_slots
+    unified, streams = slotfile.KVLayout(1), slotfile.KVLayout(4)
+    exe = ["llama-server", "-m", "m.gguf"]
+    assert empties_idle_slots(4, unified, (exe, {}))[0] is True  # -np auto's defaults
+    assert empties_idle_slots(4, unified, None)[0] is True  # a remote engine: its defaults assumed
+    assert empties_idle_slots(4, streams, (exe, {}))[0] is False  # -np 4: a KV stream per slot
+    assert empties_idle_slots(1, unified, (exe, {}))[0] is False
+    assert empties_idle_slots(4, None, (exe, {}))[0] is False  # no llama-server file: not that engine
+    assert empties_idle_slots(4, unified, (exe + ["--no-cache-idle-slots"], {}))[0] is False
+    assert empties_idle_slots(4, unified, (exe + ["--cache-ram", "0"], {}))[0] is False
+    assert empties_idle_slots(4, unified, (exe + ["-cram", "0"], {}))[0] is False
+    assert empties_idle_slots(4, unified, (exe + ["--cache-ram=0"], {}))[0] is False
+    assert empties_idle_slots(4, unified, (exe + ["--cache-ram", "1024"], {}))[0] is True
+    # The environment as llama.cpp reads it, the command line after it (it wins).
+    assert empties_idle_slots(4, unified, (exe, {"LLAMA_ARG_CACHE_IDLE_SLOTS": "off"}))[0] is False
+    assert empties_idle_slots(4, unified, (exe, {"LLAMA_ARG_CACHE_RAM": "0"}))[0] is False
+    assert empties_idle_slots(4, unified, (exe + ["--cache-idle-slots"],
+                                           {"LLAMA_ARG_CACHE_IDLE_SLOTS": "0"}))[0] is True
+    assert empties_idle_slots(4, unified, (exe + ["--cache-ram", "512"], {"LLAMA_ARG_CACHE_RAM": "0"}))[0] is True

@@ -89,6 +89,31 @@ def test_engine_defaults_that_empty_idle_slots_are_named_and_answers_stay_right(
         d.stop()
 
 
+@pytest.mark.parametrize("slots, cache_ram, extra, empties", [
+    (2, 0, [], False),  # two slots, each its own KV stream (llama.cpp's own test_server_slots)
+    ("auto", None, [], True),  # the engine's defaults
+    ("auto", None, ["--no-cache-idle-slots"], False),  # what README: Several slots advises
+])
+def test_the_start_leaves_no_task_in_the_engines_slots_and_names_its_mode(
+        engines, session_dir, tmp_path, slots, cache_ram, extra, empties):
+    """Issue 19: autosessd's start checks run no request of their own (they used to send two
+    one-token completions to see whether the engine empties idle slots): a fresh engine's
+    GET /slots shows no task after autosessd started, as llama.cpp's test_server_slots
+    asserts through the gate; the mode is read from the probe save's KV layout and the
+    engine's command line instead."""
+    eng = engines(session_dir, slots=slots, cache_ram=cache_ram, extra=extra)
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        for st in eng.get("/slots"):
+            assert "params" not in st and "id_task" not in st, st
+        log = d.logtext()
+        assert ("empties idle slots whenever a request starts" in log) is empties
+        if not empties:
+            assert "idle slots keep what they hold" in log
+    finally:
+        d.stop()
+
+
 def test_two_conversations_run_at_the_same_time(engines, session_dir, tmp_path):
     eng = engines(session_dir, slots=4)
     d = Daemon(tmp_path, session_dir, eng.url).start()
