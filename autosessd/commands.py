@@ -189,13 +189,22 @@ class Commands:
             for t in tickets:
                 t.release()
 
-    async def _save_all(self, tickets: list[Ticket]) -> int:
-        """Each ticket's slot observed, its conversation saved when worth it; the finalizes awaited."""
+    async def save_before_unplaced(self, tickets: list[Ticket]) -> int:
+        """A request the engine places itself (embeddings, a batch of prompts, n_cmpl > 1) may
+        take any idle slot: with every slot's ticket held (the caller's), each conversation worth
+        saving is saved first (its file is usually up to date already: saved while idle). The
+        finalizes need not land first: the engine wrote the bytes before it answered."""
+        return await self._save_all(tickets, Occasion.KEYLESS, settle=False)
+
+    async def _save_all(self, tickets: list[Ticket], occasion: Occasion = Occasion.UNLOAD, settle: bool = True) -> int:
+        """Each ticket's slot observed, its conversation saved when worth it; the finalizes
+        awaited (settle)."""
         saved = 0
         for t in tickets:
             s = self.placement.slot_of(t)
             if await self.observer.observe(s):
-                step, outcome = await self.saver.save_if_worth(s, Occasion.UNLOAD)
+                step, outcome = await self.saver.save_if_worth(s, occasion)
                 saved += isinstance(step, Save) and outcome is SaveOutcome.SAVED
-        await self.saver.settled()
+        if settle:
+            await self.saver.settled()
         return saved

@@ -47,7 +47,7 @@ from .keepalive import Keepalive
 from .keys import conversation_id_key, conversation_key
 from .models import Router
 from .requestlog import RequestLog
-from .placement import Ticket
+from .placement import Ticket, keyless_prompt
 from .report import TurnResult
 from .sessions import Sessions
 from .upstream import SSEWatcher, Upstream, gate_error
@@ -72,6 +72,23 @@ SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/pro
                             "/v1/chat/completions/control", "/v1/streams/lookup",
                             "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
                             "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens"})
+
+
+def several_tasks(body: dict) -> bool:
+    """Does the request run as several tasks, each on a slot of the engine's choosing? A
+    batch of prompts ("prompt": a list of prompts, not of token ids: llama-server's
+    tokenize_input_prompts) or several completions of one (n_cmpl, alias n, > 1: child tasks on
+    other slots). Pinned to one slot, the engine would run them one after another there, each
+    reusing the one before it, and answer otherwise than it does alone."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not any(
+            isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return True
+    for name in ("n_cmpl", "n"):
+        n = body.get(name)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return True
+    return False
 
 
 def _url_host(host: str, port: int) -> str:
@@ -323,7 +340,8 @@ class Gate:
                           chat: dict | None, s: Sessions, ka: Keepalive | None,
                           hand: Callable[[Ticket], None] | None) -> web.StreamResponse:
         n_slots = len(s.slots)
-        if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict)):
+        if n_slots > 1 and (request.path not in PINNABLE_PATHS or not isinstance(parsed, dict) or
+                            several_tasks(parsed)):
             return await self.unplaced(request, body, s, ka)
         want = parsed.get("id_slot") if n_slots > 1 and isinstance(parsed, dict) else None
         release = lambda t: t.release()  # noqa: E731 - a ticket granted as the client left
@@ -332,7 +350,7 @@ class Gate:
             admit = s.admit(want % n_slots)
             ticket = await (ka.wait(admit, release) if ka else admit)
         else:
-            place = s.place(key)
+            place = s.place(key, keyless_prompt(parsed) if key is None else None)
             ticket = await (ka.wait(place, release) if ka else place)
             if n_slots > 1:
                 # Pinned to the slot autosessd placed it on (and restored into): without it the
@@ -404,11 +422,13 @@ class Gate:
     async def unplaced(self, request: web.Request, body: bytes, s: Sessions,
                        ka: Keepalive | None = None) -> web.StreamResponse:
         """With several slots, a request that cannot be pinned to one (embeddings, rerank,
-        a body that is not a JSON object) runs wherever the engine puts it: it takes every
-        slot's FIFO, and afterwards the slot it ran on (its task id moved) holds nothing we
-        can name."""
+        a batch of prompts, several completions, a body that is not a JSON object) runs
+        wherever the engine puts it: it takes every slot's FIFO, the conversations worth saving
+        are saved first, and afterwards the slot it ran on (its task id moved) holds nothing
+        we can name."""
         tickets = await s.admit_all()
         try:
+            await asyncio.shield(s.commands.save_before_unplaced(tickets))
             return await self.proxy(request, body, early=ka)
         finally:
             await asyncio.shield(self._spawn(self._after_unplaced(s, tickets)))

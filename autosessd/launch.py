@@ -12,7 +12,8 @@ returns at once and requests start side by side. Inside it:
     hold goes ALONE (no other start in flight until it is placed), and when its slot is
     empty by then it gets the primer first (a one-token state no prompt starts with: the
     engine then replaces it with the cached prompt sharing most with the request);
-  * a new conversation starts SIDE_BY_SIDE with others: the cache has nothing of it.
+  * a new conversation starts SIDE_BY_SIDE with others: the cache has nothing of it. A
+    request without a key (a raw /completion prompt) may be anyone's: it goes ALONE.
 
 A start is "in flight" from before_send until the engine shows it placed (a new task id on
 its slot, watched by sent()), or, going alone, until the engine has taken it in. Every
@@ -256,11 +257,15 @@ class Launch:
         if not self.active or s.launch_hold:
             return  # s.launch_hold: a restore holds the engine's starts, and its slot holds the state
         v = s.view
-        key = v.key if v.phase is Phase.SWITCHED else None
-        prior = v.prior if v.phase is Phase.SWITCHED else None
+        switched = v.phase is Phase.SWITCHED
+        key = v.key if switched else None
+        prior = v.prior if switched else None
         here = key is not None and prior is not None and prior.key == key and prior.phase in (Phase.HELD,
                                                                                               Phase.RESTORED)
-        if self.primer.off or key is None or looked is None or not (here or key in self._ran):
+        # A request without a key (a raw /completion prompt) may be in the engine's RAM cache
+        # as much as any: alone, without the primer on an emptied slot, it would never look.
+        maybe_cached = (here or key in self._ran) if key is not None else switched
+        if self.primer.off or looked is None or not maybe_cached:
             await self.gate.acquire(Hold.SIDE_BY_SIDE)
             s.launch_hold = Hold.SIDE_BY_SIDE
             return

@@ -14,7 +14,12 @@ Invariants:
 
 Placement: the slot that holds the conversation; otherwise the least recently used free
 slot, one holding nothing worth keeping (below min tokens) first, so a request without a
-conversation never displaces a long one while another slot is free.
+conversation never displaces a long one while another slot is free. A request without a
+conversation key (a raw /completion prompt: a client such as a text-completion frontend
+sends its whole chat as one prompt, growing each turn) goes to the free slot whose last
+keyless prompt shares the most with its own, more than a tenth of it, as llama-server picks
+a slot by prompt similarity; pinned to the least recently used one instead, it would read
+its prompt again on every other turn.
 """
 
 from __future__ import annotations
@@ -25,6 +30,35 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .slot import Slot
+
+
+PROMPT_KEPT = 1 << 18  # characters (or token ids) of a keyless prompt compared
+
+
+def keyless_prompt(body: Any) -> str | tuple[int, ...] | None:
+    """The prompt of a raw completion request (a string, or one list of token ids), its first
+    PROMPT_KEPT items: what placement compares. None for anything else."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, str) and prompt:
+        return prompt[:PROMPT_KEPT]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt[:PROMPT_KEPT])
+    return None
+
+
+def shared_length(a: str | tuple[int, ...] | None, b: str | tuple[int, ...]) -> int:
+    """How long a prefix two prompts of one kind share (0 for prompts of two kinds): a binary
+    search over slices, each comparison at C speed."""
+    if a is None or type(a) is not type(b):
+        return 0
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class Ticket:
@@ -75,6 +109,7 @@ class _Waiter:
     future: asyncio.Future
     want: int | None
     key: str | None
+    prompt: str | tuple[int, ...] | None = None  # a keyless request's prompt (keyless_prompt)
 
 
 class Placement:
@@ -112,11 +147,13 @@ class Placement:
         """Wait for one slot's FIFO (the configured slot by default)."""
         return await self._take(_Waiter(asyncio.get_running_loop().create_future(), self.slot(slot_id).id, None))
 
-    async def place(self, key: str | None) -> Ticket:
-        """Choose the slot for a request of conversation `key` and wait for its FIFO."""
+    async def place(self, key: str | None, prompt: str | tuple[int, ...] | None = None) -> Ticket:
+        """Choose the slot for a request of conversation `key` and wait for its FIFO. prompt:
+        a keyless request's prompt (keyless_prompt), for the slot that shares the most of it."""
         if len(self.slots) <= 1:
             return await self.admit()
-        return await self._take(_Waiter(asyncio.get_running_loop().create_future(), None, key))
+        like = prompt if key is None else None
+        return await self._take(_Waiter(asyncio.get_running_loop().create_future(), None, key, like))
 
     async def admit_all(self) -> list[Ticket]:
         """Every slot's FIFO, in slot order. For a request the engine places itself (embeddings
@@ -172,6 +209,7 @@ class Placement:
             self._waiters.remove(w)
             ticket = Ticket(self, s)
             s.owner, s.placing, s.last_used = ticket, w.key, time.monotonic()
+            s.keyless_prompt = w.prompt  # whatever else takes the slot replaces what it holds
             w.future.set_result(ticket)
 
     def _choose(self, w: _Waiter) -> Slot | None:
@@ -185,6 +223,10 @@ class Placement:
         free = [s for s in self.slots.values() if not s.busy]
         if not free:
             return None
+        if w.prompt is not None:
+            alike = max(free, key=lambda s: (shared_length(s.keyless_prompt, w.prompt), s.last_used))
+            if shared_length(alike.keyless_prompt, w.prompt) * 10 > len(w.prompt):
+                return alike
         min_tokens = self._min_tokens()
 
         def worth_keeping(s: Slot) -> bool:

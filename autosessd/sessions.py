@@ -204,8 +204,8 @@ class Sessions:
     async def admit(self, slot_id: int | None = None) -> Ticket:
         return await self.placement.admit(slot_id)
 
-    async def place(self, key: str | None) -> Ticket:
-        return await self.placement.place(key)
+    async def place(self, key: str | None, prompt: str | tuple[int, ...] | None = None) -> Ticket:
+        return await self.placement.place(key, prompt)
 
     async def admit_all(self) -> list[Ticket]:
         return await self.placement.admit_all()

@@ -218,6 +218,22 @@ async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_fir
         await s.sent(t, bound_s=0)
 
 
+async def test_a_request_without_a_key_pinned_to_an_emptied_slot_gets_the_primer_too(tmp_path):
+    """A raw /completion prompt has no conversation key, but the engine's RAM cache may hold it
+    as well as any (llama.cpp's test_kv_keep_only_active.py::test_clear_and_restore, through
+    the gate): pinned to the slot the engine emptied, without the primer it never looks."""
+    s = await with_primer(tmp_path)
+    slot_x, _ = await request(s, None, 5)
+    slot_y, _ = await request(s, B, 5)  # empties the keyless prompt's slot
+    assert slot_x != slot_y and s.engine.held[slot_x] == []
+    primed = s.counters.primed
+    async with await s.place(None) as t:
+        await s.turn(t, None)
+        await s.before_send(t)
+        assert t.slot_id == slot_x and s.engine.held[slot_x] == [ord("\n")] and s.counters.primed == primed + 1
+        await s.sent(t, bound_s=0)
+
+
 async def test_a_start_that_may_find_its_conversation_in_the_engine_goes_alone(tmp_path):
     """A start between another's priming (or its look at a slot holding its conversation) and
     its request would empty that slot again; a new conversation's start need not wait."""
@@ -581,3 +597,30 @@ def test_the_mode_is_read_from_the_kv_layout_and_the_engines_command_line():
     assert empties_idle_slots(4, unified, (exe + ["--cache-idle-slots"],
                                            {"LLAMA_ARG_CACHE_IDLE_SLOTS": "0"}))[0] is True
     assert empties_idle_slots(4, unified, (exe + ["--cache-ram", "512"], {"LLAMA_ARG_CACHE_RAM": "0"}))[0] is True
+
+
+async def test_a_growing_keyless_prompt_goes_back_to_the_slot_that_holds_its_start(tmp_path):
+    """A text-completion client sends its whole chat as one prompt, longer each turn, with no
+    conversation key: placed on the least recently used slot, every other turn landed on the
+    slot that did not hold it and read it all again. Like llama-server's own choice by prompt
+    similarity, it goes to the slot whose last keyless prompt shares more than a tenth of it."""
+    from autosessd.placement import keyless_prompt, shared_length
+
+    s = make(tmp_path, n_slots=3)
+    chat = "A long story about a knight. " * 50
+    slots = []
+    for turn in range(4):
+        chat += f"Turn {turn}: and then? "
+        async with await s.place(None, keyless_prompt({"prompt": chat})) as t:
+            slots.append(t.slot_id)
+    assert len(set(slots)) == 1
+    async with await s.place(None, keyless_prompt({"prompt": "Something else entirely."})) as t:
+        assert t.slot_id != slots[0]  # shares nothing: the least recently used slot
+    async with await s.place(None, keyless_prompt({"prompt": [1, 2, 3, 4]})) as t:
+        tokens_slot = t.slot_id
+    async with await s.place(None, keyless_prompt({"prompt": [1, 2, 3, 4, 5, 6]})) as t:
+        assert t.slot_id == tokens_slot
+    async with await s.place(A) as t:  # a conversation takes a slot: its keyless prompt is gone
+        assert s.slots[t.slot_id].keyless_prompt is None
+    assert shared_length("abcdef", "abcxyz") == 3 and shared_length((1, 2), "12") == 0
+    assert keyless_prompt({"prompt": ["a", "b"]}) is None and keyless_prompt({"messages": []}) is None

@@ -114,6 +114,28 @@ def test_the_start_leaves_no_task_in_the_engines_slots_and_names_its_mode(
         d.stop()
 
 
+def test_a_request_of_several_tasks_runs_where_the_engine_puts_them(engines, session_dir, tmp_path):
+    """A batch of prompts, or n_cmpl > 1, runs as several tasks on slots of the engine's
+    choosing. Pinned to one slot they ran there one after another, each reusing the one before,
+    and the two answers of one prompt differed (llama.cpp's test_completion_with_tokens_input,
+    through the gate). Run unplaced, they answer as the engine alone does, and a conversation
+    whose slot they took is restored, not trusted, on its next request."""
+    eng = engines(session_dir, slots=2, extra=["--temp", "0"])
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        tokens = eng.post("/tokenize", {"content": "I believe the meaning of life is", "add_special": True})["tokens"]
+        a = post(d.gate_url, CONVS[0])
+        eng.post("/completion", {"prompt": tokens, "n_predict": 32}, base=d.gate_url)
+        batch = eng.post("/completion", {"prompt": [tokens, tokens], "n_predict": 32}, base=d.gate_url)
+        assert len(batch) == 2 and batch[0]["content"] == batch[1]["content"]
+        twice = eng.post("/completion", {"prompt": tokens, "n_predict": 32, "n_cmpl": 2}, base=d.gate_url)
+        assert len(twice) == 2 and twice[0]["content"] == twice[1]["content"]
+        back = post(d.gate_url, going_on(CONVS[0], a))
+        assert back["timings"]["cache_n"] >= 0.9 * a["usage"]["prompt_tokens"], back["timings"]
+    finally:
+        d.stop()
+
+
 def test_two_conversations_run_at_the_same_time(engines, session_dir, tmp_path):
     eng = engines(session_dir, slots=4)
     d = Daemon(tmp_path, session_dir, eng.url).start()
