@@ -32,6 +32,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from ..upstream import Upstream
+from . import http1
 from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, PrefillResult,
                    RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
@@ -51,6 +52,9 @@ class LlamaServer:
         self.timeout_s = timeout_s
         self._own_pool = pool is None
         self.pool = pool if pool is not None else Upstream(self.url, timeout_s)
+        # The adapter's own short JSON calls go on a lean HTTP/1.1 client (http1.py: a
+        # fraction of aiohttp's cost a call, and every turn makes some); https on aiohttp.
+        self.lean = http1.Client(self.url) if self.url.startswith("http://") else None
         # The pool does not decompress (the gate passes bodies through as they are): ask
         # for none. The key is sent per call, never as the pool's default (the gate's
         # clients bring their own).
@@ -61,11 +65,19 @@ class LlamaServer:
     async def close(self) -> None:
         if self._own_pool:
             await self.pool.close()
+            if self.lean is not None:
+                await self.lean.close()
+
+    def renewed(self) -> None:
+        """The engine restarted: its kept-alive connections are gone."""
+        if self.lean is not None:
+            self.lean.drop()
 
     def for_model(self, model: str) -> "LlamaServer":
         """The adapter of one model behind the same router, on the same pool."""
         other = LlamaServer(self.url, self.api_key, self.timeout_s, self.pool, model)
         other._own_pool = False
+        other.lean = self.lean
         return other
 
     def _route(self, method: str, path: str, body: Any) -> tuple[str, Any]:
@@ -78,6 +90,9 @@ class LlamaServer:
 
     async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         path, body = self._route(method, path, body)
+        if self.lean is not None:
+            status, text = await self._lean_call(method, path, body, timeout_s or self.timeout_s)
+            return self._answer(method, path, status, text)
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             # The pool sends once more on fresh connections when a kept-alive one was closed
@@ -93,6 +108,23 @@ class LlamaServer:
         except aiohttp.ClientError as e:
             raise EngineUnreachable(f"lost the connection to the engine at {self.url} during {path}: "
                                     f"{e or type(e).__name__}") from None
+        return self._answer(method, path, status, text)
+
+    async def _lean_call(self, method: str, path: str, body: Any, timeout_s: float) -> tuple[int, str]:
+        assert self.lean is not None
+        data = json.dumps(body).encode() if body is not None else None
+        try:
+            status, raw = await self.lean.request(method, path, data, self._headers, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineTimeout(f"the engine at {self.url} did not answer {method} {path} "
+                                f"within {timeout_s:g} s") from None
+        except http1.HTTPError as e:
+            if e.connect:
+                raise EngineUnreachable(f"cannot reach the engine at {self.url}: {e}") from None
+            raise EngineUnreachable(f"lost the connection to the engine at {self.url} during {path}: {e}") from None
+        return status, raw.decode("utf-8", errors="replace")
+
+    def _answer(self, method: str, path: str, status: int, text: str) -> Any:
         try:
             data = json.loads(text) if text else None
         except ValueError:
