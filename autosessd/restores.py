@@ -32,7 +32,7 @@ from .policy import Occasion
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot
 from .observe import SLEPT, UNLOADED
-from .store import AUTO_BIN, auto_name
+from .store import AUTO_BIN, NEEDS_READ, auto_name
 
 if TYPE_CHECKING:
     from .context import Context
@@ -133,11 +133,15 @@ class Restorer:
         loop = asyncio.get_running_loop()
         seen = files.regular_ident(ctx.store.path / name)
         n_blocks = (2 if ctx.swa_window else 1) if ctx.engine.magic == slotfile.MAGIC_BYTES else None
-        why = await loop.run_in_executor(None, ctx.store.check_whole, name, n_blocks)
+        # A file unchanged since it was saved or last checked: a few lstats, here on the loop
+        # (a thread's round trip costs more than they do); one to read: in a thread.
+        why = ctx.store.check_whole(name, n_blocks, stat_only=True)
+        if why is NEEDS_READ:
+            why = await loop.run_in_executor(None, ctx.store.check_whole, name, n_blocks)
         bad = why is not None
         if not bad and ctx.n_ctx is not None:
             entry = ctx.index.get(name) if ctx.index is not None else None
-            meta = self.saver.meta_of(name)
+            meta = self.saver.meta_of(name) if entry is None else None
             n = entry.n_tokens if entry is not None else meta.n_tokens if meta is not None else None
             if n is not None and n > ctx.n_ctx:
                 why = f"{name} holds {n:,} tokens, more than the engine's context of {ctx.n_ctx:,} per slot"

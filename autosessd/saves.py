@@ -72,9 +72,10 @@ class Saver:
         return FileInfo(meta.n_tokens, meta.model, slotfile.KVLayout.from_fingerprint(meta.layout) if meta.layout
                         else None)
 
-    def loadable(self, name: str) -> bool:
-        """Whether this engine can load the file, by the KV layout its metadata records."""
-        meta = self.meta_of(name)
+    def loadable(self, name: str, meta: Meta | None = None) -> bool:
+        """Whether this engine can load the file, by the KV layout its metadata records (meta:
+        the file's, when the caller read it already)."""
+        meta = meta or self.meta_of(name)
         layout = slotfile.KVLayout.from_fingerprint(meta.layout) if meta is not None and meta.layout else None
         return layout is None or self.ctx.engine_layout is None or layout.compatible(self.ctx.engine_layout)
 

@@ -21,6 +21,7 @@ files.open_regular opens them: never through a link, never blocking on a FIFO.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,12 @@ class KVLayout:
 
     @classmethod
     def from_fingerprint(cls, text: str) -> "KVLayout | None":
-        """fingerprint() read back; None for anything else (metadata written by hand, or older)."""
+        """fingerprint() read back; None for anything else (metadata written by hand, or older).
+        Cached: every turn that restores asks it of the file's metadata."""
+        return _layout_of(cls, text) if isinstance(text, str) else None
+
+    @classmethod
+    def _parse(cls, text: str) -> "KVLayout | None":
         try:
             parts = dict((p[0], int(p[1:])) for p in text.split("-"))
             if set(parts) == {"s"}:
@@ -263,3 +269,8 @@ def state_end(path: str | Path, n_blocks: int) -> int | None:
             except (EOFError, struct.error):
                 return size + 1  # a field the state needs is past the end: short
         return f.tell()
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(cls: type, text: str) -> KVLayout | None:
+    return cls._parse(text)

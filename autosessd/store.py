@@ -65,6 +65,8 @@ from .names import (AUTO_BIN, AUTO_META, MANUAL_NAME, QUARANTINE, TEMP_PREFIX, I
 
 log = logging.getLogger("autosessd")
 
+NEEDS_READ = "the file must be read to be checked"  # Store.check_whole(stat_only=True): not decided
+
 # Headroom kept free on the disk beyond the estimated size of a save.
 FREE_MARGIN = 64 * 1024 * 1024
 
@@ -384,11 +386,11 @@ class Store:
         or a huge file under the name is refused, never waited on), and cached by the
         metadata file's identity: a turn on the loop costs two lstats."""
         try:
-            size = os.lstat(self.bin_path(key)).st_size if files.regular_ident(self.bin_path(key)) else None
-            meta = self._meta_at(self.meta_path(key)) if size is not None else None
+            ident = files.regular_ident(self.bin_path(key))
+            meta = self._meta_at(self.meta_path(key)) if ident is not None else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if meta is None or meta.key != key or meta.bytes != size:
+        if meta is None or ident is None or meta.key != key or meta.bytes != ident.size:
             return None
         return meta
 
@@ -405,30 +407,36 @@ class Store:
             self._meta_cache[path.name] = (ident, meta)
         return meta
 
-    def check_whole(self, name: str, n_blocks: int | None = None) -> str | None:
+    def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False) -> str | None:
         """None when `name` may be handed to the engine: the file it was when saved or
         downloaded. Otherwise why not (the caller quarantines it). Auto files: a regular
         file whose size is its metadata's, and whose digest is checked again when its
         identity changed since the last check (blocking then: seconds for a multi-GB file,
         run it in a thread). People's files, and auto files from before digests: a regular
         file, not shorter than its own KV fields say (slotfile.state_end, with n_blocks KV
-        caches: 2 for a sliding-window model; None: not looked at)."""
+        caches: 2 for a sliding-window model; None: not looked at).
+
+        stat_only: decide only what a few lstats and the cached metadata decide (the common
+        case: a file unchanged since it was saved or last checked), fast enough for the event
+        loop; → NEEDS_READ when the file itself must be read (a digest, a person's file)."""
         path = self.path / name
         ident = files.regular_ident(path)
         if ident is None:
             return f"{name} is missing or not a regular file (a link, a FIFO?)"
         m = AUTO_BIN.match(name)
         if not m:
-            return self._short(path, ident, n_blocks)
-        meta = self._meta_at(self.meta_path(m.group(1))) if files.regular_ident(self.meta_path(m.group(1))) else None
+            return NEEDS_READ if stat_only and n_blocks is not None else self._short(path, ident, n_blocks)
+        meta = self._meta_at(self.meta_path(m.group(1)))
         if meta is None or meta.key != m.group(1):
             return f"{name} has no valid metadata"
         if ident.size != meta.bytes:
             return f"{name} has {ident.size:,} bytes, {meta.bytes:,} were saved"
         if meta.digest is None:
-            return self._short(path, ident, n_blocks)
+            return NEEDS_READ if stat_only and n_blocks is not None else self._short(path, ident, n_blocks)
         if meta.ident == ident or self._checked.get(name) == (ident, meta.digest):
             return None
+        if stat_only:
+            return NEEDS_READ
         digest, now = files.digest_file(path)
         if digest != meta.digest:
             return f"{name}'s digest is {digest}, {meta.digest} was saved: its bytes changed"

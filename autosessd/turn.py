@@ -86,7 +86,7 @@ class Turn:
         if key is not None and ctx.cfg.auto_sessions:
             ctx.counters.turns += 1
         try:
-            if ctx.cfg.auto_sessions and await self.observer.observe(s, result):
+            if ctx.cfg.auto_sessions and (self._look_needless(s, key) or await self.observer.observe(s, result)):
                 carry = await self._turn(s, key, result, body)
         except asyncio.CancelledError:
             raise
@@ -110,6 +110,25 @@ class Turn:
             if carry is not None and carry.unknown_prompt and body is not None and self.ctx.index is not None:
                 self._learn_prompt(s, key, body)
         return result
+
+    def _look_needless(self, s: Slot, key: str | None) -> bool:
+        """A switch that saves nothing needs no look at the engine's slot first (a GET /slots
+        on every return, a millisecond or more). The look can only show that the slot holds
+        other than its view says — a request that bypassed autosessd, the engine having
+        emptied it — and the switch keeps nothing of it either way: a restore replaces it
+        (llama-server runs it after a request running there), and the next cache_n verifies
+        the restore as always. Not where the view itself may be out of date (a request the
+        hook let through, whose end nobody reports), nor on an engine that empties idle
+        slots (the launch gate works from the look)."""
+        v = s.view
+        if key is None or v.phase not in (Phase.HELD, Phase.RESTORED) or self.observer.launch.active:
+            return False
+        held = v.conversation()
+        if held is None or held.key == key:
+            return False  # the same conversation's turn looks: an emptied slot is restored then
+        step = policy.plan_save(held, Occasion.SWITCH, self.ctx.min_tokens, self.saver.held_info(v), self.ctx.model,
+                                key)
+        return isinstance(step, Skip)
 
     def close(self) -> None:
         for task in list(self._learning):
@@ -228,14 +247,14 @@ class Turn:
         name, n, shared = pick
         self._known_by_messages(result)
         step = policy.plan_restore_by_tokens(held, key, outcome, (name, n), shared, ctx.min_tokens)
-        if isinstance(step, RestoreFile) and not self.saver.loadable(step.name):
+        meta = self.saver.meta_of(name) if isinstance(step, RestoreFile) else None
+        if isinstance(step, RestoreFile) and not self.saver.loadable(step.name, meta):
             step = Skip("restore", key, policy.LAYOUT_MISMATCH)
         own = None
         if isinstance(step, RestoreFile):
             entry = ctx.index.get(name)
             if await self.restorer.restore(s, key, result, name, expect=n,
                                            tokens=entry.tokens if entry is not None else None):
-                meta = self.saver.meta_of(name)
                 own = name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, name, n, shared, "messages", meta)

@@ -412,3 +412,26 @@ def test_a_crash_between_install_s_renames_leaves_no_save_a_reader_takes(tmp_pat
     assert sorted(s2.cleanup()) == sorted([f"auto-{K[0]}.bin (no valid metadata (interrupted save))",
                                            f".autosessd-{K[0]}.0000ffff.install.json.partial (leftover temporary)"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_unchanged_since_its_save_is_checked_by_stats_alone_and_a_changed_one_is_read(tmp_path):
+    """Issue 23: the restore's check runs on the event loop when a few lstats decide it (a
+    thread's round trip cost more than the check); a file whose identity changed needs its
+    digest, read in a thread, and a flipped byte is still caught there."""
+    from autosessd.store import NEEDS_READ
+
+    s = Store(tmp_path)
+    save(s, "a" * 16)
+    name = auto_name("a" * 16)
+    assert s.check_whole(name, 1, stat_only=True) is None
+    os.chmod(tmp_path / name, 0o600)  # the ctime moves: the identity changed, the bytes did not
+    assert s.check_whole(name, 1, stat_only=True) is NEEDS_READ
+    assert s.check_whole(name, 1) is None
+    assert s.check_whole(name, 1, stat_only=True) is None  # checked once: stats again from now on
+    with open(tmp_path / name, "r+b") as f:
+        f.seek(50)
+        byte = f.read(1)
+        f.seek(50)
+        f.write(bytes([byte[0] ^ 1]))
+    assert s.check_whole(name, 1, stat_only=True) is NEEDS_READ
+    assert "digest" in s.check_whole(name, 1)
