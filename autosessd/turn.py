@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import policy
-from .engines.base import EngineError
+from .engines.base import EngineError, EngineLacks
 from .index import common_prefix, encode
 from .keys import chat_signature, continues
 from .policy import Held, Occasion, Restore, RestoreFile, SaveOutcome, Skip
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from .saves import Saver
 
 log = logging.getLogger("autosessd")
+
+NO_TOKENS_S = 600.0  # an engine that has no endpoint for a request's tokens is asked again after this
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Turn:
         self.fetcher = fetcher
         self.recall = Recall(ctx, fetcher)
         self._learning: set[asyncio.Task] = set()  # _learn_prompt's, held until done
+        self._no_tokens_until = 0.0  # the engine lacks /apply-template or /tokenize: not asked until then
 
     async def run(self, s: Slot, key: str | None, sees_end: bool, body: dict[str, Any] | None) -> TurnResult:
         """The turn on slot s (its ticket held). sees_end=False (turn hook): its end will not
@@ -368,7 +371,7 @@ class Turn:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither
         waits for the slot), or None: the key rule decides then."""
         chat = self.ctx.chat
-        if chat is None or body is None:
+        if chat is None or body is None or time.monotonic() < self._no_tokens_until:
             return None
         self.ctx.counters.tokenized += 1
         result.tokens_from = "engine"
@@ -377,6 +380,15 @@ class Turn:
             if not tokens:
                 raise ValueError("no tokens")
             return encode(tokens)
+        except EngineLacks as e:
+            # An engine without /apply-template or /tokenize: not asked on every turn (a round
+            # trip each), only again after a while (it may have been replaced meanwhile).
+            self._no_tokens_until = time.monotonic() + NO_TOKENS_S
+            self.ctx.counters.tokenize_failures += 1
+            log.info("auto sessions: the engine cannot give a request's tokens (%s): the key rule decides what "
+                     "to restore; asked again in %.0f min", e, NO_TOKENS_S / 60)
+            result.skipped.append(f"tokens: {e}")
+            return None
         except (EngineError, ValueError) as e:
             self.ctx.counters.tokenize_failures += 1
             log.info("auto sessions: no tokens for the request (%s): its key decides what to restore", e)

@@ -379,3 +379,28 @@ async def test_a_file_removed_by_hand_is_forgotten_and_the_next_best_restored(tm
     turn, cache_n, n_prompt = await chat(s2, d)
     assert turn.restored["file"] == pname and cache_n == len(head)
     assert s2.counters.restores_refused == 0 and s2.index.get(cname) is None
+
+
+async def test_an_engine_without_a_template_endpoint_is_not_asked_for_tokens_on_every_turn(tmp_path):
+    """An engine that answers 404 to /apply-template (another server, an older build, the
+    fakes) cannot tell a request's tokens: the key rule decides, and it is asked again only
+    after a while, not in a round trip on every turn (the bench's switch at 1 GB spent its
+    milliseconds there)."""
+    from autosessd.engines.base import EngineLacks
+
+    asked = []
+
+    class NoTemplate(StubEngine):
+        async def apply_template(self, body, timeout_s=None):
+            asked.append(1)
+            raise EngineLacks("POST /apply-template answered 404: File Not Found")
+
+    s = await make(tmp_path, engine=NoTemplate(tmp_path / "sessions"))
+    asked.clear()  # the start's check of the template asked once
+    a = body(("user", LONG_1))
+    b = body(("user", LONG_2))
+    await chat(s, a)
+    await chat(s, b)  # saves A by its key
+    back, _, _ = await chat(s, body(("user", LONG_1), ("assistant", "Aye."), ("user", "And then?")))
+    assert len(asked) == 1 and back.restored is not None and back.restored["chosen_by"] == "key"
+    assert s.counters.tokenize_failures == 1

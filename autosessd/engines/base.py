@@ -80,6 +80,10 @@ class EngineRefused(EngineError):
     """The engine answered with an error (400, 500, ERR ...)."""
 
 
+class EngineLacks(EngineRefused):
+    """The engine has no such endpoint (404 or 501): asking again will not help."""
+
+
 class EngineBadAnswer(EngineError):
     """The engine answered something that is not what its protocol promises."""
 

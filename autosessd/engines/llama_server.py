@@ -33,7 +33,7 @@ import aiohttp
 
 from ..upstream import Upstream
 from . import http1
-from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, PrefillResult,
+from .base import (EngineBadAnswer, EngineInfo, EngineLacks, EngineRefused, EngineTimeout, EngineUnreachable, PrefillResult,
                    RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
 
@@ -136,6 +136,8 @@ class LlamaServer:
                                 f"--slot-save-path <dir> (the directory autosessd manages)")
         if status == 401:
             raise EngineRefused(f"the engine at {self.url} wants an API key: set engine.api_key")
+        if status in (404, 501):
+            raise EngineLacks(f"{method} {path} answered {status}: {_error_message(data, text)}")
         if status >= 400:
             raise EngineRefused(f"{method} {path} answered {status}: {_error_message(data, text)}")
         if data is None:
