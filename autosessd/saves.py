@@ -368,6 +368,8 @@ class Saver:
         if exc is None and not fut.cancelled() and auto and remote is not None:
             meta = fut.result()
             remote.upload_later(store.bin_path(meta.key), meta)
+        if exc is None and not fut.cancelled():
+            self.ctx.events.emit("finalized", key=key, file=final)  # durable: fsynced, renamed, its metadata
         if exc is None and not fut.cancelled() and saved is not None:
             for hook in self.after_final:
                 try:
