@@ -427,15 +427,30 @@ class Gate:
         are saved first, and afterwards the slot it ran on (its task id moved) holds nothing
         we can name."""
         tickets = await s.admit_all()
+        # The saves run under the tickets to their end, whether the client stays or not; a
+        # failure among them never fails the request.
+        saves = asyncio.ensure_future(self._save_before_unplaced(s, tickets))
+        forwarded = False
         try:
-            await asyncio.shield(s.commands.save_before_unplaced(tickets))
+            await asyncio.shield(saves)
+            forwarded = True
             return await self.proxy(request, body, early=ka)
         finally:
-            await asyncio.shield(self._spawn(self._after_unplaced(s, tickets)))
+            await asyncio.shield(self._spawn(self._after_unplaced(s, tickets, saves, forwarded)))
 
-    async def _after_unplaced(self, s: Sessions, tickets: list[Ticket]) -> None:
+    @staticmethod
+    async def _save_before_unplaced(s: Sessions, tickets: list[Ticket]) -> None:
         try:
-            await s.ran_unplaced(tickets)
+            await s.save_before_unplaced(tickets)
+        except Exception as e:
+            log.exception("gate: saving before an unplaced request: %s", e)
+
+    async def _after_unplaced(self, s: Sessions, tickets: list[Ticket], saves: asyncio.Future,
+                              forwarded: bool) -> None:
+        try:
+            await asyncio.shield(saves)  # the tickets outlive the saves made under them
+            if forwarded:
+                await s.ran_unplaced(tickets)
         except Exception as e:
             log.exception("gate: bookkeeping after an unplaced request: %s", e)
         finally:

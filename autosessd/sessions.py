@@ -204,7 +204,7 @@ class Sessions:
     async def admit(self, slot_id: int | None = None) -> Ticket:
         return await self.placement.admit(slot_id)
 
-    async def place(self, key: str | None, prompt: str | tuple[int, ...] | None = None) -> Ticket:
+    async def place(self, key: str | None, prompt: str | bytes | None = None) -> Ticket:
         return await self.placement.place(key, prompt)
 
     async def admit_all(self) -> list[Ticket]:
@@ -295,12 +295,14 @@ class Sessions:
         """Someone else replaced what the ticket's slot holds (a client's own slot action)."""
         self.observer.lost(self.placement.slot_of(ticket), why)
 
+    async def save_before_unplaced(self, tickets: list[Ticket]) -> int:
+        return await self.commands.save_before_unplaced(tickets)
+
     async def ran_unplaced(self, tickets: list[Ticket]) -> None:
         await self.observer.ran_unplaced([self.placement.slot_of(t) for t in tickets])
 
     def prefill_seen(self, n_tokens: int | None, ms: float | None, cache_n: int | None = None) -> None:
-        """A response read n_tokens of prompt after cache_n in ms: the engine's prompt rate, which
-        prices what restores spared (savings.py) and the bucket's download estimate weighs against."""
+        """A response read n_tokens of prompt after cache_n in ms: the engine's prompt rate (savings.py, remote.py)."""
         self.ctx.savings.saw_read(cache_n, n_tokens, ms)
         if self.remote is not None:
             self.remote.saw_prefill(n_tokens, ms)
