@@ -113,3 +113,23 @@ async def test_a_refusal_is_read_as_the_aiohttp_path_reads_it():
     finally:
         await engine.close()
         server.close()
+
+
+async def test_after_a_restart_every_kept_connection_is_dropped_and_a_204_has_no_body():
+    """Two kept-alive connections, both dead after the engine restarted: the retry goes on a
+    new connection, not on the second dead one. A 204 carries no body whatever it says."""
+    no_content = b"HTTP/1.1 204 No Content\r\n\r\n"
+    server, url, conns = await serve([ok(b"1"), ok(b"2"), None, ok(b"3"), no_content, ok(b"4")])
+    c = http1.Client(url)
+    try:
+        first = asyncio.ensure_future(c.request("GET", "/a", None, {}, 5))
+        second = asyncio.ensure_future(c.request("GET", "/a", None, {}, 5))
+        assert sorted([(await first)[1], (await second)[1]]) == [b"1", b"2"]
+        assert len(c._idle) == 2
+        assert await c.request("GET", "/a", None, {}, 5) == (200, b"3")  # the server closed one: a new one
+        assert len(conns) == 3
+        assert await c.request("GET", "/b", None, {}, 5) == (204, b"")
+        assert await c.request("GET", "/a", None, {}, 5) == (200, b"4")  # kept alive after the 204
+    finally:
+        await c.close()
+        server.close()

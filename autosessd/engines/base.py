@@ -81,7 +81,7 @@ class EngineRefused(EngineError):
 
 
 class EngineLacks(EngineRefused):
-    """The engine has no such endpoint (404 or 501): asking again will not help."""
+    """The engine has no such endpoint (a 404 "Not Found"): asking again will not help."""
 
 
 class EngineBadAnswer(EngineError):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import time
 from urllib.parse import urlsplit
 
 MAX_HEADER = 64 * 1024  # bytes of a response's status line and headers
@@ -25,6 +27,7 @@ MAX_BODY = 256 * 1024 * 1024  # a body beyond this is refused (GET /slots of tho
 # (max(n_parallel + 4, cores - 1) of them; it closes a connection idle for 5 s): the turn's
 # calls run one at a time, a save behind or a /tokenize may overlap one.
 IDLE_KEPT = 2
+IDLE_MAX_S = 4.0  # a connection idle this long is not reused (llama-server closes them at 5 s)
 _timeout = getattr(asyncio, "timeout", None)  # 3.11+
 
 
@@ -39,6 +42,7 @@ class HTTPError(Exception):
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        self.idle_since = time.monotonic()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -73,8 +77,10 @@ class Client:
             lines.append("Content-Length: 0")
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
         for attempt in (1, 2):
-            reused = bool(self._idle)
-            conn = self._idle.pop() if reused else await self._connect()
+            conn = self._kept() if attempt == 1 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()  # the second try always on a new connection
             answered = False
             try:
                 conn.writer.write(data)
@@ -84,17 +90,29 @@ class Client:
             except (ConnectionError, OSError, asyncio.IncompleteReadError, EOFError) as e:
                 conn.close()
                 if reused and not answered and attempt == 1:
+                    self.drop()  # the others went the same way (an engine restart): new ones
                     continue  # a kept-alive connection closed under us: the server never saw it
                 raise HTTPError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
             except BaseException:  # a timeout, a cancellation, a malformed answer: never reuse it
                 conn.close()
                 raise
             if keep and len(self._idle) < IDLE_KEPT:
+                conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             else:
                 conn.close()
             return status, payload
         raise AssertionError("unreachable")
+
+    def _kept(self) -> _Conn | None:
+        """A kept-alive connection still worth trying: not closed by the server (at EOF), and
+        idle for less than the server's own keep-alive timeout (llama-server's: 5 s)."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.reader.at_eof() and time.monotonic() - conn.idle_since < IDLE_MAX_S:
+                return conn
+            conn.close()
+        return None
 
     async def _connect(self) -> _Conn:
         try:
@@ -116,8 +134,11 @@ class Client:
             raise
         head = raw.decode("latin-1").split("\r\n")
         parts = head[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not re.fullmatch(r"[1-5][0-9][0-9]", parts[1]):
             raise HTTPError(f"not an HTTP/1 response: {head[0][:80]!r}")
+        status = int(parts[1])
+        if 100 <= status < 200:
+            return await Client._head(reader)  # an interim answer (100 Continue): the real one follows
         fields: dict[str, str] = {}
         for line in head[1:]:
             name, _, value = line.partition(":")
@@ -134,9 +155,11 @@ class Client:
                 raise HTTPError(f"Content-Length {fields['content-length']!r}") from None
             if not 0 <= n <= MAX_BODY:
                 raise HTTPError(f"a body of {n:,} bytes")
+        if status in (204, 304):
+            n, chunked = 0, False  # no body, whatever the headers say (RFC 9112 6.3)
         if n is None and not chunked:
             keep = False  # read to the end: the server closes
-        return int(parts[1]), keep, n, chunked, True
+        return status, keep, n, chunked, True
 
     @staticmethod
     async def _body(reader: asyncio.StreamReader, n: int | None, chunked: bool) -> bytes:
@@ -151,7 +174,10 @@ class Client:
             return bytes(out)
         out = bytearray()
         while True:
-            size_line = await reader.readuntil(b"\r\n")
+            try:
+                size_line = await reader.readuntil(b"\r\n")
+            except asyncio.LimitOverrunError:
+                raise HTTPError("a chunk-size line beyond the bound") from None
             try:
                 size = int(size_line.split(b";", 1)[0].strip(), 16)
             except ValueError:

@@ -55,6 +55,7 @@ class LlamaServer:
         # The adapter's own short JSON calls go on a lean HTTP/1.1 client (http1.py: a
         # fraction of aiohttp's cost a call, and every turn makes some); https on aiohttp.
         self.lean = http1.Client(self.url) if self.url.startswith("http://") else None
+        self._own_lean = True  # for_model's adapters share it
         # The pool does not decompress (the gate passes bodies through as they are): ask
         # for none. The key is sent per call, never as the pool's default (the gate's
         # clients bring their own).
@@ -65,19 +66,14 @@ class LlamaServer:
     async def close(self) -> None:
         if self._own_pool:
             await self.pool.close()
-            if self.lean is not None:
-                await self.lean.close()
-
-    def renewed(self) -> None:
-        """The engine restarted: its kept-alive connections are gone."""
-        if self.lean is not None:
-            self.lean.drop()
+        if self.lean is not None and self._own_lean:
+            await self.lean.close()
 
     def for_model(self, model: str) -> "LlamaServer":
         """The adapter of one model behind the same router, on the same pool."""
         other = LlamaServer(self.url, self.api_key, self.timeout_s, self.pool, model)
         other._own_pool = False
-        other.lean = self.lean
+        other.lean, other._own_lean = self.lean, False
         return other
 
     def _route(self, method: str, path: str, body: Any) -> tuple[str, Any]:
@@ -136,7 +132,9 @@ class LlamaServer:
                                 f"--slot-save-path <dir> (the directory autosessd manages)")
         if status == 401:
             raise EngineRefused(f"the engine at {self.url} wants an API key: set engine.api_key")
-        if status in (404, 501):
+        if status == 404 and "not found" in _error_message(data, text).lower():
+            # A route the engine does not have (llama-server: "File Not Found"). Not a 501: that
+            # is llama-server's "not supported" for one request's content.
             raise EngineLacks(f"{method} {path} answered {status}: {_error_message(data, text)}")
         if status >= 400:
             raise EngineRefused(f"{method} {path} answered {status}: {_error_message(data, text)}")
