@@ -88,9 +88,11 @@ class Turn:
         carry: Carry | None = None
         if key is not None and ctx.cfg.auto_sessions:
             ctx.counters.turns += 1
+        sig = chat_signature(body) if key is not None and body is not None else None
         try:
-            if ctx.cfg.auto_sessions and (self._look_needless(s, key) or await self.observer.observe(s, result)):
-                carry = await self._turn(s, key, result, body)
+            if ctx.cfg.auto_sessions and (self._look_needless(s, key, sig, body) or
+                                          await self.observer.observe(s, result)):
+                carry = await self._turn(s, key, result, body, sig)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug must not fail the request either
@@ -114,7 +116,8 @@ class Turn:
                 self._learn_prompt(s, key, body)
         return result
 
-    def _look_needless(self, s: Slot, key: str | None) -> bool:
+    def _look_needless(self, s: Slot, key: str | None, sig: tuple[str, ...] | None,
+                       body: dict[str, Any] | None) -> bool:
         """A switch that saves nothing needs no look at the engine's slot first (a GET /slots
         on every return, a millisecond or more). The look can only show that the slot holds
         other than its view says — a request that bypassed autosessd, the engine having
@@ -122,9 +125,18 @@ class Turn:
         (llama-server runs it after a request running there), and the next cache_n verifies
         the restore as always. Not where the view itself may be out of date (a request the
         hook let through, whose end nobody reports), nor on an engine that empties idle
-        slots (the launch gate works from the look)."""
+        slots (the launch gate works from the look), nor where what the slot shares with the
+        request counts (the token rule restores a file only for what it adds to the slot's
+        share): when the two may share a long prefix (the same tools, the same first message),
+        the slot is looked at. Known only for chat bodies: other requests look."""
         v = s.view
         if key is None or v.phase not in (Phase.HELD, Phase.RESTORED) or self.observer.launch.active:
+            return False
+        held_sig = v.messages
+        if sig is None or not held_sig or body is None:
+            return False
+        if held_sig[0] == sig[0] and (body.get("tools") or (len(held_sig) > 1 and len(sig) > 1 and
+                                                            held_sig[1] == sig[1])):
             return False
         held = v.conversation()
         if held is None or held.key == key:
@@ -161,10 +173,10 @@ class Turn:
         self._learning.add(task)
         task.add_done_callback(self._learning.discard)
 
-    async def _turn(self, s: Slot, key: str | None, result: TurnResult, body: dict[str, Any] | None) -> Carry | None:
+    async def _turn(self, s: Slot, key: str | None, result: TurnResult, body: dict[str, Any] | None,
+                    sig: tuple[str, ...] | None) -> Carry | None:
         v = s.view
         held = v.conversation()
-        sig = chat_signature(body) if key is not None and body is not None else None
         same = key is not None and held is not None and held.key == key
         if same and (sig is None or continues(v.messages, sig)):
             # The same conversation going on: its count is updated when the request ends. No

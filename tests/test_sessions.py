@@ -275,32 +275,3 @@ async def test_waiting_for_a_finalize_that_just_finished_lets_its_callback_run(t
     await s.saver.settled()
     assert not s.saver._finalizing
 
-
-async def test_a_switch_that_saves_nothing_does_not_look_at_the_engine_first(tmp_path):
-    """Issue 23: a return to a conversation waits for its restore only. When what the slot
-    holds is saved already, or too small to save, the turn's GET /slots (a millisecond or
-    more on each return) is left out; a switch that saves looks first, as it must: the save
-    would capture whatever the engine's slot holds."""
-    s = make(tmp_path)
-    looks = []
-    real = s.engine.slots
-
-    async def counted():
-        looks.append(1)
-        return await real()
-
-    s.engine.slots = counted
-    await request(s, A, 50)
-    async with await s.admit() as t:
-        looks.clear()
-        result = await s.turn(t, C)  # saves A
-        assert result.saved is not None and looks
-        s.engine.ran(conv(C, 5))  # below min_tokens: never saved
-        await s.ended(t, C, "ok")
-    async with await s.admit() as t:
-        looks.clear()
-        result = await s.turn(t, A)
-        assert result.restored is not None and result.saved is None and not looks
-        s.engine.ran(conv(A, 55))
-        await s.ended(t, A, "ok", cache_n=50)
-    assert s.counters.restores_reused == 1

@@ -10,6 +10,8 @@ prefix with what the slot held."""
 import asyncio
 import json
 
+import pytest
+
 from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.branches import branch_key, prefix_key
@@ -404,3 +406,37 @@ async def test_an_engine_without_a_template_endpoint_is_not_asked_for_tokens_on_
     back, _, _ = await chat(s, body(("user", LONG_1), ("assistant", "Aye."), ("user", "And then?")))
     assert len(asked) == 1 and back.restored is not None and back.restored["chosen_by"] == "key"
     assert s.counters.tokenize_failures == 1
+
+
+@pytest.mark.parametrize("system, looks", [(None, False), ("Be a pirate. " * 12, True)])
+async def test_a_switch_that_saves_nothing_looks_at_the_engine_only_where_the_slot_may_share(tmp_path, system,
+                                                                                             looks):
+    """Issue 23: a return waits for its restore only. When what the slot holds is too small to
+    save (or saved already), the turn's GET /slots (a millisecond or more on each return) is
+    left out: the look could only show the slot holding something else, which the restore
+    replaces. Where the slot may share a long prefix with the request (the same system prompt),
+    what it shares decides the restore, so the slot is looked at first."""
+    seen = []
+    s = await make(tmp_path, min_tokens=400)
+    real = s.engine.slots
+
+    async def counted():
+        seen.append(1)
+        return await real()
+
+    s.engine.slots = counted
+    head = [("system", system)] if system else []
+    a = body(*head, ("user", LONG_1 * 2))
+    small = body(*head, ("user", "Hi."))  # below the minimum: never saved
+    await chat(s, a)
+    await chat(s, small)  # saves A (a switch that saves looks first)
+    seen.clear()
+    key = conversation_key(a)
+    back = body(*head, ("user", LONG_1 * 2), ("assistant", "Aye."), ("user", "And then?"))
+    async with await s.admit() as t:
+        turn = await s.turn(t, key, body=back)
+        assert turn.restored is not None and turn.saved is None
+        assert bool(seen) is looks
+        cache_n, n_prompt = s.engine.chat(back, "Aye.")
+        await s.ended(t, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
+    assert s.counters.restores_reused == 1
