@@ -146,13 +146,15 @@ def empties_idle_slots(total_slots: int, layout: KVLayout | None,
     their tasks would stay in a fresh engine's GET /slots ("params", llama.cpp's server test
     test_server_slots), and they would run on slots someone may be about to use."""
     if total_slots <= 1 or layout is None or layout.n_stream != 1:
-        return False, "not a unified KV cache" if layout is not None else "unknown"
+        return False, "not a unified KV cache" if layout is not None else "its state files' KV layout is not known"
     if command is None:
         return True, "a unified KV cache, and --cache-idle-slots with a RAM cache assumed (llama-server's defaults)"
     args, env = command
     idle = _flag(env.get("LLAMA_ARG_CACHE_IDLE_SLOTS"), True)
     ram = _number(env.get("LLAMA_ARG_CACHE_RAM"), 1)
     for i, a in enumerate(args):
+        if a.startswith("--"):
+            a = a.replace("_", "-")  # llama.cpp reads --cache_ram as --cache-ram
         name, eq, value = a.partition("=")
         nxt = value if eq else (args[i + 1] if i + 1 < len(args) else None)
         if a == "--cache-idle-slots":

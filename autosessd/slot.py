@@ -179,7 +179,7 @@ class Slot:
         self.owner: Ticket | None = None
         self.placing: str | None = None
         self.last_used = 0.0
-        self.keyless_prompt: str | tuple[int, ...] | None = None  # the last request's, when it had no key
+        self.keyless_prompt: str | bytes | None = None  # the last request's, when it had no key
         # launch.py: the owner's hold on the engine's starts; its request sent and not yet seen
         # placed; the turn's look (starts before it, another start pending, what it saw); what
         # looks for the placement after the hold ended.

@@ -589,6 +589,7 @@ def test_the_mode_is_read_from_the_kv_layout_and_the_engines_command_line():
     assert empties_idle_slots(4, unified, (exe + ["--no-cache-idle-slots"], {}))[0] is False
     assert empties_idle_slots(4, unified, (exe + ["--cache-ram", "0"], {}))[0] is False
     assert empties_idle_slots(4, unified, (exe + ["-cram", "0"], {}))[0] is False
+    assert empties_idle_slots(4, unified, (exe + ["--no_cache_idle_slots"], {}))[0] is False
     assert empties_idle_slots(4, unified, (exe + ["--cache-ram=0"], {}))[0] is False
     assert empties_idle_slots(4, unified, (exe + ["--cache-ram", "1024"], {}))[0] is True
     # The environment as llama.cpp reads it, the command line after it (it wins).
@@ -622,5 +623,5 @@ async def test_a_growing_keyless_prompt_goes_back_to_the_slot_that_holds_its_sta
         assert t.slot_id == tokens_slot
     async with await s.place(A) as t:  # a conversation takes a slot: its keyless prompt is gone
         assert s.slots[t.slot_id].keyless_prompt is None
-    assert shared_length("abcdef", "abcxyz") == 3 and shared_length((1, 2), "12") == 0
+    assert shared_length("abcdef", "abcxyz") == 3 and shared_length(b"12", "12") == 0
     assert keyless_prompt({"prompt": ["a", "b"]}) is None and keyless_prompt({"messages": []}) is None
