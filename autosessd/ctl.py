@@ -307,6 +307,7 @@ _EVENTS: dict[str, Callable[[dict[str, Any]], str]] = {
         if e.get("spared_tokens") is not None else ""),
     "restore_not_reused": lambda e: f"{e.get('file')}: the engine reused only {tokens(e.get('cache_n'))} of "
                                     f"{tokens(e.get('n_restored'))} tokens (autosessctl doctor says why)",
+    "finalized": lambda e: f"{e.get('file')}: durable (fsynced, renamed, its metadata written)",
     "save_failed": lambda e: f"{e.get('file') or e.get('key')}: {e.get('error')}",
     "restore_failed": lambda e: f"{e.get('file')}: {e.get('error')}",
     "engine_reset": lambda e: f"{e.get('key')} lost: {e.get('why')}",
