@@ -23,9 +23,9 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from . import gguf, slotfile
+from .watch import engine_command
 from .engines.base import EngineError
 from .index import common_prefix, comparable, encode
 
@@ -182,29 +182,6 @@ def parse_flags(argv: list[str], env: dict[str, str] | None = None) -> dict[str,
     return flags
 
 
-def engine_process(url: str) -> tuple[list[str], dict[str, str]] | None:
-    """(argv, environment) of the process listening on the engine's port, when it is on this host
-    and readable; None otherwise. Blocking."""
-    try:
-        import psutil
-
-        parts = urlsplit(url)
-        if parts.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
-            return None
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        for c in psutil.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                p = psutil.Process(c.pid)
-                try:
-                    env = p.environ()
-                except (psutil.AccessDenied, psutil.ZombieProcess):
-                    env = {}
-                return p.cmdline(), env
-    except Exception as e:  # not ours to read (another user's process, no permission): say so, go on
-        log.debug("doctor: the engine's command line: %s", e)
-    return None
-
-
 def _model_facts(path: str) -> tuple[str | None, bool]:
     if not path:
         return None, False
@@ -225,8 +202,7 @@ async def facts(s: Sessions) -> Facts:
         info = await s.engine.info()
     except EngineError:
         info = None
-    proc = await loop.run_in_executor(None, engine_process, s.engine.address) if s.engine.kind == "llama-server" \
-        else None
+    proc = await loop.run_in_executor(None, engine_command, s.engine.kind, getattr(s.engine, "url", ""))
     flags = parse_flags(*proc) if proc is not None else None
     arch, recurrent = await loop.run_in_executor(None, _model_facts, info.model_path if info else "")
     entries = await loop.run_in_executor(None, lambda: s.store.scan())

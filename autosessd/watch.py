@@ -29,7 +29,7 @@ def engine_identity(kind: str, url: str) -> tuple[int, float] | None:
     """(pid, start time) of the process listening on the engine's port, when it runs on this
     host and is visible to us; None otherwise. Blocking (psutil)."""
     u = urlsplit(url)
-    if kind != "llama-server" or u.hostname not in ("127.0.0.1", "localhost", "::1"):
+    if kind != "llama-server" or u.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
         return None
     port = u.port or (443 if u.scheme == "https" else 80)
     try:
