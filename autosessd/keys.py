@@ -8,9 +8,11 @@ text (tokenize, raw `prompt`, embeddings) has no key and is left alone.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import re
+import threading
 from typing import Any
 
 KEY_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -99,6 +101,33 @@ def _digest(value: Any) -> str:
                         ).hexdigest()[:16]
 
 
+# Digests of recent messages made only of strings, by their fields: a conversation sends its
+# earlier messages again with every request, and at tens of thousands of tokens their JSON
+# and SHA-1 cost ~0.4 ms a turn; a lookup hashes the text once (Python's own hash, in C).
+_SEEN: collections.OrderedDict[tuple[tuple[str, str], ...], str] = collections.OrderedDict()
+SEEN_KEPT = 256
+_SEEN_LOCK = threading.Lock()  # the tail and the hook may sign from worker threads
+SEEN_MAX_CHARS = 1 << 20  # a message longer than this is digested each time (memory bound)
+
+
+def _message_digest(m: dict) -> str:
+    """_digest(m), remembered for messages whose fields are all strings."""
+    items = tuple(sorted(m.items())) if all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()) else None
+    if items is None or sum(len(v) for _, v in items) > SEEN_MAX_CHARS:
+        return _digest(m)
+    with _SEEN_LOCK:
+        d = _SEEN.get(items)
+        if d is not None:
+            _SEEN.move_to_end(items)
+            return d
+    d = _digest(m)
+    with _SEEN_LOCK:
+        _SEEN[items] = d
+        if len(_SEEN) > SEEN_KEPT:
+            _SEEN.popitem(last=False)
+    return d
+
+
 def chat_signature(body: Any) -> tuple[str, ...] | None:
     """(digest of the fields that shape the prompt, digest of each message) of an OpenAI chat
     body whose messages carry only text; None for anything else (images, audio, a malformed
@@ -115,7 +144,7 @@ def chat_signature(body: Any) -> tuple[str, ...] | None:
             return None  # media: the engine's tokens for it are not text tokens
     try:
         options = {k: v for k, v in body.items() if k != "messages" and k not in _NOT_PROMPT}
-        return (_digest(options), *(_digest(m) for m in body["messages"]))
+        return (_digest(options), *(_message_digest(m) for m in body["messages"]))
     except (TypeError, ValueError, RecursionError):
         return None
 

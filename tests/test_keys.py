@@ -84,3 +84,23 @@ def test_chat_signature_goes_on_only_with_the_same_options_and_earlier_messages_
 ])
 def test_chat_signature_is_none_for_media_and_bodies_that_are_not_openai_chat(body):
     assert chat_signature(body) is None
+
+
+def test_a_message_sent_again_gets_the_same_digest_from_the_cache_as_computed_afresh():
+    """Issue 23: the earlier messages of a conversation come again with every request; their
+    digests are remembered (the signature of a 20k-token body cost ~0.4 ms a turn), and what
+    is remembered is exactly what would be computed."""
+    from autosessd import keys
+
+    def body():
+        return {"messages": [{"role": "user", "content": "x " * 42000}, {"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": [{"type": "text", "text": "parts"}]}]}
+
+    first = keys.chat_signature(body())
+    again = keys.chat_signature(body())
+    keys._SEEN.clear()
+    assert first == again == keys.chat_signature(body())
+    assert first[1:] == tuple(keys._digest(m) for m in body()["messages"])
+    edited = body()
+    edited["messages"][0]["content"] += "!"
+    assert keys.chat_signature(edited)[1] != first[1]
