@@ -137,10 +137,6 @@ class StubEngine:
 
     prefills: list = []
 
-    async def complete(self, slot, prompt, n_predict):
-        self.ran(tokenize(prompt), slot)
-        return {"content": ""}
-
     async def prefill(self, slot, tokens):
         cache_n = min(lcp(self.held[slot], tokens), len(tokens) - 1)
         self.ran(list(tokens), slot)

@@ -197,6 +197,17 @@ async def test_the_primer_is_made_when_first_needed_one_token_after_bos_owner_on
     assert single.launch.primer.name is None and single.counters.primed == 0  # one slot: nothing else empties it
 
 
+async def started(s, key):
+    """A request of `key` placed, turned and let through the launch gate: (its slot, what the
+    engine's slot holds as it starts). Its start is then marked sent."""
+    async with await s.place(key) as t:
+        await s.turn(t, key)
+        await s.before_send(t)
+        seen = t.slot_id, list(s.engine.held[t.slot_id])
+        await s.sent(t, bound_s=0)
+    return seen
+
+
 async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_first(tmp_path):
     """The engine moved A's slot to its RAM prompt cache when B started; pinned to that empty
     slot, A's next request would not look there (llama.cpp 28139) and would read its prompt
@@ -206,16 +217,9 @@ async def test_a_request_pinned_to_a_slot_the_engine_emptied_gets_the_primer_fir
     slot_b, _ = await request(s, B, 5)  # empties A's slot
     assert s.engine.held[slot_a] == []
     primed = s.counters.primed
-    async with await s.place(A) as t:
-        await s.turn(t, A)
-        await s.before_send(t)
-        assert t.slot_id == slot_a and s.engine.held[slot_a] == [ord("\n")] and s.counters.primed == primed + 1
-        await s.sent(t, bound_s=0)
-    async with await s.place(B) as t:  # B's slot still holds B: nothing to prime
-        await s.turn(t, B)
-        await s.before_send(t)
-        assert t.slot_id == slot_b and s.engine.held[slot_b] == conv(B, 5) and s.counters.primed == primed + 1
-        await s.sent(t, bound_s=0)
+    assert await started(s, A) == (slot_a, [ord("\n")]) and s.counters.primed == primed + 1
+    # B's slot still holds B: nothing to prime
+    assert await started(s, B) == (slot_b, conv(B, 5)) and s.counters.primed == primed + 1
 
 
 async def test_a_request_without_a_key_pinned_to_an_emptied_slot_gets_the_primer_too(tmp_path):
@@ -227,11 +231,7 @@ async def test_a_request_without_a_key_pinned_to_an_emptied_slot_gets_the_primer
     slot_y, _ = await request(s, B, 5)  # empties the keyless prompt's slot
     assert slot_x != slot_y and s.engine.held[slot_x] == []
     primed = s.counters.primed
-    async with await s.place(None) as t:
-        await s.turn(t, None)
-        await s.before_send(t)
-        assert t.slot_id == slot_x and s.engine.held[slot_x] == [ord("\n")] and s.counters.primed == primed + 1
-        await s.sent(t, bound_s=0)
+    assert await started(s, None) == (slot_x, [ord("\n")]) and s.counters.primed == primed + 1
 
 
 async def test_a_start_that_may_find_its_conversation_in_the_engine_goes_alone(tmp_path):

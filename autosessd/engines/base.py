@@ -9,7 +9,7 @@ EngineError whose message says what went wrong in words a user can act on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,3 @@ class ChatEngine(Engine, Protocol):
         """Read `tokens` into the slot and stop there (a start like any request)."""
         ...
 
-    async def complete(self, slot: int, prompt: str, n_predict: int) -> Any:
-        """A raw completion pinned to a slot (the start's probes)."""
-        ...

@@ -196,11 +196,6 @@ class LlamaServer:
         Neither call waits for a slot: the engine answers them beside a running request."""
         return await self.tokenize(await self.apply_template(body, timeout_s), timeout_s)
 
-    async def complete(self, slot: int, prompt: str, n_predict: int) -> dict:
-        """A raw completion pinned to a slot (the start's probes)."""
-        return await self._call("POST", "/completion", {"prompt": prompt, "n_predict": n_predict, "id_slot": slot,
-                                                       "cache_prompt": True, "temperature": 0})
-
     async def erase(self, slot: int) -> int:
         """Empty a slot's KV cache (it is not saved anywhere); the tokens it held."""
         d = await self._call("POST", f"/slots/{slot}?action=erase")
