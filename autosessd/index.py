@@ -470,6 +470,12 @@ class TokenIndex:
             self.skipped.pop(entry.name, None)
             self._touch(entry.name)
 
+    @property
+    def generation(self) -> int:
+        """Moves on every change of the entries or their marks: an answer drawn from them
+        while it stays the same still holds."""
+        return self._gen
+
     def _touch(self, name: str) -> None:
         self._gen += 1
         self._changed[name] = self._gen

@@ -82,14 +82,14 @@ class Turn:
         be reported, so a restore is verified by watching the engine's slot instead. body:
         the request's OpenAI chat body, whose tokens choose what to restore; None: the key rule."""
         ctx = self.ctx
-        self.observer.launch.forget_look(s)  # this turn's own look, or none
         result = TurnResult(key=key, slot=s.id)
         t0 = time.monotonic()
         carry: Carry | None = None
-        if key is not None and ctx.cfg.auto_sessions:
-            ctx.counters.turns += 1
-        sig = chat_signature(body) if key is not None and body is not None else None
         try:
+            self.observer.launch.forget_look(s)  # this turn's own look, or none
+            if key is not None and ctx.cfg.auto_sessions:
+                ctx.counters.turns += 1
+            sig = chat_signature(body) if key is not None and body is not None else None
             if ctx.cfg.auto_sessions and (self._look_needless(s, key, sig, body) or
                                           await self.observer.observe(s, result)):
                 carry = await self._turn(s, key, result, body, sig)
@@ -212,7 +212,9 @@ class Turn:
         occasion = Occasion.BRANCH if same else Occasion.SWITCH if key is not None else Occasion.KEYLESS
         # Unless a mark decides, the engine tokenizes the request while it saves the held
         # conversation (/tokenize does not wait for the slot): the save hides the tokens' cost.
-        sure = tokens is not None or (known is not None and self._sole(s.view, known) is not None)
+        pick = self._sole(s.view, known) if tokens is None and known is not None else None
+        sure = tokens is not None or pick is not None
+        before = self._sole_inputs(s)
         asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
             if want and not sure else None
         try:
@@ -227,8 +229,9 @@ class Turn:
         if key is None:
             return None
         if tokens is None and known is not None:
-            # Asked again: the save changed what the slot holds, and the index.
-            pick = self._sole(s.view, known)
+            # Asked again when the save changed what the slot holds, or the index.
+            if before is None or s.view is not before[0] or self._sole_inputs(s) != before:
+                pick = self._sole(s.view, known)
             if pick is not None:
                 assert sig is not None
                 return await self._restore_by_messages(s, key, held, outcome, result, sig, known, pick, body)
@@ -250,6 +253,15 @@ class Turn:
         shared = self._slot_prefix(v, known.tokens)
         pick = self.recall.sole(known, shared, self.saver.writing())
         return None if pick is None else (*pick, shared)
+
+    def _sole_inputs(self, s: Slot) -> tuple[object, ...] | None:
+        """What _sole's answer depends on, to know it unchanged after the save without asking
+        again (a lookup over the index's tokens); None where it cannot be told (a shared bucket,
+        whose listing may change at any time)."""
+        index = self.ctx.index
+        if index is None or self.ctx.remote is not None:
+            return None
+        return s.view, index.generation, frozenset(self.saver.writing())
 
     async def _restore_by_messages(self, s: Slot, key: str, held: Held | None, outcome: SaveOutcome,
                                    result: TurnResult, sig: tuple[str, ...], known: Known,

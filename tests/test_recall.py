@@ -231,3 +231,24 @@ async def test_a_known_file_removed_by_hand_is_forgotten_and_the_return_tokenize
     turn, _, _ = await chat(s, grown(X))
     assert s.counters.restores_refused == 0 and s.index.get(f"auto-{K}.bin") is None
     assert calls(s) > before and turn.restored is None
+
+
+async def test_the_file_a_return_goes_on_from_is_looked_up_again_only_when_the_switch_changed_something(tmp_path):
+    """A return that goes on from a file's mark is matched against the index once when the
+    switch saves nothing (a short conversation left); a switch that saved the one it left
+    changed the index, and the match is asked again. The file restored is the same."""
+    s = await make(tmp_path)
+    sole = s._turn.recall.sole
+    asked = []
+    s._turn.recall.sole = lambda *a: asked.append(1) or sole(*a)
+    short = body(("user", "Hi."))
+    await chat(s, X)
+    await chat(s, short)  # X is saved; the short one is not worth a file
+    turn, _, _ = await chat(s, grown(X))
+    assert turn.restored["file"] == f"auto-{K}.bin" and turn.restored["chosen_by"] == "messages"
+    assert len(asked) == 1
+    await chat(s, OTHER)  # X saved again
+    await chat(s, body(("user", "Hi, " + t.LONG_1)))  # OTHER is saved by this switch: the index changed
+    asked.clear()
+    turn, _, _ = await chat(s, grown(grown(X), "Aye.", "And the slowest?"))
+    assert turn.restored["file"] == f"auto-{K}.bin" and len(asked) == 2

@@ -275,3 +275,43 @@ async def test_waiting_for_a_finalize_that_just_finished_lets_its_callback_run(t
     await s.saver.settled()
     assert not s.saver._finalizing
 
+
+
+async def test_a_bug_anywhere_in_the_turn_never_fails_the_request(tmp_path, monkeypatch):
+    """The turn never fails a request: a bug before its first decision (the body's signature,
+    here) is logged and named in the turn's result; the request goes on, and the slot is taken
+    to hold the request's conversation, not what it held."""
+    from autosessd import turn as turn_mod
+
+    s = make(tmp_path)
+    await request(s, A, 50)
+
+    def broken(body):
+        raise RuntimeError("signature bug")
+
+    monkeypatch.setattr(turn_mod, "chat_signature", broken)
+    body = {"messages": [{"role": "user", "content": "conversation B"}]}
+    async with await s.admit() as t:
+        r = await s.turn(t, B, body=body)
+        assert any("signature bug" in e for e in r.errors)
+        assert s.view().key == B  # started: the request runs
+        s.engine.ran(conv(B, 30))
+        await s.ended(t, B, "ok")
+    await s.drain()
+    assert s.view().phase is Phase.HELD and s.view().key == B
+
+
+def test_a_turns_event_is_a_copy_of_what_the_turn_did():
+    """TurnResult.to_dict (every turn's event) as dataclasses.asdict has it, and a copy: what
+    the gate's headers read later does not change an event already emitted."""
+    from dataclasses import asdict
+
+    from autosessd.report import TurnResult
+
+    r = TurnResult(key=A, slot=1, saved={"file": "auto-a.bin", "n_tokens": 5}, restored={"file": "auto-b.bin"},
+                   prefix={"file": "auto-p.bin"}, tokens_from="messages", skipped=["s"], errors=["e"], ms=1.5)
+    d = r.to_dict()
+    assert d == asdict(r)
+    r.restored["slot_shared"] = 3
+    r.skipped.append("t")
+    assert "slot_shared" not in d["restored"] and d["skipped"] == ["s"]
