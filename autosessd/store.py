@@ -302,20 +302,34 @@ class Store:
 
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
-        self._meta_temp(meta, tmp)
+        ino = self._meta_temp(meta, tmp)
         os.replace(tmp, self.meta_path(meta.key))
+        self._remember_meta(meta, ino)
         _fsync_dir(self.path)
 
-    def _meta_temp(self, meta: Meta, tmp: Path) -> None:
-        """The metadata, whole and fsynced, under the temporary name tmp."""
+    def _meta_temp(self, meta: Meta, tmp: Path) -> int:
+        """The metadata, whole and fsynced, under the temporary name tmp; its inode."""
         data = meta.to_json()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             self._own(fd, tmp)  # the umask may have taken more than we asked, or less
             os.write(fd, data)
             os.fsync(fd)
+            return os.fstat(fd).st_ino
         finally:
             os.close(fd)
+
+    def _remember_meta(self, meta: Meta, ino: int) -> None:
+        """The metadata just renamed into place, cached under its identity after the rename
+        (which moves the ctime): the next turn's read_meta is two lstats, not a read and a
+        parse. Only if the file there is still the one written (its inode); cached as a
+        reader would parse it (a round trip through its JSON, here in the writer's thread)."""
+        path = self.meta_path(meta.key)
+        ident = files.regular_ident(path)
+        if ident is not None and ident.ino == ino:
+            read = Meta.from_json(meta.to_json())
+            with self._lock:
+                self._meta_cache[path.name] = (ident, read)
 
     def write_meta(self, meta: Meta) -> None:
         """Write auto-<key>.json atomically, for a .bin put in place by other means (tests,
@@ -352,7 +366,7 @@ class Store:
         meta_tmp = None
         if meta is not None:
             meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
-            self._meta_temp(meta, meta_tmp)
+            meta_ino = self._meta_temp(meta, meta_tmp)
         try:
             with self._lock:
                 if self.in_use.get(name, 0) > (1 if claimed else 0):
@@ -364,6 +378,7 @@ class Store:
                 if meta_tmp is not None:
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
+                    self._remember_meta(meta, meta_ino)
                     now = files.regular_ident(final)
                     if meta.digest is not None and now is not None:
                         # The rename moved the ctime the metadata recorded: checked as it arrived.

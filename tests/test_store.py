@@ -435,3 +435,23 @@ def test_a_file_unchanged_since_its_save_is_checked_by_stats_alone_and_a_changed
         f.write(bytes([byte[0] ^ 1]))
     assert s.check_whole(name, 1, stat_only=True) is NEEDS_READ
     assert "digest" in s.check_whole(name, 1)
+
+
+def test_the_metadata_written_is_read_back_without_reading_its_file(tmp_path, monkeypatch):
+    """The turn after a save reads the file's metadata on the event loop: it costs two lstats
+    (the writer left it cached under the identity it has after its rename), not a read and a
+    parse. What is cached is what a reader of the file would get; a metadata file replaced
+    by other means is read again."""
+    from autosessd import files
+
+    s = Store(tmp_path)
+    reads = []
+    real = files.read_small
+    monkeypatch.setattr(files, "read_small", lambda path, *a, **k: reads.append(Path(path).name) or real(path, *a, **k))
+    save(s, K[0], size=200, n_tokens=77)
+    s.install(download_temp(s, 300), auto_name(K[1]), Meta(K[1], 50, 300, 2.0, MODEL, 1.0, host="there"), claimed=False)
+    got = [s.read_meta(K[0]), s.read_meta(K[1])]
+    assert reads == []
+    assert got == [Meta.from_json(s.meta_path(k).read_bytes()) for k in K[:2]]
+    s.meta_path(K[0]).write_bytes(s.meta_path(K[0]).read_bytes().replace(b'"n_tokens": 77', b'"n_tokens": 78'))
+    assert s.read_meta(K[0]).n_tokens == 78 and reads == [s.meta_path(K[0]).name]
