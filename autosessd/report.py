@@ -230,8 +230,12 @@ def skipped(counters: Counters, step: Skip, result: TurnResult | None) -> None:
         result.skipped.append(msg)
     if step.reason in _SKIP_COUNTERS:
         counters.bump(_SKIP_COUNTERS[step.reason])
-    # "no file" is the normal first sight of a conversation: not worth an INFO line.
-    (log.debug if step.reason in (policy.NO_FILE, policy.UP_TO_DATE) else log.info)("auto sessions: %s", msg)
+    # The routine ones (a conversation's first sight, a file already up to date, a short chat
+    # left) are in the turn's event: an INFO line on every switch would drown the rest.
+    (log.debug if step.reason in ROUTINE_SKIPS else log.info)("auto sessions: %s", msg)
+
+
+ROUTINE_SKIPS = frozenset({policy.NO_FILE, policy.UP_TO_DATE, policy.BELOW_MIN})
 
 
 # -- what one turn did ---------------------------------------------------------------------
@@ -251,7 +255,14 @@ class TurnResult:
     ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # As dataclasses.asdict has it (its values are flat dicts, lists of str and scalars),
+        # at a tenth of its cost: it runs on every turn.
+        d = dict(self.__dict__)
+        for k in ("saved", "restored", "prefix"):
+            if d[k] is not None:
+                d[k] = dict(d[k])
+        d["skipped"], d["errors"] = list(self.skipped), list(self.errors)
+        return d
 
 
 @dataclass
