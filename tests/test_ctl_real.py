@@ -142,6 +142,7 @@ def test_sigterm_with_a_request_in_flight_saves_nothing_partial(daemon, session_
     assert d.stop(signal.SIGTERM) == 0
     assert "a request is running" in d.logtext()
     assert not list(session_dir.glob("auto-*"))
+    eng.stop(signal.SIGKILL)  # llama-server's SIGTERM waits out the 3,000-token answer (20 s)
 
 
 def test_not_running_and_permission_exit_codes(tmp_path, daemon):
