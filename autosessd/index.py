@@ -274,6 +274,7 @@ class TokenIndex:
         # are newer. Each records the change's number here; a scan drops what is older.
         self._gen = 0
         self._changed: dict[str, int] = {}
+        self._moves = 0  # every _insert, _drop and _resort: generation
 
     # -- reading the directory --------------------------------------------------
     def scan(self) -> ScanReport:
@@ -472,9 +473,9 @@ class TokenIndex:
 
     @property
     def generation(self) -> int:
-        """Moves on every change of the entries or their marks: an answer drawn from them
-        while it stays the same still holds."""
-        return self._gen
+        """Moves on every change of the entries or their marks (an add, a remove, a rescan):
+        an answer drawn from them while it stays the same still holds."""
+        return self._moves
 
     def _touch(self, name: str) -> None:
         self._gen += 1
@@ -482,12 +483,14 @@ class TokenIndex:
         self.dirty = True
 
     def _insert(self, e: Entry) -> None:
+        self._moves += 1
         self._entries[e.name] = e
         self._runs.setdefault(e.model, TokenRun()).insert(e.tokens, e.name)
         for m in e.marks:
             self._marks.setdefault(m.chain, set()).add(e.name)
 
     def _drop(self, e: Entry) -> None:
+        self._moves += 1
         del self._entries[e.name]
         for m in e.marks:
             names = self._marks.get(m.chain)
@@ -501,6 +504,7 @@ class TokenIndex:
             del self._runs[e.model]
 
     def _resort(self) -> None:
+        self._moves += 1
         by_model: dict[str | None, list[tuple[bytes, str]]] = {}
         for e in self._entries.values():
             by_model.setdefault(e.model, []).append((e.tokens, e.name))

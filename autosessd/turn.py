@@ -230,7 +230,8 @@ class Turn:
             return None
         if tokens is None and known is not None:
             # Asked again when the save changed what the slot holds, or the index.
-            if before is None or s.view is not before[0] or self._sole_inputs(s) != before:
+            if before is None or s.view is not before[0] or self._sole_inputs(s) != before or \
+                    (pick is not None and self.ctx.index.forget_if_gone(pick[0])):  # removed meanwhile
                 pick = self._sole(s.view, known)
             if pick is not None:
                 assert sig is not None

@@ -223,11 +223,16 @@ def test_a_second_scan_rereads_only_what_changed(tmp_path):
     idx.learn("mine.bin", M)
     write_bin(tmp_path, "mine.bin", [2, 3, 4, 5], state=b"\x02" * 80)  # the person saved over it
     (tmp_path / f"auto-{'1' * 16}.bin").unlink()
+    seen = idx.generation
     r = idx.scan()
+    assert idx.generation != seen  # an answer drawn from the entries before is stale (turn.py)
     assert (r.read, r.from_cache, idx.names()) == (1, 0, ["mine.bin"])
     assert idx.get("mine.bin").token_list() == [2, 3, 4, 5]
     assert idx.get("mine.bin").model is None  # learned for the old file, not this one
     assert idx.best([2, 3, 4, 5], None) == ("mine.bin", 4) and idx.best([2, 1], M) is None
+    seen = idx.generation
+    idx.scan()
+    assert idx.generation == seen  # nothing changed on disk
 
 
 def test_a_change_during_a_scan_wins_over_what_the_scan_saw(tmp_path, monkeypatch):
