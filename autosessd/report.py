@@ -230,12 +230,12 @@ def skipped(counters: Counters, step: Skip, result: TurnResult | None) -> None:
         result.skipped.append(msg)
     if step.reason in _SKIP_COUNTERS:
         counters.bump(_SKIP_COUNTERS[step.reason])
-    # The routine ones (a conversation's first sight, a file already up to date, a short chat
-    # left) are in the turn's event: an INFO line on every switch would drown the rest.
-    (log.debug if step.reason in ROUTINE_SKIPS else log.info)("auto sessions: %s", msg)
-
-
-ROUTINE_SKIPS = frozenset({policy.NO_FILE, policy.UP_TO_DATE, policy.BELOW_MIN})
+    # The routine ones (a conversation's first sight, a file already up to date, the save of a
+    # short chat left) are in the turn's event: an INFO line on every switch would drown the
+    # rest. A restore skipped below min tokens still says why at INFO.
+    routine = step.reason in (policy.NO_FILE, policy.UP_TO_DATE) or (step.reason == policy.BELOW_MIN and
+                                                                     step.what == "save")
+    (log.debug if routine else log.info)("auto sessions: %s", msg)
 
 
 # -- what one turn did ---------------------------------------------------------------------

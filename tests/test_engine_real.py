@@ -85,7 +85,7 @@ async def test_turn_a_b_a_saves_restores_and_engine_reuses(engines, session_dir,
 
 
 async def test_below_min_tokens_is_skipped_and_logged(engines, session_dir, caplog):
-    caplog.set_level(logging.INFO, "autosessd")
+    caplog.set_level(logging.DEBUG, "autosessd")
     eng = engines(session_dir)
     s = await make_sessions(eng, session_dir, min_tokens=100_000)
     try:
@@ -95,7 +95,9 @@ async def test_below_min_tokens_is_skipped_and_logged(engines, session_dir, capl
         assert any("skipped save" in m and "below min tokens" in m for m in turn.skipped)
         assert s.counters.skipped_min_tokens == 1
         assert not list(session_dir.glob("auto-*"))
-        assert any("auto sessions: skipped save of auto-" in r.getMessage() for r in caplog.records)
+        # The save of a short chat left is routine: DEBUG (the turn's event has it).
+        assert any("auto sessions: skipped save of auto-" in r.getMessage() and r.levelno == logging.DEBUG
+                   for r in caplog.records)
     finally:
         await s.engine.close()
 
