@@ -107,8 +107,9 @@ def _digest(value: Any) -> str:
 # earlier messages again with every request, and at tens of thousands of tokens their JSON
 # and SHA-1 cost ~0.4 ms a turn. A lookup's key is the fields' names and an XXH3-128 of
 # their values (~10 GB/s: a tenth of Python's own str hash, which a tuple key would cost).
-# A collision could only make two messages look alike: the engine still compares tokens
-# before it reuses any (a wrong guess costs a restore, never a wrong answer).
+# A collision would make two messages look alike, as the 64-bit digests themselves could:
+# a switch taken for the same conversation going on, a mark that matches wrongly. Never a
+# wrong answer: the engine compares tokens before it reuses any.
 _SEEN: collections.OrderedDict[tuple[tuple[str, ...], bytes], str] = collections.OrderedDict()
 SEEN_KEPT = 256
 _SEEN_LOCK = threading.Lock()  # the tail and the hook may sign from worker threads

@@ -325,11 +325,12 @@ class Store:
         parse. Only if the file there is still the one written (its inode); cached as a
         reader would parse it (a round trip through its JSON, here in the writer's thread)."""
         path = self.meta_path(meta.key)
-        ident = files.regular_ident(path)
-        if ident is not None and ident.ino == ino:
-            read = Meta.from_json(meta.to_json())
-            with self._lock:
-                self._meta_cache[path.name] = (ident, read)
+        with contextlib.suppress(OSError, ValueError):  # only a cache: the write is done
+            ident = files.regular_ident(path)
+            if ident is not None and ident.ino == ino:
+                read = Meta.from_json(meta.to_json())
+                with self._lock:
+                    self._meta_cache[path.name] = (ident, read)
 
     def write_meta(self, meta: Meta) -> None:
         """Write auto-<key>.json atomically, for a .bin put in place by other means (tests,

@@ -76,17 +76,17 @@ class _Conn:
         self.got_any = True
         self.buf += data
 
-    async def until(self, sep: bytes, limit: int) -> bytes:
+    async def until(self, sep: bytes, limit: int, what: str = "the response's headers") -> bytes:
         """Everything up to and including sep (at most limit bytes before it)."""
         start = 0
         while True:
             i = self.buf.find(sep, start)
+            if i > limit or (i < 0 and len(self.buf) > limit):
+                raise HTTPError(f"{what} beyond {limit:,} bytes")
             if i >= 0:
                 out = bytes(self.buf[:i + len(sep)])
                 del self.buf[:i + len(sep)]
                 return out
-            if len(self.buf) > limit:
-                raise HTTPError("the response's headers are too long")
             start = max(0, len(self.buf) - len(sep) + 1)
             await self.fill()
 
@@ -246,7 +246,7 @@ class Client:
             return await conn.to_end()
         out = bytearray()
         while True:
-            size_line = await conn.until(b"\r\n", 1024)
+            size_line = await conn.until(b"\r\n", 1024, "a chunk-size line")
             try:
                 size = int(size_line.split(b";", 1)[0].strip(), 16)
             except ValueError:
