@@ -214,7 +214,7 @@ class Turn:
         # conversation (/tokenize does not wait for the slot): the save hides the tokens' cost.
         pick = self._sole(s.view, known) if tokens is None and known is not None else None
         sure = tokens is not None or pick is not None
-        before = self._sole_inputs(s)
+        before = self._sole_inputs(s) if tokens is None and known is not None else None
         asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
             if want and not sure else None
         try:
@@ -230,7 +230,7 @@ class Turn:
             return None
         if tokens is None and known is not None:
             # Asked again when the save changed what the slot holds, or the index.
-            if before is None or s.view is not before[0] or self._sole_inputs(s) != before or \
+            if before is None or self._sole_inputs(s) != before or \
                     (pick is not None and self.ctx.index.forget_if_gone(pick[0])):  # removed meanwhile
                 pick = self._sole(s.view, known)
             if pick is not None:
@@ -257,8 +257,9 @@ class Turn:
 
     def _sole_inputs(self, s: Slot) -> tuple[object, ...] | None:
         """What _sole's answer depends on, to know it unchanged after the save without asking
-        again (a lookup over the index's tokens); None where it cannot be told (a shared bucket,
-        whose listing may change at any time)."""
+        again (a lookup over the index's tokens): the view (frozen: the same one, or one equal
+        to it, gives the same share), the index's generation, the files being finalized. None
+        where it cannot be told (a shared bucket, whose listing may change at any time)."""
         index = self.ctx.index
         if index is None or self.ctx.remote is not None:
             return None
