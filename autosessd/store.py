@@ -302,33 +302,34 @@ class Store:
 
     def _write_meta(self, meta: Meta) -> None:
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
-        ino = self._meta_temp(meta, tmp)
+        written = self._meta_temp(meta, tmp)
         os.replace(tmp, self.meta_path(meta.key))
-        self._remember_meta(meta, ino)
+        self._remember_meta(meta.key, written)
         _fsync_dir(self.path)
 
-    def _meta_temp(self, meta: Meta, tmp: Path) -> int:
-        """The metadata, whole and fsynced, under the temporary name tmp; its inode."""
+    def _meta_temp(self, meta: Meta, tmp: Path) -> tuple[int, bytes]:
+        """The metadata, whole and fsynced, under the temporary name tmp; (its inode, its bytes)."""
         data = meta.to_json()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             self._own(fd, tmp)  # the umask may have taken more than we asked, or less
             os.write(fd, data)
             os.fsync(fd)
-            return os.fstat(fd).st_ino
+            return os.fstat(fd).st_ino, data
         finally:
             os.close(fd)
 
-    def _remember_meta(self, meta: Meta, ino: int) -> None:
+    def _remember_meta(self, key: str, written: tuple[int, bytes]) -> None:
         """The metadata just renamed into place, cached under its identity after the rename
         (which moves the ctime): the next turn's read_meta is two lstats, not a read and a
         parse. Only if the file there is still the one written (its inode); cached as a
-        reader would parse it (a round trip through its JSON, here in the writer's thread)."""
-        path = self.meta_path(meta.key)
+        reader would parse it (the bytes written, parsed here in the writer's thread)."""
+        path = self.meta_path(key)
+        ino, data = written
         with contextlib.suppress(OSError, ValueError):  # only a cache: the write is done
             ident = files.regular_ident(path)
             if ident is not None and ident.ino == ino:
-                read = Meta.from_json(meta.to_json())
+                read = Meta.from_json(data)
                 with self._lock:
                     self._meta_cache[path.name] = (ident, read)
 
@@ -367,7 +368,7 @@ class Store:
         meta_tmp = None
         if meta is not None:
             meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
-            meta_ino = self._meta_temp(meta, meta_tmp)
+            written = self._meta_temp(meta, meta_tmp)
         try:
             with self._lock:
                 if self.in_use.get(name, 0) > (1 if claimed else 0):
@@ -379,7 +380,7 @@ class Store:
                 if meta_tmp is not None:
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
-                    self._remember_meta(meta, meta_ino)
+                    self._remember_meta(meta.key, written)
                     now = files.regular_ident(final)
                     if meta.digest is not None and now is not None:
                         # The rename moved the ctime the metadata recorded: checked as it arrived.
