@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "bench"), str(ROOT)]
 
 import demo  # noqa: E402
-from run import conv  # noqa: E402
+from run import Run, conv  # noqa: E402
 
 from autosessd.engines import http1  # noqa: E402
 from autosessd.engines.llama_server import LlamaServer  # noqa: E402
@@ -116,12 +115,9 @@ async def measure(port: int, s: socket.socket) -> dict[str, list[float]]:
 def main() -> int:
     paths = demo.fetch_engine("bench")
     with tempfile.TemporaryDirectory() as d:
-        port = demo.free_port()
-        p = subprocess.Popen([paths["LLAMA_SERVER"], "-m", paths["MODEL"], "--host", "127.0.0.1", "--port", str(port),
-                              "-np", "1", "-c", "32768", "--swa-full", "--slot-save-path", d, "--no-webui",
-                              "--cache-ram", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run = Run(Path(d), paths)
         try:
-            demo.wait_http(port, "/health", p, "llama-server", timeout=300)
+            port = run.engine(cache_ram=0)["port"]  # scenario 4's engine: -np 1, -c 32768, --swa-full
             s = socket.create_connection(("127.0.0.1", port))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             chat = json.dumps({"messages": conv(TOKENS, "floor"), "max_tokens": 4, "id_slot": 0}).encode()
@@ -131,8 +127,7 @@ def main() -> int:
             res = asyncio.run(measure(port, s))
             s.close()
         finally:
-            p.terminate()
-            p.wait(30)
+            run.close()
     rows = {k: {"median_ms": statistics.median(v), "p25_ms": sorted(v)[len(v) // 4],
                 "p75_ms": sorted(v)[3 * len(v) // 4]} for k, v in res.items()}
     if os.environ.get("FLOOR_OUT"):
