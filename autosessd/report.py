@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import __version__, policy
 from .engines.base import EngineError, EngineRefused
@@ -280,19 +280,74 @@ class RestoreLog:
 
 
 # -- events --------------------------------------------------------------------------------
+LATER_S = 0.001  # what a turn says runs this long after it, once its request is on its way
+
+
 class Events:
     """Recent events for `events`, and live followers. A follower that falls behind by
-    more than its queue is dropped rather than slowing the daemon down."""
+    more than its queue is dropped rather than slowing the daemon down.
+
+    What a turn says (its `restored` and `turn` events, the restore's log line: ~0.3 ms on
+    a return, most of it the log line's handler, with caches the engine's work left cold) is
+    said LATER_S after it (soon(), on the loop), when its request is on its way and the engine
+    works on it, instead of before the request is forwarded. Each event has its number and
+    time of when it happened; reading the events, or an event emitted at once, says all that
+    waits first: no reader sees them out of order or misses one."""
 
     def __init__(self, keep: int = 1000):
-        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
         self._followers: set[asyncio.Queue] = set()
         self._seq = 0
+        self._waiting: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def recent(self) -> collections.deque[dict[str, Any]]:
+        self.flush()
+        return self._recent
 
     def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        self.flush()
+        ev = self._event(type_, fields)
+        self._publish(ev)
+        return ev
+
+    def emit_soon(self, type_: str, **fields: Any) -> None:
+        """emit, said soon (the class docstring)."""
+        self.soon(self._publish, self._event(type_, fields))
+
+    def log_soon(self, logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
+        """logger.log(level, msg, *args), handled soon; the record has the time of now."""
+        if logger.isEnabledFor(level):
+            self.soon(logger.handle, logger.makeRecord(logger.name, level, "(unknown file)", 0, msg, args, None))
+
+    def soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._waiting.append((fn, args))
+        if self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(LATER_S, self.flush)
+            except RuntimeError:  # no loop (a worker thread, a test): said now
+                self.flush()
+
+    def flush(self) -> None:
+        """Say all that waits, in order."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._waiting:
+            waiting, self._waiting = self._waiting, []
+            for fn, args in waiting:
+                try:
+                    fn(*args)
+                except Exception as e:  # a handler's failure must not lose the rest
+                    log.exception("auto sessions: saying %s: %s", getattr(fn, "__name__", fn), e)
+
+    def _event(self, type_: str, fields: dict[str, Any]) -> dict[str, Any]:
         self._seq += 1
-        ev = {"seq": self._seq, "ts": round(time.time(), 3), "type": type_, **fields}
-        self.recent.append(ev)
+        return {"seq": self._seq, "ts": round(time.time(), 3), "type": type_, **fields}
+
+    def _publish(self, ev: dict[str, Any]) -> None:
+        self._recent.append(ev)
         for q in list(self._followers):
             try:
                 q.put_nowait(ev)
@@ -301,11 +356,11 @@ class Events:
                 with contextlib.suppress(asyncio.QueueFull):
                     q.get_nowait()
                     q.put_nowait(None)  # None tells the follower it was dropped
-        return ev
 
     @contextlib.contextmanager
     def follow(self, maxsize: int = 1000):
         q: asyncio.Queue = asyncio.Queue(maxsize)
+        self.flush()  # what waits is in `recent`, which a follower is sent first
         self._followers.add(q)
         try:
             yield q

@@ -109,7 +109,7 @@ class Turn:
                         body=keep)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if ctx.cfg.auto_sessions and (key is not None or result.saved or result.errors):
-                ctx.events.emit("turn", **result.to_dict())
+                ctx.events.emit_soon("turn", **result.to_dict())
         if not sees_end:
             self.observer.watch_request(s)
             if carry is not None and carry.unknown_prompt and body is not None and self.ctx.index is not None:

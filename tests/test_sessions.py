@@ -315,3 +315,52 @@ def test_a_turns_event_is_a_copy_of_what_the_turn_did():
     r.restored["slot_shared"] = 3
     r.skipped.append("t")
     assert "slot_shared" not in d["restored"] and d["skipped"] == ["s"]
+
+
+async def test_what_a_turn_says_comes_after_it_in_order_and_no_reader_misses_it(tmp_path, caplog):
+    """The restore's log line and the `restored` and `turn` events are said LATER_S after the
+    turn (its request is on its way then), not before the request is forwarded. A reader of
+    the events, or an event emitted at once, says what waits first: nothing out of order,
+    nothing missed, each with the time it happened."""
+    import logging
+
+    from autosessd import report
+
+    caplog.set_level(logging.INFO, "autosessd")
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)
+    async with await s.admit() as t:
+        before = len(s.events._recent)
+        turn = await s.turn(t, A)
+        assert turn.restored is not None
+        # Not said yet when the turn hands the request over (its save's events were)...
+        assert not {"restored", "turn"} & {e["type"] for e in list(s.events._recent)[before:]}
+        assert not any("restored 50 tokens" in r.getMessage() for r in caplog.records)
+        # ...but a reader sees it all, in order.
+        types = [e["type"] for e in list(s.events.recent)[before:]]
+        assert types[-2:] == ["restored", "turn"], types
+        seqs = [e["seq"] for e in s.events.recent]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        assert any("restored 50 tokens" in r.getMessage() for r in caplog.records)
+        s.engine.ran(conv(A, 60))
+        await s.ended(t, A, "ok", cache_n=50)
+    await s.drain()
+
+    # Unread, it is said on its own once LATER_S has passed; an event emitted at once comes after it.
+    async with await s.admit() as t:
+        n = len(s.events._recent)
+        await s.turn(t, B)
+        s.events.emit("mark")
+        assert [e["type"] for e in list(s.events._recent)[n:]][-1] == "mark"
+        s.engine.ran(conv(B, 50))
+        await s.ended(t, B, "ok", cache_n=40)
+    await s.drain()
+    async with await s.admit() as t:
+        n = len(s.events._recent)
+        await s.turn(t, A)
+        await asyncio.sleep(report.LATER_S * 20)
+        assert "turn" in [e["type"] for e in list(s.events._recent)[n:]]
+        s.engine.ran(conv(A, 70))
+        await s.ended(t, A, "ok")
+    await s.drain()
