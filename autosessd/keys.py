@@ -105,28 +105,57 @@ def _digest(value: Any) -> str:
 
 # Digests of recent messages made only of strings, by their fields: a conversation sends its
 # earlier messages again with every request, and at tens of thousands of tokens their JSON
-# and SHA-1 cost ~0.4 ms a turn. A lookup's key is the fields' names and an XXH3-128 of
-# their values (~10 GB/s: a tenth of Python's own str hash, which a tuple key would cost).
-# A collision would make two messages look alike, as the 64-bit digests themselves could:
-# a switch taken for the same conversation going on, a mark that matches wrongly. Never a
-# wrong answer: the engine compares tokens before it reuses any.
-_SEEN: collections.OrderedDict[tuple[tuple[str, ...], bytes], str] = collections.OrderedDict()
+# and SHA-1 cost ~0.4 ms a turn. A lookup's key is the message itself when it is short (its
+# str hash is cheap), else the fields' names and an XXH3-128 of their values (~10 GB/s: a
+# tenth of Python's own str hash, which a key of the long text would cost). The usual
+# message, {"role", "content"} of two strings, is keyed without sorting its fields: a turn
+# signs every message of the conversation. A collision of XXH3-128 would make two messages
+# look alike, as the 64-bit digests themselves could: a switch taken for the same
+# conversation going on, a mark that matches wrongly. Never a wrong answer: the engine
+# compares tokens before it reuses any.
+_SEEN: collections.OrderedDict[tuple, str] = collections.OrderedDict()
 SEEN_KEPT = 256
 _SEEN_LOCK = threading.Lock()  # the tail and the hook may sign from worker threads
 SEEN_MAX_CHARS = 1 << 20  # a message longer than this is digested each time (memory bound)
+SHORT_CHARS = 2048  # a message's text up to this long is its own lookup key
 
 
-def _message_digest(m: dict) -> str:
-    """_digest(m), remembered for messages whose fields are all strings."""
-    items = sorted(m.items()) if all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()) else None
-    if items is None or sum(len(v) for _, v in items) > SEEN_MAX_CHARS:
-        return _digest(m)
+def _text_hash(text: str) -> bytes:
+    return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
+
+
+def _seen_key(m: dict) -> tuple | None:
+    """The lookup key of message m, or None: not remembered (a value that is not a string,
+    a text over SEEN_MAX_CHARS)."""
+    if len(m) == 2:
+        role, text = m.get("role"), m.get("content")
+        if type(role) is str and type(text) is str:
+            if len(text) <= SHORT_CHARS and len(role) <= SHORT_CHARS:
+                return ("rc", role, text)
+            if len(text) + len(role) <= SEEN_MAX_CHARS:
+                return ("rc#", _text_hash(role), _text_hash(text))
+            return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
+        return None
+    items = sorted(m.items())
+    size = sum(len(v) for _, v in items)
+    if size > SEEN_MAX_CHARS:
+        return None
+    if size <= SHORT_CHARS:
+        return ("f", *items)
     h = xxhash.xxh3_128()
     for _, v in items:
         b = v.encode("utf-8", "surrogatepass")
         h.update(len(b).to_bytes(8, "little"))
         h.update(b)
-    key = (tuple(k for k, _ in items), h.digest())
+    return ("f#", tuple(k for k, _ in items), h.digest())
+
+
+def _message_digest(m: dict) -> str:
+    """_digest(m), remembered for messages whose fields are all strings."""
+    key = _seen_key(m)
+    if key is None:
+        return _digest(m)
     with _SEEN_LOCK:
         d = _SEEN.get(key)
         if d is not None:
@@ -156,9 +185,12 @@ def chat_signature(body: Any) -> tuple[str, ...] | None:
             return None  # media: the engine's tokens for it are not text tokens
     try:
         options = {k: v for k, v in body.items() if k != "messages" and k not in _NOT_PROMPT}
-        return (_digest(options), *(_message_digest(m) for m in body["messages"]))
+        return (_digest(options) if options else _NO_OPTIONS, *(_message_digest(m) for m in body["messages"]))
     except (TypeError, ValueError, RecursionError):
         return None
+
+
+_NO_OPTIONS = _digest({})  # the signature's first part for a body of messages and sampling fields only
 
 
 def continues(held: tuple[str, ...] | None, new: tuple[str, ...] | None) -> bool:

@@ -104,3 +104,19 @@ def test_a_message_sent_again_gets_the_same_digest_from_the_cache_as_computed_af
     edited = body()
     edited["messages"][0]["content"] += "!"
     assert keys.chat_signature(edited)[1] != first[1]
+
+
+@pytest.mark.parametrize("n", [5, 3000])  # a text that is its own lookup key, and one keyed by its hash
+def test_messages_that_differ_only_in_where_their_text_lies_never_share_a_digest(n):
+    """The cache's keys (keys._seen_key) tell apart what a careless key would merge: text moved
+    from one field to the other, the same values under other fields, another field added."""
+    from autosessd import keys
+
+    t = "y" * n
+    lookalikes = [{"role": "user", "content": t + "z"}, {"role": "user" + t[:1], "content": t[1:] + "z"},
+                  {"role": t + "z", "content": "user"}, {"content": "user", "name": t + "z"},
+                  {"role": "user", "content": t + "z", "name": ""}, {"role": "user", "content": t + "z "}]
+    for _ in range(2):  # computed, then remembered
+        got = [keys._message_digest(m) for m in lookalikes]
+        assert got == [keys._digest(m) for m in lookalikes]
+        assert len(set(got)) == len(lookalikes)
