@@ -115,11 +115,11 @@ class Recall:
         exact = n_messages == len(sig) - 1 and all(m.exact for _, m in found)
         if not exact and self.appends is not True:
             return None  # "goes on" is not known to hold for this engine's template
-        heads = {e.tokens[:4 * m.n_tokens] for e, m in found}
-        if len(heads) != 1:
-            return None  # two files say different things of the same messages: ask the engine
         e, m = found[0]
-        return Known(e.name, heads.pop(), exact)
+        head = e.tokens[:4 * m.n_tokens]
+        if any(o.tokens[:4 * om.n_tokens] != head for o, om in found[1:]):
+            return None  # two files say different things of the same messages: ask the engine
+        return Known(e.name, head, exact)
 
     def sole(self, known: Known, slot_shared: int, exclude: set[str]) -> tuple[str, int] | None:
         """For a request that goes on from known.file's mark: (the file, tokens it shares at
