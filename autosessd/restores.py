@@ -138,7 +138,7 @@ class Restorer:
         n_blocks = (2 if ctx.swa_window else 1) if ctx.engine.magic == slotfile.MAGIC_BYTES else None
         # A file unchanged since it was saved or last checked: a few lstats, here on the loop
         # (a thread's round trip costs more than they do); one to read: in a thread.
-        why = ctx.store.check_whole(name, n_blocks, stat_only=True)
+        why = ctx.store.check_whole(name, n_blocks, stat_only=True, ident=seen)
         if why is NEEDS_READ:
             why = await loop.run_in_executor(None, ctx.store.check_whole, name, n_blocks)
         bad = why is not None

@@ -424,7 +424,8 @@ class Store:
             self._meta_cache[path.name] = (ident, meta)
         return meta
 
-    def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False) -> str | None:
+    def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False,
+                    ident: Ident | None = None) -> str | None:
         """None when `name` may be handed to the engine: the file it was when saved or
         downloaded. Otherwise why not (the caller quarantines it). Auto files: a regular
         file whose size is its metadata's, and whose digest is checked again when its
@@ -435,9 +436,11 @@ class Store:
 
         stat_only: decide only what a few lstats and the cached metadata decide (the common
         case: a file unchanged since it was saved or last checked), fast enough for the event
-        loop; → NEEDS_READ when the file itself must be read (a digest, a person's file)."""
+        loop; → NEEDS_READ when the file itself must be read (a digest, a person's file).
+        ident: the file's lstat as the caller took it a moment ago (the restore's, whose
+        quarantine moves only that file); None: taken here."""
         path = self.path / name
-        ident = files.regular_ident(path)
+        ident = ident or files.regular_ident(path)
         if ident is None:
             return f"{name} is missing or not a regular file (a link, a FIFO?)"
         m = AUTO_BIN.match(name)

@@ -229,9 +229,11 @@ class Turn:
         if key is None:
             return None
         if tokens is None and known is not None:
-            # Asked again when the save changed what the slot holds, or the index.
+            # Asked again when the save changed what the slot holds, or the index. A pick that
+            # stands is looked for again (removed meanwhile?) only after a save that ran: a
+            # skipped one took no time since the lookup's own look.
             if before is None or self._sole_inputs(s) != before or \
-                    (pick is not None and self.ctx.index.forget_if_gone(pick[0])):  # removed meanwhile
+                    (pick is not None and not isinstance(step, Skip) and self.ctx.index.forget_if_gone(pick[0])):
                 pick = self._sole(s.view, known)
             if pick is not None:
                 assert sig is not None
