@@ -161,6 +161,7 @@ def exit_after_stop(code: int) -> NoReturn:
     stop already spent. By now the saves are finalized and the uploads drained or left to the
     next start (the bucket lacks them): nothing of ours is left to write. So the logs are
     flushed and the process leaves with os._exit, without that join."""
+    from . import daemon
     from .remote import bucket_threads_alive
 
     alive = bucket_threads_alive()
@@ -168,6 +169,7 @@ def exit_after_stop(code: int) -> NoReturn:
         logging.getLogger("autosessd").warning(
             "stop: %d shared-bucket thread(s) still waiting on the bucket (%s); exiting without them",
             len(alive), ", ".join(sorted(alive)[:4]))
+        daemon.stop_logging()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
