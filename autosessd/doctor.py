@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from . import gguf, slotfile
 from .watch import engine_command
 from .engines.base import EngineError
-from .index import common_prefix, comparable, encode
+from .index import common_prefix, encode
 
 if TYPE_CHECKING:
     from .sessions import Sessions
@@ -299,7 +299,7 @@ async def departures(s: Sessions) -> list[dict[str, Any]]:
             rendered = await chat.apply_template(body)
             toks = await chat.tokenize_pieces(rendered)
             ids = [t for t, _ in toks]
-            at = common_prefix(encode(ids), encode(comparable(header.tokens)))
+            at = common_prefix(encode(ids), header.encoded())
             text = rendered.encode("utf-8", "surrogatepass")
             row["where"] = departure(at, header.n_tokens, len(ids), token_offsets(text, [p for _, p in toks]),
                                      message_spans(text, body.get("messages") or []), s.ctx.swa_window)

@@ -364,7 +364,7 @@ class TokenIndex:
             model, marks = self._meta_facts(name, ident[2])
         elif old is not None and old.ident == ident:
             model = old.model  # learned, and the file is the same one
-        tokens = encode(comparable(header.tokens))
+        tokens = header.encoded()
         return Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=ident,
                      meta_ident=meta_ident, marks=_fitting(marks, tokens))
 
@@ -415,7 +415,7 @@ class TokenIndex:
             with self._lock:
                 old = self._entries.get(name)
             model = old.model if old is not None and old.ident == _ident(st) else None
-        tokens = encode(comparable(header.tokens))
+        tokens = header.encoded()
         entry = Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=_ident(st),
                       meta_ident=meta_ident, marks=_fitting(marks, tokens))
         self._put(entry)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 from . import policy, slotfile
 from .engines.base import EngineError
 from .branches import SavedFile, save_key
-from .index import comparable, encode
 from .keys import chain
 from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
@@ -100,7 +99,7 @@ class Saver:
             return None
         except (slotfile.BadSlotFile, OSError):
             return SavedFile(b"")  # not a state this engine wrote: ours to replace
-        return SavedFile(encode(comparable(header.tokens)), meta.n_prompt if meta else None)
+        return SavedFile(header.encoded(), meta.n_prompt if meta else None)
 
     def writing(self) -> set[str]:
         """Files being finalized (the slot that saved them holds them live)."""
@@ -235,7 +234,7 @@ class Saver:
             log.warning("auto sessions: %s discarded: %s", what, why)
             ctx.events.emit("save_discarded", slot=s.id, key=key, why=why)
             return SaveOutcome.FAILED
-        tokens = encode(comparable(header.tokens)) if header is not None else None
+        tokens = header.encoded() if header is not None else None
         # Where it goes: the header's tokens against the files of its line.
         line: str | None = key
         how = "key"  # an engine whose files do not show their tokens: by the key, as before

@@ -5,6 +5,7 @@ import struct
 
 import pytest
 
+from autosessd import slotfile
 from autosessd.slotfile import BadSlotFile, KVLayout, build, parse_header, read_header, read_layout
 
 
@@ -68,3 +69,18 @@ def test_an_empty_slots_file_tells_only_its_stream_count(tmp_path):
     assert read_layout(p) == KVLayout(4)
     assert KVLayout(4).compatible(KVLayout(4, 0, 3, 1)) and not KVLayout(1).compatible(KVLayout(4))
     assert not KVLayout(1, 0, 3, 1).compatible(KVLayout(1, 0, 3, 8))  # another K cache type
+
+
+@pytest.mark.parametrize("tokens", [[], [5], list(range(1, 3000)), [7, 8, -1, 9], [-1], [0xFFFF, 0xFF00, 3, -1, 4],
+                                    [-256, 255, 1]])
+def test_a_headers_encoded_tokens_are_its_tokens_encoded_up_to_the_first_media_placeholder(tmp_path, tokens):
+    """SlotHeader.encoded: the file's own bytes, as index.encode(index.comparable(tokens)) has
+    them, also where a token's bytes and the next one's hold 0xFF bytes side by side."""
+    from autosessd.index import comparable, encode
+
+    path = tmp_path / "s.bin"
+    path.write_bytes(slotfile.build(tokens, b"state"))
+    header = slotfile.read_header(path)
+    assert header.raw is not None
+    assert header.encoded() == encode(comparable(header.tokens)) == encode(comparable(tokens))
+    assert slotfile.SlotHeader(tuple(tokens)).encoded() == encode(comparable(tokens))  # not read from a file
