@@ -366,3 +366,21 @@ async def test_what_a_turn_says_comes_after_it_in_order_and_no_reader_misses_it(
     types = await switch(B, 50, 40, emit_at_once)
     assert "turn" in types and types.index("turn") < types.index("mark") == len(types) - 1, types
     assert "turn" in await switch(A, 70, 50, lambda: asyncio.sleep(report.LATER_S * 20))
+
+
+async def test_what_the_last_turn_left_to_say_is_said_at_the_stop(tmp_path, caplog, monkeypatch):
+    """A stop within LATER_S of a turn: its restore's log line and events are said by close()."""
+    import logging
+
+    from autosessd import report
+
+    monkeypatch.setattr(report, "LATER_S", 3600.0)  # only the stop can say them
+    caplog.set_level(logging.INFO, "autosessd")
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)
+    async with await s.admit() as t:
+        assert (await s.turn(t, A)).restored is not None  # the stop comes before the request's end
+    await s.close()
+    assert any("restored 50 tokens" in r.getMessage() for r in caplog.records)
+    assert [e["type"] for e in s.events._recent].count("restored") == 1
