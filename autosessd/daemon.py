@@ -106,6 +106,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(d)
 
 
+class _Writer(logging.handlers.QueueListener):
+    """The thread that writes the log. Its stop waits a bounded time for what is queued: a
+    stderr that blocks (a full pipe, a stalled journal) must not hold up the exit."""
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        if self._thread is not None:  # QueueListener's own thread attribute
+            self.enqueue_sentinel()
+            self._thread.join(timeout_s)
+            self._thread = None
+
+
 class _Handoff(logging.handlers.QueueHandler):
     """Hands each record to the writer thread as it is: its message merged now (its
     arguments may change once handed over), formatted there by the stream's own formatter
@@ -116,7 +127,7 @@ class _Handoff(logging.handlers.QueueHandler):
         return record
 
 
-_writer: logging.handlers.QueueListener | None = None
+_writer: _Writer | None = None
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
@@ -136,8 +147,9 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
     stop_logging()
     q: queue.SimpleQueue = queue.SimpleQueue()
-    _writer = logging.handlers.QueueListener(q, stream)
+    _writer = _Writer(q, stream)
     _writer.start()
+    atexit.unregister(stop_logging)  # once, whatever the number of setups
     atexit.register(stop_logging)
     handler = _Handoff(q)
     root = logging.getLogger("autosessd")

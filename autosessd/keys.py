@@ -117,7 +117,7 @@ _SEEN: collections.OrderedDict[tuple, str] = collections.OrderedDict()
 SEEN_KEPT = 256
 _SEEN_LOCK = threading.Lock()  # the tail and the hook may sign from worker threads
 SEEN_MAX_CHARS = 1 << 20  # a message longer than this is digested each time (memory bound)
-SHORT_CHARS = 2048  # a message's text up to this long is its own lookup key
+SHORT_CHARS = 2048  # a message whose fields are each (or, beyond role/content, together) this short is its own key
 
 
 def _text_hash(text: str) -> bytes:

@@ -287,12 +287,13 @@ class Events:
     """Recent events for `events`, and live followers. A follower that falls behind by
     more than its queue is dropped rather than slowing the daemon down.
 
-    What a turn says (its `restored` and `turn` events, the restore's log line: ~0.3 ms on
-    a return, most of it the log line's handler, with caches the engine's work left cold) is
-    said LATER_S after it (soon(), on the loop), when its request is on its way and the engine
-    works on it, instead of before the request is forwarded. Each event has its number and
-    time of when it happened; reading the events, or an event emitted at once, says all that
-    waits first: no reader sees them out of order or misses one."""
+    A turn's `restored` and `turn` events (30-50 us each on a return, cold after the engine's
+    work) are published LATER_S after it (emit_soon, on the loop), when its request is on its
+    way and the engine works on it, instead of before the request is forwarded. Each has the
+    number and time of when it happened; reading the events, emitting one at once, or the
+    stop (Sessions.close) publishes all that waits first: no reader sees them out of order or
+    misses one. Log lines are not deferred (their order with other lines counts): the log's
+    own writer thread keeps their I/O off the loop (daemon.setup_logging)."""
 
     def __init__(self, keep: int = 1000):
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
@@ -316,17 +317,14 @@ class Events:
         """emit, said soon (the class docstring)."""
         self.soon(self._publish, self._event(type_, fields))
 
-    def log_soon(self, logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
-        """logger.log(level, msg, *args), handled soon; the record has the time of now."""
-        if logger.isEnabledFor(level):
-            self.soon(logger.handle, logger.makeRecord(logger.name, level, "(unknown file)", 0, msg, args, None))
-
     def soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """fn(*args) LATER_S from now, in order with what else waits. On the event loop only
+        (the turn's callers): with no loop running (a test calling it directly), now."""
         self._waiting.append((fn, args))
         if self._timer is None:
             try:
                 self._timer = asyncio.get_running_loop().call_later(LATER_S, self.flush)
-            except RuntimeError:  # no loop (a worker thread, a test): said now
+            except RuntimeError:
                 self.flush()
 
     def flush(self) -> None:

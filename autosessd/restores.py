@@ -100,10 +100,7 @@ class Restorer:
         ctx.counters.ms_restored += res.ms
         ctx.savings.saw_restore(res.n_tokens, res.n_bytes, res.ms)
         ctx.histograms.restore.observe(res.ms / 1000)
-        # Said once the request is on its way (Events.soon): the log line alone costs more here
-        # than the rest of the turn's own steps after the engine's answer.
-        ctx.events.log_soon(log, logging.INFO, "auto sessions: restored %s tokens from %s in %.0f ms",
-                            fmt_tokens(res.n_tokens), name, ms)
+        log.info("auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens), name, ms)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
         ctx.events.emit_soon("restored", slot=s.id, **info)

@@ -438,9 +438,10 @@ class Store:
         case: a file unchanged since it was saved or last checked), fast enough for the event
         loop; → NEEDS_READ when the file itself must be read (a digest, a person's file).
         ident: the file's lstat as the caller took it a moment ago (the restore's, whose
-        quarantine moves only that file); None: taken here."""
+        quarantine moves only that file); None: not given, taken here."""
         path = self.path / name
-        ident = ident or files.regular_ident(path)
+        if ident is None:
+            ident = files.regular_ident(path)
         if ident is None:
             return f"{name} is missing or not a regular file (a link, a FIFO?)"
         m = AUTO_BIN.match(name)

@@ -230,8 +230,10 @@ class Turn:
             return None
         if tokens is None and known is not None:
             # Asked again when the save changed what the slot holds, or the index. A pick that
-            # stands is looked for again (removed meanwhile?) only after a save that ran: a
-            # skipped one took no time since the lookup's own look.
+            # stands is looked for on disk again (removed meanwhile?) only after a save that ran:
+            # a skip decided at once adds no time since the lookup's own look, and one that first
+            # waited for finalizes (Saver.settled) changed the files being written, so the
+            # inputs differ and the lookup runs again.
             if before is None or self._sole_inputs(s) != before or \
                     (pick is not None and not isinstance(step, Skip) and self.ctx.index.forget_if_gone(pick[0])):
                 pick = self._sole(s.view, known)

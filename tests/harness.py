@@ -28,6 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_text(path: Path, quiet_s: float = 0.02, bound_s: float = 2.0) -> str:
+    """A daemon's log once its writer has caught up. The daemon writes its log from a thread
+    of its own (daemon.setup_logging), so a line logged just before an answer may land a
+    moment after the client has it: read until two reads quiet_s apart agree (bound_s at most)."""
+    deadline = time.monotonic() + bound_s
+    text = path.read_text()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = path.read_text()
+        if again == text:
+            break
+        text = again
+    return text
+
+
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
     """Poll pred() until it returns something truthy, or fail after timeout."""
     deadline = time.monotonic() + timeout
@@ -223,7 +238,7 @@ class Daemon:
             return json.load(r)
 
     def logtext(self) -> str:
-        return self.log.read_text()
+        return log_text(self.log)
 
 
 class FakeEngine:

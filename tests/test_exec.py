@@ -17,7 +17,7 @@ import pytest
 from autosessd.child import ExecError, parse_command
 from autosessd.keys import conversation_key
 from fake_engine import answer_for
-from harness import ROOT, chat_body, free_port, wait_until
+from harness import ROOT, chat_body, free_port, log_text, wait_until
 
 FAKE = [sys.executable, str(ROOT / "tests" / "fake_engine.py")]
 A = chat_body("conversation A " * 120)
@@ -145,7 +145,7 @@ class Exec:
         return "autosessd ready" in self.logtext()
 
     def logtext(self) -> str:
-        return self.log.read_text()
+        return log_text(self.log)
 
     def chat(self, body: dict) -> dict:
         req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),

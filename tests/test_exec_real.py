@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from harness import chat_body, engine_paths, free_port, long_text, wait_until
+from harness import chat_body, engine_paths, free_port, log_text, long_text, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -76,7 +76,7 @@ class SwapStandIn:
         self.proc, self.running = None, None
 
     def logtext(self, name: str | None = None) -> str:
-        return (self.tmp / f"{name or self.running}.log").read_text()
+        return log_text(self.tmp / f"{name or self.running}.log")
 
     def turn(self, conv: list[dict]) -> dict:
         """One turn of a conversation (its messages so far): the answer, and the messages

@@ -72,3 +72,12 @@ def test_a_json_line_keeps_its_message_and_traceback_apart(stuck, monkeypatch):
     line = json.loads("".join(stuck.text).strip())
     assert line["level"] == "error" and line["msg"] == "auto sessions: ['first']"
     assert "ValueError: boom" in line["exc"]
+
+
+def test_the_stop_does_not_wait_for_ever_on_a_stderr_that_blocks(stuck, monkeypatch):
+    setup(stuck, "text", monkeypatch)
+    logging.getLogger("autosessd").warning("auto sessions: stuck")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (daemon.stop_logging(), done.set()), daemon=True)
+    t.start()
+    assert done.wait(8), "stop_logging waited on a blocked stderr"  # its bound is 2 s; the write waits 10
