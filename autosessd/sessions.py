@@ -415,7 +415,6 @@ class Sessions:
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.savings.flush, self.counters)
         self.launch.close()
         self._turn.close()
-        self.ctx.events.flush()  # what the last turn left to say (Events.soon), before the loop ends
 
     async def save_idle_now(self, capped: bool = False) -> list[dict[str, Any]]:
         """Every idle slot's conversation worth a save, saved now (idle.IdleSaver.save_now): for

@@ -149,6 +149,7 @@ class Turn:
         for task in list(self._learning):
             task.cancel()
         self.recall.close()
+        self.ctx.events.flush()  # the last turn's events (Events.soon), before the loop ends
 
     def _learn_prompt(self, s: Slot, key: str | None, body: dict[str, Any]) -> None:
         """A hook request that went on from the held one was let through without its tokens,
