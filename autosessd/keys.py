@@ -143,12 +143,7 @@ def _seen_key(m: dict) -> tuple | None:
         return None
     if size <= SHORT_CHARS:
         return ("f", *items)
-    h = xxhash.xxh3_128()
-    for _, v in items:
-        b = v.encode("utf-8", "surrogatepass")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return ("f#", tuple(k for k, _ in items), h.digest())
+    return ("f#", tuple(k for k, _ in items), *(_text_hash(v) for _, v in items))
 
 
 def _message_digest(m: dict) -> str:
