@@ -84,7 +84,7 @@ def autosessd_main() -> None:
 def run(config_path: str | None, log_level: str, log_format: str, exec_: bool, exec_log: str | None,
         command: tuple[str, ...], **flags: Any) -> None:
     """Run the daemon in the foreground."""
-    from . import daemon
+    from . import daemon, logs
 
     overrides = {RUN_FLAGS[k]: v for k, v in flags.items() if v is not None}
     child = None
@@ -93,7 +93,7 @@ def run(config_path: str | None, log_level: str, log_format: str, exec_: bool, e
     cfg = _load_or_exit(config_path, overrides)
     if child is not None:
         child = _exec_child(cfg, child, exec_log)
-    daemon.setup_logging(log_level, log_format)
+    logs.setup_logging(log_level, log_format)
     exit_after_stop(daemon.run(cfg, config_path, overrides, child))
 
 
@@ -161,7 +161,7 @@ def exit_after_stop(code: int) -> NoReturn:
     stop already spent. By now the saves are finalized and the uploads drained or left to the
     next start (the bucket lacks them): nothing of ours is left to write. So the logs are
     flushed and the process leaves with os._exit, without that join."""
-    from . import daemon
+    from . import logs
     from .remote import bucket_threads_alive
 
     alive = bucket_threads_alive()
@@ -169,7 +169,7 @@ def exit_after_stop(code: int) -> NoReturn:
         logging.getLogger("autosessd").warning(
             "stop: %d shared-bucket thread(s) still waiting on the bucket (%s); exiting without them",
             len(alive), ", ".join(sorted(alive)[:4]))
-        daemon.stop_logging()
+        logs.stop_logging()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

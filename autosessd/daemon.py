@@ -27,19 +27,15 @@ Signal handlers only set state (initiate_shutdown); the work happens in run().
 from __future__ import annotations
 
 import asyncio
-import atexit
-import json
 import logging
-import logging.handlers
 import os
-import queue
 import signal
 import socket
-import sys
 import time
 from typing import Any, Protocol
 
 from . import config as config_mod
+from .logs import stop_logging
 from .checks import (Checked, StartupError, check_engine, check_store, empties_idle_slots, probe_save,
                      router_refusals, warn_empties_idle)
 from .child import EngineChild, ExecError, check_free, describe_exit
@@ -95,80 +91,6 @@ def sd_notify(message: str) -> None:
             s.sendall(message.encode())
     except OSError as e:
         log.debug("sd_notify failed: %s", e)
-
-
-# -- logging ------------------------------------------------------------------------
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        d = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
-        if record.exc_info:
-            d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d)
-
-
-class _Writer(logging.handlers.QueueListener):
-    """The thread that writes the log. Its stop waits a bounded time for what is queued: a
-    stderr that blocks (a full pipe, a stalled journal) must not hold up the exit."""
-
-    def stop(self, timeout_s: float = 2.0) -> None:
-        if self._thread is not None:  # QueueListener's own thread attribute
-            self.enqueue_sentinel()
-            self._thread.join(timeout_s)
-            self._thread = None
-
-
-class _Handoff(logging.handlers.QueueHandler):
-    """Hands each record to the writer thread as it is: its message merged now (its
-    arguments may change once handed over), formatted there by the stream's own formatter
-    (QueueHandler.prepare would format it here, once more)."""
-
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        record.msg, record.args = record.getMessage(), None
-        return record
-
-
-_writer: _Writer | None = None
-
-
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
-    """The daemon's log on stderr, written by a thread of its own (the logging cookbook's
-    "Dealing with handlers that block"): the event loop never waits for it. A write to a
-    file can stall for milliseconds while the kernel writes back a big save's dirty pages
-    (7 ms for one line in the bench's 21k switch, on the request's path)."""
-    global _writer
-    # What no line of ours shows, not gathered for every record (the logging HOWTO's
-    # "Optimization"): a turn logs on the request's path, and each costs a quarter less.
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging._srcfile = None  # no caller's file and line: no stack walk per record
-    stream = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        stream.setFormatter(JsonFormatter())
-    else:
-        stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
-    stop_logging()
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    _writer = _Writer(q, stream)
-    _writer.start()
-    atexit.unregister(stop_logging)  # once, whatever the number of setups
-    atexit.register(stop_logging)
-    handler = _Handoff(q)
-    root = logging.getLogger("autosessd")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
-    # aiohttp reports connection trouble on its own loggers: same handler, warnings and up.
-    aio = logging.getLogger("aiohttp")
-    aio.handlers[:] = [handler]
-    aio.setLevel(logging.WARNING)
-    aio.propagate = False
-
-
-def stop_logging() -> None:
-    """Write what the log's queue holds and stop its writer (before the process leaves)."""
-    global _writer
-    if _writer is not None:
-        writer, _writer = _writer, None
-        writer.stop()
 
 
 # -- the daemon ---------------------------------------------------------------------

@@ -292,8 +292,8 @@ class Events:
     way and the engine works on it, instead of before the request is forwarded. Each has the
     number and time of when it happened; reading the events, emitting one at once, or the
     stop (Sessions.close) publishes all that waits first: no reader sees them out of order or
-    misses one. Log lines are not deferred (their order with other lines counts): the log's
-    own writer thread keeps their I/O off the loop (daemon.setup_logging)."""
+    misses one. The turn's log lines wait as long, in order with every other line
+    (logs.soon)."""
 
     def __init__(self, keep: int = 1000):
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)

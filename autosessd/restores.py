@@ -26,7 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from . import files, slotfile
+from . import files, logs, slotfile
 from .engines.base import EngineError, EngineRefused
 from .policy import Occasion
 from .report import TurnResult, fmt_tokens
@@ -100,7 +100,8 @@ class Restorer:
         ctx.counters.ms_restored += res.ms
         ctx.savings.saw_restore(res.n_tokens, res.n_bytes, res.ms)
         ctx.histograms.restore.observe(res.ms / 1000)
-        log.info("auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens), name, ms)
+        logs.soon(log, logging.INFO, "auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens),
+                  name, ms)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
         ctx.events.emit_soon("restored", slot=s.id, **info)

@@ -32,7 +32,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
-from . import policy, slotfile
+from . import logs, policy, slotfile
 from .engines.base import EngineError
 from .branches import SavedFile, save_key
 from .keys import chain
@@ -288,9 +288,9 @@ class Saver:
         c.ms_saved += res.ms
         ctx.savings.saw_save(res.n_tokens, res.n_bytes, res.ms)
         ctx.histograms.save.observe(res.ms / 1000)
-        log.info("auto sessions: saved %s tokens (%s) to %s in %.0f ms%s", fmt_tokens(res.n_tokens),
-                 fmt_bytes(res.n_bytes), final, ms,
-                 f" (conversation {key}: {how})" if how not in ("key", "new", "extends") else "")
+        logs.soon(log, logging.INFO, "auto sessions: saved %s tokens (%s) to %s in %.0f ms%s",
+                  fmt_tokens(res.n_tokens), fmt_bytes(res.n_bytes), final, ms,
+                  f" (conversation {key}: {how})" if how not in ("key", "new", "extends") else "")
         info = {"key": key, "file": final, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2), "named": how}
         ctx.events.emit("saved", slot=s.id, **info)

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 def log_text(path: Path, quiet_s: float = 0.02, bound_s: float = 2.0) -> str:
     """A daemon's log once its writer has caught up. The daemon writes its log from a thread
-    of its own (daemon.setup_logging), so a line logged just before an answer may land a
+    of its own (logs.setup_logging), so a line logged just before an answer may land a
     moment after the client has it: read until two reads quiet_s apart agree (bound_s at most)."""
     deadline = time.monotonic() + bound_s
     text = path.read_text()

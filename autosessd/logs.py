@@ -1,0 +1,156 @@
+"""The daemon's log: records go to stderr through a thread of its own, and a turn's lines
+are built a moment after it.
+
+A write to stderr can stall for milliseconds (a file while the kernel writes back a big
+save's dirty pages: 7 ms for one line in the bench's 21k switch, on the request's path),
+so records are handed to a writer thread (the logging cookbook's "Dealing with handlers
+that block") and the event loop never waits for it.
+
+Building a record costs too: ~0.2 ms for one line on a CPU that has just woken from the
+engine's restore (the bench's VM; 5 us hot), more than any other step of the turn that
+switches back. A turn logs its save and its restore with `soon`: the record is built
+LATER_S after the call, when the request is on its way to the engine, with the time of the
+call. Order is kept: a record logged meanwhile, by any code, first writes what waits; the
+stop writes it too. Without setup_logging (a test's own handlers), `soon` logs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import json
+import logging
+import logging.handlers
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+LATER_S = 0.001  # a turn's lines are built this long after it, once its request is on its way
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d)
+
+
+class _Writer(logging.handlers.QueueListener):
+    """The thread that writes the log. Its stop waits a bounded time for what is queued: a
+    stderr that blocks (a full pipe, a stalled journal) must not hold up the exit."""
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        if self._thread is not None:  # QueueListener's own thread attribute
+            self.enqueue_sentinel()
+            self._thread.join(timeout_s)
+            self._thread = None
+
+
+class _Handoff(logging.handlers.QueueHandler):
+    """Hands each record to the writer thread as it is: its message merged now (its
+    arguments may change once handed over), formatted there by the stream's own formatter
+    (QueueHandler.prepare would format it here, once more). What `soon` holds goes first."""
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if _later:
+            flush()
+        return super().handle(record)
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record.msg, record.args = record.getMessage(), None
+        return record
+
+
+_writer: _Writer | None = None
+# What `soon` holds: (logger, level, msg, args, time said), in order.
+_later: collections.deque[tuple[logging.Logger, int, str, tuple[Any, ...], float]] = collections.deque()
+_flushing = threading.Lock()  # one writer of what waits at a time: it keeps its order
+_here = threading.local()  # .busy: this thread writes what waits (its records pass _Handoff.handle)
+_timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    """The daemon's log on stderr, written by a thread of its own (the module docstring)."""
+    global _writer
+    # What no line of ours shows, not gathered for every record (the logging HOWTO's
+    # "Optimization"): a turn logs on the request's path, and each costs a quarter less.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging._srcfile = None  # no caller's file and line: no stack walk per record
+    stream = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        stream.setFormatter(JsonFormatter())
+    else:
+        stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+    stop_logging()
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    _writer = _Writer(q, stream)
+    _writer.start()
+    atexit.unregister(stop_logging)  # once, whatever the number of setups
+    atexit.register(stop_logging)
+    handler = _Handoff(q)
+    root = logging.getLogger("autosessd")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+    # aiohttp reports connection trouble on its own loggers: same handler, warnings and up.
+    aio = logging.getLogger("aiohttp")
+    aio.handlers[:] = [handler]
+    aio.setLevel(logging.WARNING)
+    aio.propagate = False
+
+
+def stop_logging() -> None:
+    """Write what waits and what the log's queue holds, and stop its writer (before the
+    process leaves)."""
+    global _writer
+    flush()
+    if _writer is not None:
+        writer, _writer = _writer, None
+        writer.stop()
+
+
+def soon(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
+    """logger.log(level, msg, *args), its record built LATER_S from now on the running event
+    loop, in order with every other record (the module docstring). args: values that do not
+    change (the message is merged when the record is built)."""
+    global _timer
+    if _writer is None:
+        logger.log(level, msg, *args)
+        return
+    if not logger.isEnabledFor(level):
+        return
+    _later.append((logger, level, msg, args, time.time()))
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        flush()
+        return
+    if _timer is None or _timer[0] is not loop or _timer[1].cancelled():
+        _timer = (loop, loop.call_later(LATER_S, _timed))
+
+
+def _timed() -> None:
+    global _timer
+    _timer = None
+    flush()
+
+
+def flush() -> None:
+    """Log what `soon` holds, in order, each with the time it was said."""
+    if getattr(_here, "busy", False):
+        return  # a record of what waits, passing _Handoff.handle: the loop below writes the rest
+    with _flushing:
+        _here.busy = True
+        try:
+            while _later:
+                logger, level, msg, args, said = _later.popleft()
+                record = logger.makeRecord(logger.name, level, "(unknown file)", 0, msg, args, None)
+                record.created = said
+                record.msecs = (said - int(said)) * 1000
+                logger.handle(record)
+        finally:
+            _here.busy = False
