@@ -21,7 +21,8 @@ pytestmark = pytest.mark.engine
 TOPICS = ["box", "jar", "cup", "crate", "bag", "tin", "bowl", "vase"]
 CONVS = [chat_body(long_text(88, t) + f"\nHow many marbles are in the {t} number 3?", max_tokens=6)
          for t in TOPICS]  # ~1,550 tokens each
-KEYS = [conversation_key(c) for c in CONVS]
+# Where what is checked does not depend on the size (the engine's defaults): ~530 tokens each.
+SHORT = [chat_body(long_text(30, t) + f"\nHow many marbles are in the {t} number 3?", max_tokens=6) for t in TOPICS]
 
 
 def post(base, body, timeout=600):
@@ -37,11 +38,12 @@ def rotation(base, convs, clients=4):
         return list(pool.map(lambda c: post(base, c), convs))
 
 
-def assert_files_hold_their_own_conversation(eng, session_dir):
+def assert_files_hold_their_own_conversation(eng, session_dir, convs=CONVS):
+    keys = [conversation_key(c) for c in convs]
     for p in session_dir.glob("auto-*.bin"):
         tokens = list(slotfile.read_header(p).tokens)
         text = eng.post("/detokenize", {"tokens": tokens})["content"]
-        mine = TOPICS[KEYS.index(p.name[5:21])]
+        mine = TOPICS[keys.index(p.name[5:21])]
         assert f"the red {mine} number 0" in text, f"{p.name} does not hold the {mine} conversation"
         assert not [t for t in TOPICS if t != mine and f" {t} number " in text], f"{p.name} holds another"
 
@@ -78,13 +80,13 @@ def test_engine_defaults_that_empty_idle_slots_are_named_and_answers_stay_right(
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
         assert "empties idle slots whenever a request starts" in d.logtext()
-        first = rotation(d.gate_url, CONVS)
-        second = rotation(d.gate_url, CONVS)
+        first = rotation(d.gate_url, SHORT)
+        second = rotation(d.gate_url, SHORT)
         for a, b in zip(first, second):
             assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
         st = d.status()
         assert st["counters"]["restore_failures"] == 0 and st["counters"]["saves"] >= 4
-        assert_files_hold_their_own_conversation(eng, session_dir)
+        assert_files_hold_their_own_conversation(eng, session_dir, SHORT)
     finally:
         d.stop()
 
@@ -170,18 +172,18 @@ def test_sigterm_with_four_held_then_restart_restores_each(engines, session_dir,
     eng = engines(session_dir, slots=4)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        first = rotation(d.gate_url, CONVS[:4])
+        first = rotation(d.gate_url, SHORT[:4])
         assert len({s["held"] for s in d.status()["slots"]}) == 4
     finally:
         assert d.stop(signal.SIGTERM) == 0
-    assert {p.name[5:21] for p in session_dir.glob("auto-*.bin")} == set(KEYS[:4])
+    assert {p.name[5:21] for p in session_dir.glob("auto-*.bin")} == {conversation_key(c) for c in SHORT[:4]}
     eng.restart()
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
-        again = rotation(d.gate_url, [going_on(c, a, "And in number 4?") for c, a in zip(CONVS, first)])
+        again = rotation(d.gate_url, [going_on(c, a, "And in number 4?") for c, a in zip(SHORT, first)])
         for b in again:
             assert b["timings"]["cache_n"] >= 0.9 * b["usage"]["prompt_tokens"]
-        assert_files_hold_their_own_conversation(eng, session_dir)
+        assert_files_hold_their_own_conversation(eng, session_dir, SHORT)
     finally:
         d.stop()
 
