@@ -652,12 +652,14 @@ def main() -> int:
     dest = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-{socket.gethostname()}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     for r in results["scenarios"].values():
-        r["run_started"] = results["date"]
+        r["run_started"], r["reps"] = results["date"], REPS
     if dest.exists() and args.only != ",".join(SCENARIOS):
-        # A partial run updates its scenarios in the day's file; each keeps the time of its run.
+        # A partial run updates its scenarios in the day's file; each keeps the time and the
+        # repetitions of its run (the file's own "date" and "reps" are its first run's).
         merged = json.loads(dest.read_text())
         for r in merged["scenarios"].values():
             r.setdefault("run_started", merged["date"])
+            r.setdefault("reps", merged["reps"])
         merged["scenarios"].update(results["scenarios"])
         results = {**merged, "machine": results["machine"]}
     dest.write_text(json.dumps(results, indent=1))
