@@ -10,8 +10,8 @@ Building a record costs too: ~0.2 ms for one line on a CPU that has just woken f
 engine's restore (the bench's VM; 5 us hot), more than any other step of the turn that
 switches back. A turn logs its save and its restore with `soon`: the record is built
 LATER_S after the call, when the request is on its way to the engine, with the time of the
-call. Order is kept: a record logged meanwhile, by any code, first writes what waits; the
-stop writes it too. Without setup_logging (a test's own handlers), `soon` logs at once.
+call. Order is kept: a record logged meanwhile through the daemon's handler (autosessd's
+loggers, aiohttp's warnings), on any thread, first writes what waits; the stop writes it too. Without setup_logging (a test's own handlers), `soon` logs at once.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class _Handoff(logging.handlers.QueueHandler):
     (QueueHandler.prepare would format it here, once more). What `soon` holds goes first."""
 
     def handle(self, record: logging.LogRecord) -> bool:
-        if _later:
-            flush()
+        if _later or _flushing.locked():  # locked: another thread writes what waits; after it
+            flush(timeout_s=2.0)
         return super().handle(record)
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
@@ -107,7 +107,7 @@ def stop_logging() -> None:
     """Write what waits and what the log's queue holds, and stop its writer (before the
     process leaves)."""
     global _writer
-    flush()
+    flush(timeout_s=2.0)  # as bounded as the writer's stop: a flusher may be stuck on stderr
     if _writer is not None:
         writer, _writer = _writer, None
         writer.stop()
@@ -119,7 +119,7 @@ def soon(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
     change (the message is merged when the record is built)."""
     global _timer
     if _writer is None:
-        logger.log(level, msg, *args)
+        logger.log(level, msg, *args, stacklevel=2)
         return
     if not logger.isEnabledFor(level):
         return
@@ -139,18 +139,34 @@ def _timed() -> None:
     flush()
 
 
-def flush() -> None:
-    """Log what `soon` holds, in order, each with the time it was said."""
+def flush(timeout_s: float | None = None) -> None:
+    """Log what `soon` holds, in order, each with the time it was said. A record stays first
+    in line until it is handed on: a thread that logs meanwhile waits for it (_Handoff)."""
+    global _timer
     if getattr(_here, "busy", False):
         return  # a record of what waits, passing _Handoff.handle: the loop below writes the rest
-    with _flushing:
-        _here.busy = True
-        try:
-            while _later:
-                logger, level, msg, args, said = _later.popleft()
-                record = logger.makeRecord(logger.name, level, "(unknown file)", 0, msg, args, None)
+    if not _flushing.acquire(timeout=-1 if timeout_s is None else timeout_s):
+        return
+    _here.busy = True
+    try:
+        while _later:
+            logger, level, msg, args, said = _later[0]
+            try:
+                record = logger.makeRecord(logger.name, level, "(unknown file)", 0, msg, args, None,
+                                           "(unknown function)")
                 record.created = said
-                record.msecs = (said - int(said)) * 1000
+                record.msecs = int((said - int(said)) * 1000) + 0.0
+                record.relativeCreated = (said - logging._startTime) * 1000
                 logger.handle(record)
-        finally:
-            _here.busy = False
+            finally:
+                _later.popleft()
+    finally:
+        _here.busy = False
+        _flushing.release()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    if _timer is not None and _timer[0] is running:  # what waits is written: the next line waits LATER_S
+        _timer[1].cancel()
+        _timer = None

@@ -99,26 +99,61 @@ def test_a_turns_line_is_built_after_the_turn_in_its_place_with_its_own_time(stu
     make = logging.Logger.makeRecord
     monkeypatch.setattr(logging.Logger, "makeRecord", lambda self, *a, **k: built.append(a[4]) or make(self, *a, **k))
     log = logging.getLogger("autosessd.restores")
+    monkeypatch.setattr(logs, "LATER_S", 0.15)  # wide enough to tell on a loaded machine
 
     async def turn():
         logs.soon(log, logging.INFO, "auto sessions: restored %s tokens", "21k")
         assert built == []  # nothing built on the request's path
-        time.sleep(0.05)  # the loop busy: the line waits
+        time.sleep(0.2)  # the loop busy: the line waits
         logging.getLogger("autosessd.gate").warning("auto sessions: later")
         logs.soon(log, logging.INFO, "auto sessions: restored %s tokens", "5k")
-        await asyncio.sleep(0.05)  # the loop free: the line is written LATER_S after
+        await asyncio.sleep(0.05)
+        assert len(built) == 2  # a line said after a flush waits its own LATER_S, not the first's
+        await asyncio.sleep(0.2)  # the loop free: the line is written LATER_S after
         assert len(built) == 3
         logs.soon(log, logging.INFO, "auto sessions: said at the stop")
+        logs.stop_logging()  # the loop's last moment: its timer never fires
 
     asyncio.run(turn())
-    logs.stop_logging()
     got = lines(stuck)
     assert [x["msg"] for x in got] == ["auto sessions: restored 21k tokens", "auto sessions: later",
                                        "auto sessions: restored 5k tokens", "auto sessions: said at the stop"]
-    assert got[1]["ts"] - got[0]["ts"] >= 0.04  # the time it was said, not when it was built
+    assert got[1]["ts"] - got[0]["ts"] >= 0.15  # the time it was said, not when it was built
 
 
 def test_without_the_daemons_log_a_line_said_soon_is_logged_at_once(caplog):
     caplog.set_level(logging.INFO, "autosessd")
     logs.soon(logging.getLogger("autosessd.saves"), logging.INFO, "auto sessions: saved %s", "it")
     assert "auto sessions: saved it" in caplog.text
+
+
+def test_a_line_said_soon_stays_first_while_another_thread_writes_it(stuck, monkeypatch):
+    """A worker thread (a save's finalize) that logs flushes what waits; the loop's next line,
+    logged while that thread is still building the waiting one, comes after it."""
+    setup(stuck, "json", monkeypatch)
+    stuck.go.set()
+    log = logging.getLogger("autosessd.saves")
+    inside, go_on = threading.Event(), threading.Event()
+    make = logging.Logger.makeRecord
+
+    def slow(self, *a, **k):
+        if a[4].startswith("said first") and threading.current_thread() is not threading.main_thread():
+            inside.set()
+            go_on.wait(5)
+        return make(self, *a, **k)
+
+    monkeypatch.setattr(logging.Logger, "makeRecord", slow)
+
+    async def turn():
+        logs.soon(log, logging.INFO, "said first")
+        worker = threading.Thread(target=lambda: log.info("the worker's line"))
+        worker.start()
+        assert inside.wait(5)
+        threading.Timer(0.1, go_on.set).start()
+        log.info("said second")  # waits for the worker's flush
+        worker.join()
+
+    asyncio.run(turn())
+    logs.stop_logging()
+    msgs = [x["msg"] for x in lines(stuck)]
+    assert msgs[0] == "said first" and set(msgs[1:]) == {"said second", "the worker's line"}, msgs
