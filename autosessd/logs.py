@@ -11,7 +11,9 @@ engine's restore (the bench's VM; 5 us hot), more than any other step of the tur
 switches back. A turn logs its save and its restore with `soon`: the record is built
 LATER_S after the call, when the request is on its way to the engine, with the time of the
 call. Order is kept: a record logged meanwhile through the daemon's handler (autosessd's
-loggers, aiohttp's warnings), on any thread, first writes what waits; the stop writes it too. Without setup_logging (a test's own handlers), `soon` logs at once.
+loggers, aiohttp's warnings), on any thread, first writes what waits; the stop writes it
+too. Without setup_logging (a test's own handlers), `soon` logs at once. (report.Events
+defers a turn's events the same way; its readers, not a log handler, publish what waits.)
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def soon(logger: logging.Logger, level: int, msg: str, *args: Any) -> None:
     except RuntimeError:
         flush()
         return
-    if _timer is None or _timer[0] is not loop or _timer[1].cancelled():
+    if _timer is None or _timer[0] is not loop:  # none set, or one on a loop that has ended
         _timer = (loop, loop.call_later(LATER_S, _timed))
 
 
