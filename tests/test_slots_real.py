@@ -19,10 +19,16 @@ from harness import Daemon, chat_body, going_on, long_text
 pytestmark = pytest.mark.engine
 
 TOPICS = ["box", "jar", "cup", "crate", "bag", "tin", "bowl", "vase"]
-CONVS = [chat_body(long_text(88, t) + f"\nHow many marbles are in the {t} number 3?", max_tokens=6)
-         for t in TOPICS]  # ~1,550 tokens each
-# Where what is checked does not depend on the size (the engine's defaults): ~530 tokens each.
-SHORT = [chat_body(long_text(30, t) + f"\nHow many marbles are in the {t} number 3?", max_tokens=6) for t in TOPICS]
+
+
+def conversations(n_facts: int) -> list[dict]:
+    """One conversation a topic, of ~17 tokens a fact."""
+    return [chat_body(long_text(n_facts, t) + f"\nHow many marbles are in the {t} number 3?", max_tokens=6)
+            for t in TOPICS]
+
+
+CONVS = conversations(88)  # ~1,550 tokens each
+SHORT = conversations(30)  # ~530 each: where what is checked does not depend on the size
 
 
 def post(base, body, timeout=600):
