@@ -126,8 +126,15 @@ def test_a_request_of_several_tasks_runs_where_the_engine_puts_them(engines, ses
     """A batch of prompts, or n_cmpl > 1, runs as several tasks on slots of the engine's
     choosing. Pinned to one slot they ran there one after another, each reusing the one before,
     and the two answers of one prompt differed (llama.cpp's test_completion_with_tokens_input,
-    through the gate). Run unplaced, they answer as the engine alone does, and a conversation
-    whose slot they took is restored, not trusted, on its next request."""
+    through the gate). Run unplaced, the engine spreads them over its slots, and a conversation
+    whose slot they took is restored, not trusted, on its next request.
+
+    The batch's two answers are not compared: the engine's greedy answer to a prompt depends on
+    what its slot held before (a reused prefix is computed in other batches, and llama.cpp is
+    not batch-invariant). On an AMD EPYC machine the engine alone answered the batch alike only
+    while both slots started out alike; through the gate, which places the chat before it on
+    another slot than the engine would, one of the two read one token less and answered
+    otherwise. n_cmpl's children copy their parent's state, so those answers are compared."""
     eng = engines(session_dir, slots=2, extra=["--temp", "0"])
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
@@ -135,7 +142,7 @@ def test_a_request_of_several_tasks_runs_where_the_engine_puts_them(engines, ses
         a = post(d.gate_url, CONVS[0])
         eng.post("/completion", {"prompt": tokens, "n_predict": 32}, base=d.gate_url)
         batch = eng.post("/completion", {"prompt": [tokens, tokens], "n_predict": 32}, base=d.gate_url)
-        assert len(batch) == 2 and batch[0]["content"] == batch[1]["content"]
+        assert len(batch) == 2 and {x["id_slot"] for x in batch} == {0, 1}, batch
         twice = eng.post("/completion", {"prompt": tokens, "n_predict": 32, "n_cmpl": 2}, base=d.gate_url)
         assert len(twice) == 2 and twice[0]["content"] == twice[1]["content"]
         back = post(d.gate_url, going_on(CONVS[0], a))
