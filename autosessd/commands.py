@@ -70,17 +70,19 @@ class Commands:
         if is_key(what):
             key: str | None = what
             name = auto_name(what)
-            meta = ctx.store.read_meta(what)
-            if meta is None:
+            if ctx.store.read_meta(what) is None:
                 raise StoreError(f"no session {name} in {ctx.store.path}")
-            if meta.model != ctx.model:
-                raise StoreError(f"{name} was saved for another model ({meta.model}, engine has {ctx.model})")
         else:
             key, name = None, manual_name(what)
             if not (ctx.store.path / name).is_file():
                 raise StoreError(f"no session {name} in {ctx.store.path}")
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
+            if not await ctx.facts.ready(s.id):  # the model checked below is the engine's now
+                raise StoreError(f"not now: {ctx.facts.off or 'the engine restarted and does not answer yet'}")
+            meta = ctx.store.read_meta(what) if key is not None else None
+            if meta is not None and meta.model != ctx.model:
+                raise StoreError(f"{name} was saved for another model ({meta.model}, engine has {ctx.model})")
             if not await self.observer.observe(s):
                 raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
             res = TurnResult(key=key)
@@ -144,8 +146,8 @@ class Commands:
         file_key = file_key or key
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
-            if not s.at_rest():
-                return False  # the log shows a request on it
+            if not s.at_rest() or not await ctx.facts.ready(s.id):
+                return False  # the log shows a request on it; the engine's facts are not known (facts.py)
             file = await self.saver.wait_file(file_key)
             step = policy.plan_restore(None, file_key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,
                                        ctx.engine_layout)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .config import Config
 from .engines.base import ChatEngine, Engine
+from .facts import EngineFacts
 from .report import Counters, Events, Histograms, RestoreLog
 from .savings import Savings
 from .store import Store
@@ -46,11 +47,16 @@ class Context:
     # leave written K/V behind that spoils later completions until the engine restarts
     # (llama.cpp #27068). {"at", "file", "error"}; cleared when the engine restarts.
     suspect: dict | None = None
+    # Whether the facts above are the engine's since its last restart (facts.py).
+    facts: EngineFacts = field(init=False)
     counters: Counters = field(default_factory=Counters)
     events: Events = field(default_factory=Events)
     restore_log: RestoreLog = field(default_factory=RestoreLog)
     histograms: Histograms = field(default_factory=Histograms)
     savings: Savings = field(default_factory=Savings)  # the engine's rates; what was spared
+
+    def __post_init__(self) -> None:
+        self.facts = EngineFacts(self)
 
     @property
     def chat(self) -> ChatEngine | None:

@@ -236,6 +236,8 @@ def show_status(st: dict[str, Any]) -> str:
         latest = q["latest"][0]
         out.append(f"warning   {q['files']:,} session file(s) moved aside ({gb(q['bytes'])}, "
                    f"{store['path']}/.autosessd-quarantine): the latest, {latest['name']}: {latest['why']}")
+    if e.get("saving_off"):
+        out.append(f"warning   no saves or restores: {e['saving_off']} (until the engine restarts again)")
     if e.get("suspect"):
         out.append(f"warning   the engine refused the restore of {e['suspect']['file']} "
                    f"{when(e['suspect']['at'])}: it may hold spoiled state until it restarts (llama.cpp #27068)")

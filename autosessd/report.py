@@ -144,6 +144,9 @@ class Counters:
     engine_sleeps: int = _counter("engine_sleeps_total", "Times the engine was seen asleep, its slots emptied")
     restores_after_sleep: int = _counter("restores_after_sleep_total",
                                          "Restores into a slot the engine's sleep had emptied")
+    engine_changes: int = _counter("engine_changes_total",
+                                   "Engine restarts that came back with another model, chat template, context "
+                                   "size or KV layout (files of the old one are not restored into it)")
     restores_refused: int = _counter("restores_refused_total",
                                      "Restores refused before the engine saw the file: not whole, or it cannot fit")
     quarantined: int = _counter("quarantined_files_total",
@@ -390,6 +393,7 @@ def status(s: Sessions) -> dict[str, Any]:
         "engine": {"kind": s.engine.kind, "url": s.engine.address, "healthy": s.engine_healthy,
                    "model": s.model_name, "model_fingerprint": s.model, "slots": len(s.slots) or 1,
                    "slots_visible": s.ctx.slots_visible, "n_ctx": s.ctx.n_ctx, "suspect": s.ctx.suspect,
+                   "saving_off": s.ctx.facts.off,
                    "sleep": s.sleep.describe() if getattr(s, "sleep", None) else None},
         "slots": slot_entries(s),
         "counters": asdict(s.counters),

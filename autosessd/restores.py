@@ -61,6 +61,15 @@ class Restorer:
         the index knows. Blocks on the launch gate and the engine."""
         ctx = self.ctx
         name = name or auto_name(key or "")
+        if not ctx.facts.usable:
+            # Decided before a restart of the engine was seen (callers decide under fresh facts:
+            # facts.ready): what fits it is read again, and decided again at the next request.
+            await ctx.facts.fresh(s.id)
+            why = ctx.facts.off or "the engine restarted while it was decided"
+            log.info("auto sessions: no restore of %s: %s", name, why)
+            if result is not None:
+                result.skipped.append(f"restore of {name}: {why}")
+            return False
         await self.launch.no_starts(s)  # another request starting in between would empty the restored slot
         after = s.view.why  # a model switch or a sleep emptied the slot: counted once reused
         t0 = time.monotonic()

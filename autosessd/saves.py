@@ -148,12 +148,23 @@ class Saver:
         the conversation that runs next, at a switch), deciding on its file as it will be once
         the finalizes in flight have landed. → (the plan's step, what came of it); None: the
         slot holds no conversation we can name."""
+        if not await self._facts_ok(s, result):
+            return None, SaveOutcome.NOT_TRIED
         await self.settled()
         held = s.view.conversation()
         step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
         if isinstance(step, Save) and held is not None:
             return step, await self.save(s, held, result, check=check)
         return step, SaveOutcome.NOT_TRIED
+
+    async def _facts_ok(self, s: Slot, result: TurnResult | None) -> bool:
+        """Nothing is decided or saved under the facts of an engine that has restarted since
+        (facts.py; said where found). No probe save: this save teaches the layout."""
+        if self.ctx.facts.usable or await self.ctx.facts.fresh(s.id, probe=False):
+            return True
+        if result is not None:
+            result.skipped.append(f"save: {self.ctx.facts.off or 'the engine is not known since its restart'}")
+        return False
 
     @contextlib.asynccontextmanager
     async def _temporary(self, key: str) -> AsyncIterator[None]:
@@ -181,6 +192,8 @@ class Saver:
 
         `check`, when given, runs after the engine wrote the temporary: a reason it returns
         means the state may not be the held conversation's, and the temporary is dropped."""
+        if not await self._facts_ok(s, result):
+            return SaveOutcome.NOT_TRIED
         async with self._temporary(held.key):
             await self.settled()
             return await self._save(s, held, result, target, check, prefix)

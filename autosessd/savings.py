@@ -181,6 +181,15 @@ class Savings:
         other.rates = Rates(self.models.get(model))
         return other
 
+    def switch_model(self, model: str) -> None:
+        """The engine restarted with another model (facts.py): its rates from now on, the old
+        one's kept for when it comes back."""
+        if self.model:
+            self.models[self.model] = self.rates.to_dict()
+        self.model = model
+        self.rates = Rates(self.models.get(model))
+        self._changed()
+
     def flush(self, counters: Any) -> None:
         """Write the totals (earlier runs' plus this one's counters) and every model's rates.
         Blocking: a small file, written to a temporary and renamed (one writer at a time:

@@ -11,7 +11,8 @@ input's call protocol, and the lock order.
     remote.py     the shared bucket as the turn sees it (Fetcher) and its catalog
     commands.py   autosessctl's park/restore/forget; the stop save; the tail's save/restore behind
     upkeep.py     the token index's life, prune;  report.py  counters, events, status, ls, metrics
-    watch.py      engine restarts;  held.py  what was held at the stop;  context.py  shared facts
+    watch.py      engine restarts;  facts.py  what the engine runs since (model, template, ...)
+    held.py       what was held at the stop;  context.py  shared facts
 
 Call protocols. Every call that changes a slot takes the slot's ticket (placement.py); each
 call says what it blocks on.
@@ -162,6 +163,7 @@ class Sessions:
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
+        ctx.facts.n_slots, ctx.facts.check_template = n_slots, self.check_template  # facts.py
         self.listing = report.Listing()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
         self.sleep: SleepWatch | None = None  # the engine sleeps when idle (sleep.py; the daemon starts it)
@@ -185,10 +187,7 @@ class Sessions:
     restore_log = property(lambda self: self.ctx.restore_log)
     last_not_reused = property(lambda self: self.ctx.restore_log.not_reused)
     engine_healthy = property(lambda self: self.watch.healthy)
-
-    @property
-    def slots(self) -> dict[int, Slot]:
-        return self.placement.slots
+    slots: dict[int, Slot] = property(lambda self: self.placement.slots)  # type: ignore[assignment]
 
     def slot(self, slot_id: int | None = None) -> Slot:
         return self.placement.slot(slot_id)
@@ -425,10 +424,11 @@ class Sessions:
         await self.watch.run(every_s, identity_every_s)
 
     async def engine_restarted(self, why: str) -> None:
-        """What the engine held is gone: every slot lost, the launch gate's memory of it too."""
+        """What the engine held is gone: every slot lost, the launch gate's memory, its facts (facts.py)."""
         for s in list(self.slots.values()):
             self.observer.lost(s, why)
         self.ctx.suspect = None  # a new engine: whatever a failed restore left is gone
+        self.ctx.facts.restarted(why)
         self.launch.engine_restarted()
         for callback in list(self.on_engine_restart):
             try:

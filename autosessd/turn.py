@@ -91,7 +91,8 @@ class Turn:
                 ctx.counters.turns += 1
             sig = chat_signature(body) if key is not None and body is not None else None
             if ctx.cfg.auto_sessions and (self._look_needless(s, key, sig, body) or
-                                          await self.observer.observe(s, result)):
+                                          await self.observer.observe(s, result)) and \
+                    (ctx.facts.usable or await self._facts_read(s, result)):
                 carry = await self._turn(s, key, result, body, sig)
         except asyncio.CancelledError:
             raise
@@ -144,6 +145,15 @@ class Turn:
         step = policy.plan_save(held, Occasion.SWITCH, self.ctx.min_tokens, self.saver.held_info(v), self.ctx.model,
                                 key)
         return isinstance(step, Skip)
+
+    async def _facts_read(self, s: Slot, result: TurnResult) -> bool:
+        """After an engine restart, its facts read again before anything is decided (facts.py;
+        after the look: a probe save on a slot running someone's request would wait for it).
+        Until they can be read, the turn does nothing and its request runs as without us."""
+        if await self.ctx.facts.fresh(s.id):
+            return True
+        result.skipped.append(f"no save or restore: {self.ctx.facts.off or 'the engine is not known since its restart'}")
+        return False
 
     def close(self) -> None:
         for task in list(self._learning):

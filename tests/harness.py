@@ -82,19 +82,19 @@ class Engine:
 
     def __init__(self, save_dir: Path | None, swa_full: bool = True, ctx: int = 8192, slots: int | str = 1,
                  extra: list[str] | None = None, log_path: Path | None = None, cache_ram: int | None = 0,
-                 router: tuple[Path, list[str], int] | None = None):
+                 router: tuple[Path, list[str], int] | None = None, model: Path | None = None):
         """slots: a number, or "auto" (llama-server's default: 4 slots, one unified KV cache).
         cache_ram: MiB of the engine's RAM prompt cache; 0 (the tests' default) turns it off so it
         cannot hide a switch; None leaves the engine's default (8 GiB, with --cache-idle-slots).
         router: (directory, model ids, --models-max): llama-server in router mode over that
         directory, each id an alias (a symlink) of the one test model; the other arguments
-        reach each model's child."""
+        reach each model's child. model: another path to load (the test model under another name)."""
         self.save_dir = save_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         paths = engine_paths()
         if router is None:
-            model = ["-m", paths["MODEL"]]
+            model = ["-m", str(model or paths["MODEL"])]
         else:
             directory, ids, most = router
             directory.mkdir(parents=True, exist_ok=True)
