@@ -4,7 +4,10 @@ are built a moment after it.
 A write to stderr can stall for milliseconds (a file while the kernel writes back a big
 save's dirty pages: 7 ms for one line in the bench's 21k switch, on the request's path),
 so records are handed to a writer thread (the logging cookbook's "Dealing with handlers
-that block") and the event loop never waits for it.
+that block") and the event loop never waits for it. The hand-off holds at most QUEUE_MAX
+records: past that, while stderr stays blocked (a pipe nobody reads, a stalled journal), a
+line is dropped and counted rather than kept in memory without end, and the writer says how
+many it lost once stderr takes lines again.
 
 Building a record costs too: ~0.2 ms for one line on a CPU that has just woken from the
 engine's restore (the bench's VM; 5 us hot), more than any other step of the turn that
@@ -31,6 +34,7 @@ import time
 from typing import Any
 
 LATER_S = 0.001  # a turn's lines are built this long after it, once its request is on its way
+QUEUE_MAX = 10_000  # records waiting for a blocked stderr (~1 KB each); more are dropped and counted
 
 
 class JsonFormatter(logging.Formatter):
@@ -66,6 +70,21 @@ class _Handoff(logging.handlers.QueueHandler):
         record.msg, record.args = record.getMessage(), None
         return record
 
+    def enqueue(self, record: logging.LogRecord) -> None:
+        """At most QUEUE_MAX waiting (the module docstring); the first line with room again is
+        preceded by how many were dropped, in their place."""
+        global _dropped
+        with _dropped_lock:
+            if self.queue.qsize() >= QUEUE_MAX:
+                _dropped += 1
+                return
+            n, _dropped = _dropped, 0
+        if n:
+            self.queue.put_nowait(logging.makeLogRecord({
+                "name": "autosessd", "levelno": logging.WARNING, "levelname": "WARNING", "created": record.created,
+                "msg": f"log: {n:,} line(s) dropped here while stderr was blocked"}))
+        self.queue.put_nowait(record)
+
 
 _writer: _Writer | None = None
 # What `soon` holds: (logger, level, msg, args, time said), in order.
@@ -73,6 +92,8 @@ _later: collections.deque[tuple[logging.Logger, int, str, tuple[Any, ...], float
 _flushing = threading.Lock()  # one writer of what waits at a time: it keeps its order
 _here = threading.local()  # .busy: this thread writes what waits (its records pass _Handoff.handle)
 _timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+_dropped = 0  # records not queued since the queue was last below QUEUE_MAX
+_dropped_lock = threading.Lock()
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:

@@ -157,3 +157,26 @@ def test_a_line_said_soon_stays_first_while_another_thread_writes_it(stuck, monk
     logs.stop_logging()
     msgs = [x["msg"] for x in lines(stuck)]
     assert msgs[0] == "said first" and set(msgs[1:]) == {"said second", "the worker's line"}, msgs
+
+
+def test_a_stderr_blocked_for_long_holds_at_most_queue_max_lines_and_the_loss_is_said(stuck, monkeypatch):
+    """A pipe nobody reads: the daemon logs on, its memory must not grow with every line."""
+    monkeypatch.setattr(logs, "QUEUE_MAX", 50)
+    setup(stuck, "text", monkeypatch)
+    log = logging.getLogger("autosessd")
+    for i in range(500):
+        log.info("auto sessions: line %d", i)
+    assert logs._writer.queue.qsize() <= 50  # the writer holds one more, waiting on stderr
+    stuck.go.set()
+    deadline = time.monotonic() + 5
+    while logs._writer.queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    log.info("auto sessions: after")  # the first line with room: the loss is said before it
+    logs.stop_logging()
+    out = "".join(stuck.text).splitlines()
+    assert sum("auto sessions: line" in x for x in out) <= 51
+    lost = [x for x in out if "dropped here while stderr was blocked" in x]
+    assert len(lost) == 1 and " WARNING log: " in lost[0]
+    n = int(lost[0].split("log: ")[1].split()[0].replace(",", ""))
+    assert n + sum("auto sessions: line" in x for x in out) == 500
+    assert out[-2] == lost[0] and out[-1].endswith("auto sessions: after")  # said where the gap is
