@@ -41,6 +41,7 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
+from . import files
 from .engines.base import EngineError, PrefillResult, SlotState
 from .slot import Phase, Slot, View
 from .store import TEMP_PREFIX
@@ -124,18 +125,24 @@ class Primer:
     cache keeps it at most once (it stores no entry that one it holds contains), and a request
     shares nothing with it, so the engine replaces it with the cached prompt sharing the most
     with the request. Off for a model whose tokenizer adds no BOS (a prompt could start with
-    the newline), and after a failure to make it."""
+    the newline), and after a failure to make it. Like every file handed to the engine, it is
+    restored only while it is the file the engine wrote (its size checked when made, its
+    lstat before each restore; otherwise it is made again): llama-server aborts on a short one."""
 
     NAME = f"{TEMP_PREFIX}primer.partial"
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.name: str | None = None  # made: restore it
+        self.ident: files.Ident | None = None  # its lstat once made and checked
         self.off = False
 
     async def put(self, slot_id: int, prefill: Callable[[int, list[int]], Awaitable[PrefillResult]]) -> bool:
         """Fill the (empty, held exclusively) slot with the primer; False when it is off."""
         engine, chat = self.ctx.engine, self.ctx.chat
+        if self.name is not None and files.regular_ident(self.ctx.store.path / self.name) != self.ident:
+            log.warning("auto sessions: the primer %s changed since it was made (or is gone): made again", self.name)
+            self.drop()
         if self.name is not None:
             try:
                 await engine.restore(slot_id, self.name)
@@ -161,6 +168,9 @@ class Primer:
             res = await engine.save(slot_id, self.NAME)
             if res.n_tokens != 1:
                 raise EngineError(f"the engine saved {res.n_tokens} tokens, not 1")
+            ident = files.regular_ident(path)
+            if ident is None or ident.size != res.n_bytes:  # a full disk: a short file aborts the engine
+                raise EngineError(f"{self.NAME} is not the {res.n_bytes:,} bytes the engine reported writing")
         except EngineError as e:
             self.off = True
             path.unlink(missing_ok=True)
@@ -169,7 +179,7 @@ class Primer:
             return False
         with contextlib.suppress(OSError):
             os.chmod(path, self.ctx.store.mode)  # the engine wrote it
-        self.name = self.NAME
+        self.name, self.ident = self.NAME, files.regular_ident(path)  # after the chmod: its ctime
         log.info("auto sessions: primer %s made (one token): a request pinned to a slot the engine emptied is "
                  "served from the engine's RAM prompt cache, as it would be without autosessd", self.NAME)
         return True
@@ -178,7 +188,7 @@ class Primer:
         if self.name is not None:
             with contextlib.suppress(OSError):
                 (self.ctx.store.path / self.name).unlink(missing_ok=True)
-            self.name = None
+            self.name = self.ident = None
 
 
 class Launch:

@@ -5,6 +5,8 @@ The real engine with -np 4 and -np auto is in test_slots_real.py."""
 import asyncio
 import time
 
+import pytest
+
 from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.engines.base import EngineRefused
@@ -269,6 +271,28 @@ async def test_a_primer_that_cannot_be_restored_is_made_again(tmp_path):
     primed = s.counters.primed
     await request(s, A, 5)
     assert s.launch.primer.name is not None and (tmp_path / s.launch.primer.name).exists() and s.counters.primed == primed + 1
+
+
+@pytest.mark.parametrize("damage", ["cut short", "replaced"])
+async def test_a_primer_changed_on_disk_is_never_restored_but_made_again(tmp_path, damage):
+    """Like every file handed to the engine (issue 19): llama-server aborts on a short one."""
+    s = await with_primer(tmp_path)
+    await request(s, A, 5)
+    await request(s, B, 5)
+    path = tmp_path / s.launch.primer.name
+    data = path.read_bytes()
+    if damage == "cut short":
+        path.write_bytes(data[:-1])
+    else:
+        path.unlink()
+        path.write_bytes(data)  # the same bytes, another file: not the one the engine wrote
+    restored = []
+    real = s.engine.restore
+    s.engine.restore = lambda slot, name: restored.append(name) or real(slot, name)
+    primed = s.counters.primed
+    await request(s, A, 5)
+    assert restored == [] and s.counters.primed == primed + 1  # made again by the engine, not restored
+    assert list(slotfile.read_header(path).tokens) == [ord("\n")] and path.stat().st_size == len(data)
 
 
 async def test_no_primer_for_a_model_without_bos_and_starts_go_side_by_side(tmp_path):
