@@ -9,6 +9,7 @@ engine's (check_engine, or per model behind a router: daemon._model_sessions).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -186,11 +187,15 @@ def _number(value: str | None, default: int) -> int:
         return default
 
 
+_probes = itertools.count()
+
+
 async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None:
     """Ask the engine to save into a probe name and look for it in our directory: the only
     way to learn that the engine's --slot-save-path is the directory we manage. The file also
     tells how many KV streams the engine's state files carry (what makes them loadable)."""
-    name = f"{TEMP_PREFIX}probe-{os.getpid()}.partial"
+    # One name per probe: behind a router two models' probes may run at once (facts.py).
+    name = f"{TEMP_PREFIX}probe-{os.getpid()}-{next(_probes)}.partial"
     path = store.path / name
     try:
         res = await engine.save(slot, name)

@@ -62,7 +62,7 @@ class Commands:
             outcome = await self.saver.save(s, held, res, target)
             await self.saver.wait_file(held.key)
         if outcome is not SaveOutcome.SAVED:
-            raise StoreError("; ".join(res.errors) or "save failed")
+            raise StoreError("; ".join(res.errors + res.skipped) or "save failed")
         return res.saved or {}
 
     async def restore_now(self, what: str, slot_id: int | None = None) -> dict[str, Any]:
@@ -78,17 +78,18 @@ class Commands:
                 raise StoreError(f"no session {name} in {ctx.store.path}")
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
+            if not await self.observer.observe(s):
+                raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
             if not await ctx.facts.ready(s.id):  # the model checked below is the engine's now
                 raise StoreError(f"not now: {ctx.facts.off or 'the engine restarted and does not answer yet'}")
+            decided = ctx.facts.generation
             meta = ctx.store.read_meta(what) if key is not None else None
             if meta is not None and meta.model != ctx.model:
                 raise StoreError(f"{name} was saved for another model ({meta.model}, engine has {ctx.model})")
-            if not await self.observer.observe(s):
-                raise StoreError(f"a request that did not come through autosessd is running on slot {s.id}")
             res = TurnResult(key=key)
             # Like a switch: the held conversation is saved before the restore replaces it.
             await self.saver.save_if_worth(s, Occasion.SWITCH if key else Occasion.KEYLESS, key, res)
-            if not await self.restorer.restore(s, key, res, name):
+            if not await self.restorer.restore(s, key, res, name, decided=decided):
                 raise StoreError("; ".join(res.errors))
         return res.restored or {}
 
@@ -112,11 +113,12 @@ class Commands:
                             "is partial", why, s.id)
                 return False
             await self.observer.observe(s)
-            step, outcome = await self.saver.save_if_worth(s, Occasion.STOP)
+            res = TurnResult(key=None)
+            step, outcome = await self.saver.save_if_worth(s, Occasion.STOP, result=res)
             held = s.view.conversation()
             if step is None:
-                log.info("auto sessions: %s: slot %d holds no conversation to save (%s)", why, s.id,
-                         s.view.phase.value)
+                log.info("auto sessions: %s: slot %d: %s", why, s.id, "; ".join(res.skipped) or
+                         f"holds no conversation to save ({s.view.phase.value})")
                 return False
             if isinstance(step, Skip):
                 log.info("auto sessions: %s: %s holds %s tokens: not saved (%s)", why, auto_name(step.key),
@@ -148,13 +150,14 @@ class Commands:
             s = self.placement.slot_of(t)
             if not s.at_rest() or not await ctx.facts.ready(s.id):
                 return False  # the log shows a request on it; the engine's facts are not known (facts.py)
+            decided = ctx.facts.generation
             file = await self.saver.wait_file(file_key)
             step = policy.plan_restore(None, file_key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,
                                        ctx.engine_layout)
             if isinstance(step, Skip):
                 skipped(ctx.counters, step, None)
                 return False
-            if not await self.restorer.restore(s, key, None, auto_name(file_key)):
+            if not await self.restorer.restore(s, key, None, auto_name(file_key), decided=decided):
                 return False
             why = await check()
             if why:

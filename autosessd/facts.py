@@ -4,22 +4,28 @@ A file is handed to the engine only when it was saved for the engine's model (it
 fingerprint), fits one of its slots (n_ctx) and its KV layout, and a return is matched by a
 file's messages only under the chat template that made them (keys.chain's seed). The start
 checks read these once (checks.py). An engine that restarts can come back with any of them
-changed: another `-m`, `-c`, `--chat-template`, `--slot-save-path`. Restored under the old
-facts, a file is another model's state (a fine-tune of the same shape loads it without a
+changed: another `-m`, `-c`, `--chat-template`, `--slot-save-path`, `-fa`. Restored under the
+old facts, a file is another model's state (a fine-tune of the same shape loads it without a
 word and answers from it), or one the engine refuses after writing part of it (llama.cpp
 #27068), and a return is matched by marks whose tokens the new template no longer makes.
 
-So a restart marks the facts stale (Sessions.engine_restarted), and the first call after it
-that would save or restore reads them again (fresh): /props, and where the caller may
-overwrite the slot (a turn, a restore) a probe save into it, which shows the engine still
-saves into our directory and its files' KV streams. Until they are read, nothing is saved or
-restored (a turn lets its request through as without autosessd); an engine that no longer
-saves here, or not at all, turns saving and restoring off until its next restart, said once.
-What changed is logged, counted (engine_changes) and said as an `engine_changed` event.
+So a restart marks the facts stale (Sessions.engine_restarted) and starts a new generation.
+The first call after it that decides on a file reads them again (fresh): /props always; a
+probe save before anything is restored (the caller holds the slot's ticket and may overwrite
+it), which shows the engine still saves into our directory and its files' KV streams. A save
+may go first without the probe: it checks the directory itself (its file must land here) and
+teaches the layout. Until the facts are read, nothing is saved or restored (a turn lets its
+request through as without autosessd); an engine that no longer saves here, or refuses the
+probe, turns saving and restoring off until its next restart, said once. A restore decided
+in an earlier generation is refused (a restart seen while the turn ran), and a read that a
+restart overtook is made again. What changed is logged, counted (engine_changes) and said as
+an `engine_changed` event.
 
 Not re-read: the number of slots (placement is fixed at start; a change is said, and
 autosessd must be restarted to drive the new count) and whether the engine empties idle
-slots (learned again from what it does: observe.emptied_by_engine).
+slots (learned again from what it does: observe.emptied_by_engine). The probe of an empty
+slot shows the KV streams only; the rest of the layout (flash attention, cache types) comes
+from the first save after the restart, as at the start.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from .checks import StartupError, probe_save
-from .engines.base import EngineError, SlotSavingOff
+from .engines.base import EngineError, EngineRefused, SlotSavingOff
 
 if TYPE_CHECKING:
     from .context import Context
@@ -47,7 +53,9 @@ class EngineFacts:
         # Asked again after the model or the template changed: may a return that goes on from
         # a file's messages be matched by them (recall.check_appends; the facade sets it)?
         self.check_template: Callable[[], Awaitable[object]] | None = None
-        self.stale = False
+        self.generation = 0  # one per engine process seen: a decision is good for its own only
+        self.stale = False  # a restart since the facts were read
+        self.probed = True  # the directory and KV streams checked since the last restart
         self.off: str | None = None  # why saving and restoring are off until the engine's next restart
         self._lock = asyncio.Lock()
         self._retry_at = 0.0
@@ -55,7 +63,7 @@ class EngineFacts:
     @property
     def usable(self) -> bool:
         """Known and usable now: the turn's one check on its path (no await)."""
-        return not self.stale and self.off is None
+        return not self.stale and self.probed and self.off is None
 
     async def ready(self, slot_id: int | None, probe: bool = True) -> bool:
         """fresh(), for a caller about to decide on a file (held: slot_id's ticket)."""
@@ -64,44 +72,75 @@ class EngineFacts:
     def restarted(self, why: str) -> None:
         log.info("engine: %s: what its slots held is gone; its model and settings are read again before the next "
                  "save or restore", why)
-        self.stale = True
-        self.off = None
+        self.generation += 1
+        self.stale, self.probed, self.off = True, False, None
         self._retry_at = 0.0
 
+    def saved_here(self) -> None:
+        """A save landed in our directory: since a restart, the probe's question answered (its
+        layout is taken by saves._learn_layout)."""
+        self.probed = True
+
+    def saves_elsewhere(self, why: str) -> None:
+        """A save since the restart, before any probe, did not land in our directory."""
+        if self.off is None and not self.probed:
+            self._turn_off(f"since its restart, {why}")
+
     async def fresh(self, slot_id: int | None, probe: bool = True) -> bool:
-        """Whether files may be saved and restored now, the facts read again first when a
-        restart made them stale. probe: the caller holds slot_id's ticket and may overwrite
-        it (a probe save costs a save of what it holds); False: the layout is left for the
-        caller's own save to teach (saves._learn_layout)."""
-        if not self.stale:
-            return self.off is None
-        async with self._lock:
-            if not self.stale:
-                return self.off is None
-            if time.monotonic() < self._retry_at:
+        """Whether files may be saved (probe False) or restored (probe True) now, the facts
+        read again first when a restart made them stale. probe: the caller holds slot_id's
+        ticket and may overwrite it (a probe save costs a save of what it holds)."""
+        while True:
+            if self.off is not None:
                 return False
-            try:
-                await self._read(slot_id if probe else None)
-            except EngineError as e:
-                self._retry_at = time.monotonic() + RETRY_S
-                log.info("auto sessions: the engine's facts after its restart: %s; nothing is saved or restored "
-                         "until they are read", e)
-                return False
-            self.stale = False
-            return self.off is None
+            if not self.stale and (self.probed or not probe):
+                return True
+            async with self._lock:
+                if self.off is not None or (not self.stale and (self.probed or not probe)):
+                    continue
+                if time.monotonic() < self._retry_at:
+                    return False
+                generation = self.generation
+                try:
+                    await self._read(slot_id if probe and not self.probed else None)
+                except EngineError as e:
+                    self._retry_at = time.monotonic() + RETRY_S
+                    log.info("auto sessions: the engine's facts after its restart: %s; nothing is saved or restored "
+                             "until they are read", e)
+                    return False
+                if generation == self.generation:  # else another restart came meanwhile: read again
+                    self.stale = False
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        log.warning("auto sessions: %s: nothing is saved or restored until the engine restarts again", why)
+        self.ctx.events.emit("engine_changed", engine=self.ctx.engine.address, off=why)
 
     async def _read(self, probe_slot: int | None) -> None:
         ctx = self.ctx
-        info = await ctx.engine.info()
+        info = await ctx.engine.info() if self.stale else None
         layout = None
-        off = None
         if probe_slot is not None:
             try:
                 layout = await probe_save(ctx.engine, ctx.store, probe_slot)
+                self.probed = True
             except SlotSavingOff:
-                off = f"slot saving is off in the engine at {ctx.engine.address} since its restart"
+                self._turn_off(f"slot saving is off in the engine at {ctx.engine.address} since its restart")
+            except EngineRefused as e:  # it cannot write there (a directory it may not write, a full disk)
+                self._turn_off(f"since its restart the engine refuses a probe save: {e}")
             except StartupError as e:
-                off = f"since its restart, {e}"
+                self._turn_off(f"since its restart, {e}")
+            if ctx.engine_layout is not None and layout is not None and layout.n_stream != ctx.engine_layout.n_stream:
+                log.warning("engine: it restarted with %d KV stream(s), %d before: files of the old layout are not "
+                            "restored into it", layout.n_stream, ctx.engine_layout.n_stream)
+                ctx.counters.engine_changes += 1
+                ctx.events.emit("engine_changed", engine=ctx.engine.address,
+                                kv_streams=[ctx.engine_layout.n_stream, layout.n_stream])
+            # The probe shows the streams only: the first save teaches the rest. Nothing of the
+            # old engine's layout stands (another -fa or cache type would look the same here).
+            ctx.engine_layout = layout
+        if info is None:
+            return
         changed: dict[str, tuple[object, object]] = {}
         if info.model != ctx.model:
             changed["model"] = (ctx.model_name or ctx.model, info.model_name or info.model)
@@ -109,33 +148,27 @@ class EngineFacts:
             changed["template"] = (ctx.template, info.template)
         if info.n_ctx != ctx.n_ctx:
             changed["n_ctx"] = (ctx.n_ctx, info.n_ctx)
-        if layout is not None and ctx.engine_layout is not None and layout.n_stream != ctx.engine_layout.n_stream:
-            changed["kv_streams"] = (ctx.engine_layout.n_stream, layout.n_stream)
         if "model" in changed:
             ctx.savings.switch_model(info.model)
-            if ctx.remote is not None:
-                ctx.remote.model = info.model
             ctx.model, ctx.model_name = info.model, info.model_name
         ctx.template, ctx.n_ctx = info.template, info.n_ctx
-        if changed:
-            # The probe's layout has only the streams (None without a probe): the next save
-            # teaches the rest. Nothing of the old engine's layout stands.
-            ctx.engine_layout = layout
+        if ctx.index is not None:
+            ctx.index.max_tokens = ctx.max_tokens
+        if ctx.remote is not None and changed:
+            ctx.remote.engine_changed(ctx.model, ctx.max_tokens)  # its catalog listed the old model's saves
+        if probe_slot is None and changed:
+            ctx.engine_layout = None  # taught by the next save, or the probe before a restore
         if self.n_slots is not None and info.total_slots != self.n_slots:
             log.warning("engine: %s now runs %d slot(s), autosessd drives %d (as at its start): restart autosessd "
                         "to drive the engine's slots as they are now", ctx.engine.address, info.total_slots,
                         self.n_slots)
-        if off is not None:
-            log.warning("auto sessions: %s: nothing is saved or restored until the engine restarts again", off)
-            ctx.events.emit("engine_changed", off=off)
-        self.off = off
         if not changed:
             return
         ctx.counters.engine_changes += 1
         said = ", ".join(f"{k} {a or '-'} → {b or '-'}" for k, (a, b) in changed.items())
         log.warning("engine: it restarted with another %s: files saved for the old one are not restored into it",
                     said)
-        ctx.events.emit("engine_changed", **{k: [a, b] for k, (a, b) in changed.items()})
+        ctx.events.emit("engine_changed", engine=ctx.engine.address, **{k: [a, b] for k, (a, b) in changed.items()})
         if "model" in changed:
             from .upkeep import Upkeep
 

@@ -382,5 +382,6 @@ class Router:
         return [{"id": m.id, "status": m.status, "managed": m.managed, "loads": m.loads, "in_flight": m.in_flight,
                  "slots": [s.status() for s in sorted(m.sessions.slots.values(), key=lambda x: x.id)]
                  if m.sessions is not None else [],
-                 "fingerprint": m.sessions.model if m.sessions is not None else None}
+                 "fingerprint": m.sessions.model if m.sessions is not None else None,
+                 "saving_off": m.sessions.ctx.facts.off if m.sessions is not None else None}
                 for m in sorted(self.models.values(), key=lambda x: x.id)]

@@ -135,6 +135,15 @@ class Remote:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.downloads.shutdown(wait=False, cancel_futures=True)
 
+    def engine_changed(self, model: str, max_tokens: int | None) -> None:
+        """The engine restarted with another model or context (facts.py): the catalog listed the
+        old model's saves; empty until the next reading, which comes at once."""
+        self.model, self.max_tokens = model, max_tokens
+        self.catalog = Catalog()
+        if not self.closing.is_set():
+            task = asyncio.get_running_loop().create_task(self.run(self.refresh))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # refresh logs its own troubles
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the bucket's threads."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -464,6 +473,6 @@ class Fetcher:
         ctx.remote.shared.download(save, ctx.store, claimed=True, deadline=began + limit, layout=ctx.engine_layout)
         if ctx.index is not None:
             try:
-                ctx.index.add_file(save.name, ctx.model)
+                ctx.index.add_file(save.name)  # the model its metadata names, the saving host's
             except (OSError, ValueError, slotfile.BadSlotFile) as e:
                 raise SharedError(f"indexing the downloaded {save.name}: {e}") from None

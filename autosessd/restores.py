@@ -55,27 +55,19 @@ class Restorer:
         self.saver = saver
 
     async def restore(self, s: Slot, key: str | None, result: TurnResult | None, name: str | None = None,
-                      expect: int | None = None, tokens: bytes | None = None) -> bool:
+                      expect: int | None = None, tokens: bytes | None = None, decided: int | None = None) -> bool:
         """Restore auto-<key>.bin (or `name`; key None: a person's file) into slot s. expect:
         the tokens the engine should reuse of it (all by default); tokens: what it holds, when
-        the index knows. Blocks on the launch gate and the engine."""
+        the index knows; decided: the engine's generation (facts.py) the caller chose the file
+        under, after facts.ready. Blocks on the launch gate and the engine."""
         ctx = self.ctx
         name = name or auto_name(key or "")
-        if not ctx.facts.usable:
-            # Decided before a restart of the engine was seen (callers decide under fresh facts:
-            # facts.ready): what fits it is read again, and decided again at the next request.
-            await ctx.facts.fresh(s.id)
-            why = ctx.facts.off or "the engine restarted while it was decided"
-            log.info("auto sessions: no restore of %s: %s", name, why)
-            if result is not None:
-                result.skipped.append(f"restore of {name}: {why}")
-            return False
         await self.launch.no_starts(s)  # another request starting in between would empty the restored slot
         after = s.view.why  # a model switch or a sleep emptied the slot: counted once reused
         t0 = time.monotonic()
         try:
             with ctx.store.using(name):
-                if await self._refused(s, key, name, result):
+                if await self._refused(s, key, name, result) or self._overtaken(name, decided, result):
                     return False
                 try:
                     res = await ctx.engine.restore(s.id, name)
@@ -126,6 +118,18 @@ class Restorer:
             ctx.counters.restores_after_sleep += 1
         if result is not None:
             result.restored = info
+        return True
+
+    def _overtaken(self, name: str, decided: int | None, result: TurnResult | None) -> bool:
+        """The file was chosen under the facts of an engine that has restarted since (facts.py):
+        it is chosen again at the next request, under the new engine's."""
+        facts = self.ctx.facts
+        if facts.usable and decided == facts.generation:
+            return False
+        why = facts.off or "the engine restarted while it was chosen"
+        log.info("auto sessions: no restore of %s: %s", name, why)
+        if result is not None:
+            result.skipped.append(f"restore of {name}: {why}")
         return True
 
     async def refuse_if_damaged(self, s: Slot, key: str | None, name: str, result: TurnResult | None) -> None:

@@ -211,6 +211,7 @@ class Saver:
             c.save_failures += 1
             return self._failed(what, short, key, result)
         t0 = time.monotonic()
+        model = ctx.model  # the engine's as the save starts (a restart's new facts may come meanwhile)
         ctx.events.emit("saving", slot=s.id, key=key, file=target, n_tokens=held.n_tokens)
         try:
             res = await ctx.engine.save(s.id, temp_name(key))
@@ -222,9 +223,12 @@ class Saver:
             store.verify_temp(key, res.n_bytes, ctx.engine.magic)
             header = self._check_header(key, res.n_tokens)
         except StoreError as e:
+            if not store.temp_path(key).exists():  # the first save since a restart is the probe too
+                ctx.facts.saves_elsewhere(f"the engine saves its sessions somewhere other than {store.path}")
             store.discard_temp(key)
             c.save_failures += 1
             return self._failed(what, str(e), key, result)
+        ctx.facts.saved_here()
         if res.n_tokens == 0:
             # The slot holds nothing: not a failed save but a state that is gone (an engine that
             # empties idle slots, a restart). Nothing held blocks the next restore.
@@ -277,7 +281,7 @@ class Saver:
         mine = target is None and prefix is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED)
         n_prompt = v.n_prompt if mine and v.n_prompt is not None and v.n_prompt <= res.n_tokens else None
         layout = self._learn_layout(key)
-        meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=ctx.model,
+        meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=model,
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
                     prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
                     marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
@@ -346,7 +350,11 @@ class Saver:
         except (slotfile.BadSlotFile, OSError) as e:
             log.debug("auto sessions: KV layout of %s: %s", key, e)
             return None
-        if self.ctx.engine_layout is None or self.ctx.engine_layout.v_trans is None:
+        known = self.ctx.engine_layout
+        if known != layout and (layout.v_trans is not None or known is None):  # the engine's own, as it is now
+            if known is not None and known.v_trans is not None:
+                log.warning("auto sessions: the engine's KV layout is now %s, it was %s: files of the old one are "
+                            "not restored", layout.fingerprint(), known.fingerprint())
             self.ctx.engine_layout = layout
         return layout
 
@@ -362,7 +370,8 @@ class Saver:
             name = target  # parked by us: its model is known
         if index is not None and header is not None:
             try:
-                index.add(name, header.tokens, self.ctx.model, meta.marks if target is None else ())
+                # The model it was saved for (an engine may restart with another meanwhile).
+                index.add(name, header.tokens, meta.model, meta.marks if target is None else ())
             except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
                 log.warning("auto sessions: indexing %s: %s", name, e)
         return meta

@@ -75,7 +75,8 @@ Lock order (what is taken while holding what), never the reverse:
     1. a slot's ticket (placement.py). Only admit_all waits for several, in slot-id order
        (it holds none when it starts); a caller holding one takes a second only by
        try_admit (make-room), which never waits.
-    2. the launch gate (launch.py), only while holding a ticket.
+    2. the launch gate (launch.py), only while holding a ticket; then the engine facts' read
+       lock (facts.py: /props and a probe save into the holder's own slot, nothing under it).
     3. a save's temporary lock, then finalize futures (saves.py), awaited under 1 (and under
        2 where the caller holds it: an end save, a make-room inside a restore).
     4. Store._lock and TokenIndex._lock (threading): taken only inside their own short calls,
@@ -121,12 +122,6 @@ if TYPE_CHECKING:
     from .slotfile import KVLayout
 
 log = logging.getLogger("autosessd")
-
-
-def _done() -> asyncio.Future:
-    f = asyncio.get_running_loop().create_future()
-    f.set_result(None)
-    return f
 
 
 class Sessions:
@@ -233,7 +228,10 @@ class Sessions:
         """The request is being forwarded now. Returns what waits for its hold to end (the
         gate does not wait; tests may)."""
         task = self.launch.sent(ticket, self.placement.slot(ticket.slot_id), bound_s)
-        return task if task is not None else _done()
+        if task is None:
+            task = asyncio.get_running_loop().create_future()
+            task.set_result(None)
+        return task
 
     async def ended(self, ticket: Ticket, key: str | None, status: str, n_tokens: int | None = None,
                     cache_n: int | None = None, n_prompt: int | None = None, reply: str | None = None) -> None:

@@ -76,6 +76,9 @@ class Turn:
         self.recall = Recall(ctx, fetcher)
         self._learning: set[asyncio.Task] = set()  # _learn_prompt's, held until done
         self._no_tokens_until = 0.0  # the engine lacks /apply-template or /tokenize: not asked until then
+        # Per slot (one turn at a time holds its ticket): the engine's generation this turn
+        # decides under (facts.py). A restore decided in an earlier one is refused.
+        self._decided: dict[int, int] = {}
 
     async def run(self, s: Slot, key: str | None, sees_end: bool, body: dict[str, Any] | None) -> TurnResult:
         """The turn on slot s (its ticket held). sees_end=False (turn hook): its end will not
@@ -93,6 +96,7 @@ class Turn:
             if ctx.cfg.auto_sessions and (self._look_needless(s, key, sig, body) or
                                           await self.observer.observe(s, result)) and \
                     (ctx.facts.usable or await self._facts_read(s, result)):
+                self._decided[s.id] = ctx.facts.generation
                 carry = await self._turn(s, key, result, body, sig)
         except asyncio.CancelledError:
             raise
@@ -131,7 +135,8 @@ class Turn:
         share): when the two may share a long prefix (the same tools, the same first message),
         the slot is looked at. Known only for chat bodies: other requests look."""
         v = s.view
-        if key is None or v.phase not in (Phase.HELD, Phase.RESTORED) or self.observer.launch.active:
+        if key is None or v.phase not in (Phase.HELD, Phase.RESTORED) or self.observer.launch.active or \
+                not self.ctx.facts.usable:  # after a restart the look comes first (_facts_read)
             return False
         held_sig = v.messages
         if sig is None or not held_sig or body is None:
@@ -298,7 +303,8 @@ class Turn:
         if isinstance(step, RestoreFile):
             entry = ctx.index.get(name)
             if await self.restorer.restore(s, key, result, name, expect=n,
-                                           tokens=entry.tokens if entry is not None else None):
+                                           tokens=entry.tokens if entry is not None else None,
+                                           decided=self._decided[s.id]):
                 own = name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, name, n, shared, "messages", meta)
@@ -326,7 +332,7 @@ class Turn:
             step = policy.plan_restore(held, key, outcome, file, ctx.model, ctx.min_tokens, ctx.engine_layout)
             if isinstance(step, Restore):
                 name = auto_name(key)
-                if await self.restorer.restore(s, key, result, name):
+                if await self.restorer.restore(s, key, result, name, decided=self._decided[s.id]):
                     meta = ctx.store.read_meta(key)
                     own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
                     self._record_restore(s, result, name, None, None, "key" if claim is None else "key, downloaded")
@@ -366,7 +372,8 @@ class Turn:
                 # The engine should now reuse `step.shared` tokens of it: what the next
                 # response's cache_n is checked against.
                 restored = await self.restorer.restore(s, key, result, step.name, expect=step.shared,
-                                                       tokens=entry.tokens if entry is not None else None)
+                                                       tokens=entry.tokens if entry is not None else None,
+                                                       decided=self._decided[s.id])
             finally:
                 if claim is not None:
                     claim.release()  # read by the engine (or failed): prune may have it now

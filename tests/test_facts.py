@@ -3,15 +3,24 @@ for the model the engine ran before is never restored into the one it runs now, 
 is saved or restored while the engine's facts are not known. (The real engine restarted with
 another model and another template: test_engine_change_real.py.)"""
 
+import asyncio
 import logging
 
 import pytest
 
-from autosessd import facts
+from autosessd import facts, slotfile
+from autosessd.config import parse
+from autosessd.engines.base import SaveResult
+from autosessd.sessions import Sessions
+from autosessd.slotfile import KVLayout
+from autosessd.store import Store
+from stub_engine import StubEngine
 from autosessd.ctl import show_status
 from autosessd.engines.base import EngineUnreachable
 from autosessd.store import StoreError
-from test_sessions import A, B, conv, file_tokens, make, request
+from test_recall import OTHER, grown
+from test_sessions import A, B, C, conv, file_tokens, make, request
+import test_sessions_tokens as tokens
 
 
 async def test_a_restart_with_another_model_restores_none_of_the_old_models_files(tmp_path, caplog):
@@ -108,6 +117,113 @@ async def test_the_tails_restore_and_autosessctl_restore_after_a_restart_decide_
 
     with pytest.raises(StoreError, match="saved for another model"):
         await s.restore_now(A)
-    await s.engine_restarted("test: restarted again")
-    assert not await s.restore_behind(0, A, no_request_meanwhile)  # the tail's restore after a restart
-    assert s.counters.restores == 0 and s.engine.held[0] == []
+    s.engine.model = "third-model"
+    await s.engine_restarted("test: restarted again")  # the tail's restore is the first call after it
+    assert not await s.restore_behind(0, A, no_request_meanwhile)
+    assert s.counters.restores == 0 and s.engine.held[0] == [] and s.model == "third-model"
+
+
+async def test_a_restart_seen_while_a_turn_runs_restores_nothing_it_chose_before(tmp_path):
+    """The turn chose X's file by its messages under stub-model; the watch reports a restart
+    (another -m) while the turn saves. What it chose is not restored into the new engine."""
+    s = await tokens.make(tmp_path)
+    await tokens.chat(s, tokens.X)
+    await tokens.chat(s, OTHER)  # X saved with its marks, for stub-model
+    real, fired = s.saver.save_if_worth, []
+
+    async def save_if_worth(slot, *a, **kw):
+        if not fired:
+            fired.append(1)
+            s.engine.model = "other-model"
+            s.engine.held[0] = []
+            await s.engine_restarted("test: restarted mid-turn")
+        return await real(slot, *a, **kw)
+
+    s.saver.save_if_worth = save_if_worth
+    turn, _, _ = await tokens.chat(s, grown(tokens.X))
+    assert fired and turn.restored is None
+    assert any("restarted while it was chosen" in w for w in turn.skipped)
+
+
+async def test_a_restart_while_the_facts_are_read_has_them_read_again(tmp_path):
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)
+    s.engine.held[0] = []
+    await s.engine_restarted("test: first")
+    real = s.engine.save
+
+    async def save(slot, name):
+        if "probe" in name and s.engine.model != "m2":  # the engine restarts again, with another -m
+            s.engine.model = "m2"
+            s.engine.held[0] = []
+            await s.engine_restarted("test: second")
+        return await real(slot, name)
+
+    s.engine.save = save
+    turn = await request(s, A, 60)
+    assert s.model == "m2" and turn.restored is None and s.counters.engine_changes == 1
+
+
+async def test_a_save_that_comes_first_after_a_restart_checks_the_directory(tmp_path):
+    """The tail's save behind (or a save while idle) can be the first call after a restart:
+    a file that does not land here turns saving and restoring off, as the probe would."""
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    s.engine.dir = elsewhere
+    s.engine.held[0] = []
+    await s.engine_restarted("test: restarted")
+    s.observed_start(0, C)  # the tail: C runs and ends on the restarted engine
+    s.engine.ran(conv(C, 30))
+    await s.observed_end(0, C, "ok", 30)
+
+    async def nothing_ran_meanwhile(_st):
+        return None
+
+    assert not await s.save_behind(0, nothing_ran_meanwhile)
+    assert "somewhere other than" in (s.ctx.facts.off or "")
+    turn = await request(s, A, 60)
+    assert turn.restored is None and s.ctx.suspect is None and s.counters.restore_failures == 0
+
+
+async def test_two_models_read_their_facts_at_once_each_with_its_own_probe(tmp_path):
+    """Behind a router each model's Sessions probes after a restart, maybe at the same moment."""
+
+    class Slow(StubEngine):
+        async def save(self, slot, name):
+            data = slotfile.build(self.held[slot], b"\0" * (len(self.held[slot]) * 10))
+            (self.dir / name).write_bytes(data)
+            await asyncio.sleep(0.01)
+            return SaveResult(len(self.held[slot]), len(data), 1.0)
+
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = 10\n'.encode())
+    both = [Sessions(cfg, Slow(tmp_path, model=m), Store(tmp_path), m) for m in ("m1", "m2")]
+    for s in both:
+        await s.engine_restarted("test: the router restarted")
+    assert await asyncio.gather(*(s.ctx.facts.fresh(0) for s in both)) == [True, True]
+    assert [s.ctx.facts.off for s in both] == [None, None]
+
+
+async def test_the_layout_after_a_restart_is_the_new_engines(tmp_path, monkeypatch):
+    """Restarted with -fa toggled: V is stored otherwise, which an empty slot's probe cannot
+    show. The first save teaches it; from then on files of the old layout are not restored,
+    and the engine's own new ones are (they used to be refused as another layout for good)."""
+    layout = [KVLayout(1, 1, 24, 1)]  # flash attention off: V transposed
+    read = slotfile.read_layout
+    monkeypatch.setattr(slotfile, "read_layout",
+                        lambda path: read(path) if slotfile.read_header(path).n_tokens == 0 else layout[0])
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, C, 45)
+    await request(s, B, 40)  # A and C saved, V transposed
+    layout[0] = KVLayout(1, 0, 24, 1)  # restarted with -fa on
+    s.engine.held[0] = []
+    await s.engine_restarted("test: restarted")
+    await request(s, A, 60)
+    await request(s, B, 41)  # A saved by the new engine
+    assert s.ctx.engine_layout == KVLayout(1, 0, 24, 1) and s.store.read_meta(A).layout == "s1-v0-l24-k1"
+    assert (await request(s, A, 70)).restored is not None
+    assert (await request(s, C, 50)).restored is None  # the old layout: never handed to the new engine

@@ -136,3 +136,31 @@ def test_a_stop_does_not_wait_for_header_reads_of_a_slow_bucket():
         t.join(30)
         r.pool.shutdown()
         r.downloads.shutdown()
+
+
+async def test_after_a_restart_with_another_model_none_of_the_old_models_saves_is_offered():
+    """facts.py: the engine came back with another -m. The catalog listed the old model's saves;
+    none is offered from then on, not even before the bucket is read again."""
+    import asyncio
+
+    a = save("auto-00000000000000a1", BASE)
+
+    class ByModel(_Bucket):
+        def find(self, model):
+            return [s for s, _ in self.saves] if model == "m" else []
+
+    r = Remote(shared=ByModel(a), cfg=CFG, model="m")
+    q = encode(list(range(len(BASE))))  # what _Bucket's header reads give
+    try:
+        r.refresh()
+        assert r.best(q, 1) == (a[0], len(BASE))
+        r.engine_changed("m2", 8192)
+        assert r.best(q, 1) is None and (r.model, r.max_tokens) == ("m2", 8192)
+        for _ in range(100):
+            if r.catalog.listed_at:
+                break
+            await asyncio.sleep(0.01)
+        assert r.catalog.listed_at and r.best(q, 1) is None  # read again for m2
+    finally:
+        r.pool.shutdown()
+        r.downloads.shutdown()
