@@ -23,15 +23,23 @@ from test_sessions import A, B, C, conv, file_tokens, make, request
 import test_sessions_tokens as tokens
 
 
-async def test_a_restart_with_another_model_restores_none_of_the_old_models_files(tmp_path, caplog):
+async def restarted(tmp_path, model: str | None = None, directory=None, why: str = "test: restarted"):
+    """A saved for stub-model (B's switch saved it), then the engine restarted, its slot empty:
+    with another -m (model), or saving into another directory."""
     s = make(tmp_path)
     await request(s, A, 50)
-    await request(s, B, 40)  # A saved, for stub-model
-    assert file_tokens(tmp_path, A) == conv(A, 50)
-    s.engine.model = "other-model"  # the engine came back with another -m
+    await request(s, B, 40)
+    s.engine.model = model or s.engine.model
+    s.engine.dir = directory or s.engine.dir
     s.engine.held[0] = []
+    await s.engine_restarted(why)
+    return s
+
+
+async def test_a_restart_with_another_model_restores_none_of_the_old_models_files(tmp_path, caplog):
     caplog.set_level(logging.INFO, "autosessd")
-    await s.engine_restarted("test: restarted")
+    s = await restarted(tmp_path, model="other-model")  # the engine came back with another -m
+    assert file_tokens(tmp_path, A) == conv(A, 50)
     turn = await request(s, A, 60)
     assert turn.restored is None and s.counters.restores == 0
     assert s.model == "other-model" and s.counters.engine_changes == 1
@@ -45,11 +53,7 @@ async def test_a_restart_with_another_model_restores_none_of_the_old_models_file
 
 
 async def test_a_restart_with_the_same_facts_changes_nothing(tmp_path):
-    s = make(tmp_path)
-    await request(s, A, 50)
-    await request(s, B, 40)
-    s.engine.held[0] = []
-    await s.engine_restarted("test: restarted")
+    s = await restarted(tmp_path)
     turn = await request(s, A, 60)
     assert turn.restored is not None and s.counters.engine_changes == 0
     assert not [e for e in s.events.recent if e["type"] == "engine_changed"]
@@ -57,11 +61,7 @@ async def test_a_restart_with_the_same_facts_changes_nothing(tmp_path):
 
 async def test_nothing_is_saved_or_restored_until_the_restarted_engine_answers(tmp_path, monkeypatch):
     monkeypatch.setattr(facts, "RETRY_S", 0.0)
-    s = make(tmp_path)
-    await request(s, A, 50)
-    await request(s, B, 40)
-    s.engine.held[0] = []
-    await s.engine_restarted("test: restarted")
+    s = await restarted(tmp_path)
     info = s.engine.info
 
     async def loading():
@@ -79,16 +79,11 @@ async def test_nothing_is_saved_or_restored_until_the_restarted_engine_answers(t
 
 
 async def test_an_engine_that_no_longer_saves_here_gets_no_file_until_its_next_restart(tmp_path, caplog):
-    s = make(tmp_path)
-    await request(s, A, 50)
-    await request(s, B, 40)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    real = s.engine.dir
-    s.engine.dir = elsewhere  # restarted with another --slot-save-path
-    s.engine.held[0] = []
     caplog.set_level(logging.WARNING, "autosessd")
-    await s.engine_restarted("test: restarted")
+    s = await restarted(tmp_path, directory=elsewhere)  # restarted with another --slot-save-path
+    real = tmp_path
     turn = await request(s, A, 60)
     assert turn.restored is None and s.counters.restores == 0
     assert "saves its sessions somewhere other than" in caplog.text
@@ -105,12 +100,7 @@ async def test_an_engine_that_no_longer_saves_here_gets_no_file_until_its_next_r
 
 
 async def test_the_tails_restore_and_autosessctl_restore_after_a_restart_decide_under_the_new_model(tmp_path):
-    s = make(tmp_path)
-    await request(s, A, 50)
-    await request(s, B, 40)
-    s.engine.model = "other-model"
-    s.engine.held[0] = []
-    await s.engine_restarted("test: restarted")
+    s = await restarted(tmp_path, model="other-model")
 
     async def no_request_meanwhile():
         return None
@@ -146,11 +136,7 @@ async def test_a_restart_seen_while_a_turn_runs_restores_nothing_it_chose_before
 
 
 async def test_a_restart_while_the_facts_are_read_has_them_read_again(tmp_path):
-    s = make(tmp_path)
-    await request(s, A, 50)
-    await request(s, B, 40)
-    s.engine.held[0] = []
-    await s.engine_restarted("test: first")
+    s = await restarted(tmp_path, why="test: first")
     real = s.engine.save
 
     async def save(slot, name):
@@ -168,14 +154,9 @@ async def test_a_restart_while_the_facts_are_read_has_them_read_again(tmp_path):
 async def test_a_save_that_comes_first_after_a_restart_checks_the_directory(tmp_path):
     """The tail's save behind (or a save while idle) can be the first call after a restart:
     a file that does not land here turns saving and restoring off, as the probe would."""
-    s = make(tmp_path)
-    await request(s, A, 50)
-    await request(s, B, 40)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    s.engine.dir = elsewhere
-    s.engine.held[0] = []
-    await s.engine_restarted("test: restarted")
+    s = await restarted(tmp_path, directory=elsewhere)
     s.observed_start(0, C)  # the tail: C runs and ends on the restarted engine
     s.engine.ran(conv(C, 30))
     await s.observed_end(0, C, "ok", 30)
