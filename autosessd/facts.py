@@ -65,7 +65,7 @@ class EngineFacts:
         """Known and usable now: the turn's one check on its path (no await)."""
         return not self.stale and self.probed and self.off is None
 
-    async def ready(self, slot_id: int | None, probe: bool = True) -> bool:
+    async def ready(self, slot_id: int, probe: bool = True) -> bool:
         """fresh(), for a caller about to decide on a file (held: slot_id's ticket)."""
         return self.usable or await self.fresh(slot_id, probe)
 
@@ -86,7 +86,7 @@ class EngineFacts:
         if self.off is None and not self.probed:
             self._turn_off(f"since its restart, {why}")
 
-    async def fresh(self, slot_id: int | None, probe: bool = True) -> bool:
+    async def fresh(self, slot_id: int, probe: bool = True) -> bool:
         """Whether files may be saved (probe False) or restored (probe True) now, the facts
         read again first when a restart made them stale. probe: the caller holds slot_id's
         ticket and may overwrite it (a probe save costs a save of what it holds)."""
@@ -102,7 +102,7 @@ class EngineFacts:
                     return False
                 generation = self.generation
                 try:
-                    await self._read(slot_id if probe and not self.probed else None)
+                    await self._read(slot_id if probe and not self.probed else None)  # probed, or off, after it
                 except EngineError as e:
                     self._retry_at = time.monotonic() + RETRY_S
                     log.info("auto sessions: the engine's facts after its restart: %s; nothing is saved or restored "
