@@ -31,6 +31,11 @@ class StartupError(Exception):
     """The daemon cannot start; the message says what to do."""
 
 
+class SavesElsewhere(StartupError):
+    """The probe save did not land in the session directory (facts.py: for good, until the
+    engine restarts again; a short probe file is a passing trouble)."""
+
+
 async def wait_engine(engine: Engine, deadline_s: float) -> None:
     """Until the engine answers /health with its model loaded, or the deadline."""
     deadline = time.monotonic() + deadline_s
@@ -200,7 +205,7 @@ async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None
     try:
         res = await engine.save(slot, name)
         if not path.exists():
-            raise StartupError(f"the engine saves its sessions somewhere other than slot_save_path={store.path}: "
+            raise SavesElsewhere(f"the engine saves its sessions somewhere other than slot_save_path={store.path}: "
                                f"start the engine with --slot-save-path {store.path} (the probe file {name} it "
                                f"wrote is in the engine's directory; it can be removed)")
         size = path.stat().st_size

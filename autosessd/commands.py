@@ -148,8 +148,11 @@ class Commands:
         file_key = file_key or key
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
-            if not s.at_rest() or not await ctx.facts.ready(s.id):
-                return False  # the log shows a request on it; the engine's facts are not known (facts.py)
+            if not s.at_rest():
+                return False  # the log shows a request on it
+            st = await self.observer.look(s)  # a probe save (facts.py) on a busy slot would wait for it
+            if st is not None and st.is_processing or not await ctx.facts.ready(s.id, patient=True):
+                return False
             decided = ctx.facts.generation
             file = await self.saver.wait_file(file_key)
             step = policy.plan_restore(None, file_key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,

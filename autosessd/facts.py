@@ -35,7 +35,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from .checks import StartupError, probe_save
+from .checks import SavesElsewhere, StartupError, probe_save
 from .engines.base import EngineError, EngineRefused, SlotSavingOff
 
 if TYPE_CHECKING:
@@ -44,6 +44,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("autosessd")
 
 RETRY_S = 1.0  # an engine that does not answer yet (loading its model) is asked again after this
+REFUSED_S = 30.0  # one that refused the probe (a full disk, a 5xx) or cut it short: again after this
+LOCK_WAIT_S = 1.0  # a turn waits this long at most for another slot's read of the facts
+
+
+class ProbeRefused(Exception):
+    """The probe save after a restart was refused or cut short: a passing trouble, asked again."""
 
 
 class EngineFacts:
@@ -57,6 +63,7 @@ class EngineFacts:
         self.stale = False  # a restart since the facts were read
         self.probed = True  # the directory and KV streams checked since the last restart
         self.off: str | None = None  # why saving and restoring are off until the engine's next restart
+        self._layout_before = None  # the engine's KV layout before its last restart (what changed)
         self._lock = asyncio.Lock()
         self._retry_at = 0.0
 
@@ -65,9 +72,9 @@ class EngineFacts:
         """Known and usable now: the turn's one check on its path (no await)."""
         return not self.stale and self.probed and self.off is None
 
-    async def ready(self, slot_id: int, probe: bool = True) -> bool:
+    async def ready(self, slot_id: int, probe: bool = True, patient: bool = False) -> bool:
         """fresh(), for a caller about to decide on a file (held: slot_id's ticket)."""
-        return self.usable or await self.fresh(slot_id, probe)
+        return self.usable or await self.fresh(slot_id, probe, patient)
 
     def restarted(self, why: str) -> None:
         log.info("engine: %s: what its slots held is gone; its model and settings are read again before the next "
@@ -75,72 +82,93 @@ class EngineFacts:
         self.generation += 1
         self.stale, self.probed, self.off = True, False, None
         self._retry_at = 0.0
+        # Nothing is restored until the probe or a save teaches the new engine's layout (saves.
+        # _learn_layout takes the first it sees); the old one is kept to say what changed.
+        if self.ctx.engine_layout is not None:
+            self._layout_before = self.ctx.engine_layout
+        self.ctx.engine_layout = None
 
-    def saved_here(self) -> None:
-        """A save landed in our directory: since a restart, the probe's question answered (its
-        layout is taken by saves._learn_layout)."""
-        self.probed = True
+    def saved_here(self, generation: int) -> None:
+        """A save of this generation's engine landed in our directory, with state in it: since a
+        restart, the probe's question answered (saves._learn_layout took its layout)."""
+        if generation == self.generation:
+            self.probed = True
 
-    def saves_elsewhere(self, why: str) -> None:
+    def saves_elsewhere(self, why: str, generation: int) -> None:
         """A save since the restart, before any probe, did not land in our directory."""
-        if self.off is None and not self.probed:
+        if self.off is None and not self.probed and generation == self.generation:
             self._turn_off(f"since its restart, {why}")
 
-    async def fresh(self, slot_id: int, probe: bool = True) -> bool:
+    async def fresh(self, slot_id: int, probe: bool = True, patient: bool = False) -> bool:
         """Whether files may be saved (probe False) or restored (probe True) now, the facts
         read again first when a restart made them stale. probe: the caller holds slot_id's
-        ticket and may overwrite it (a probe save costs a save of what it holds)."""
+        ticket and may overwrite it (a probe save costs a save of what it holds); it has looked
+        at the slot first (llama-server defers a slot action on a busy slot, and the read's lock
+        is waited for LOCK_WAIT_S at most). patient: the caller has just seen the engine up
+        (the tails' restore after a restart): asked now, whatever a failure a moment ago said."""
         while True:
             if self.off is not None:
                 return False
             if not self.stale and (self.probed or not probe):
                 return True
-            async with self._lock:
+            try:
+                await asyncio.wait_for(self._lock.acquire(), LOCK_WAIT_S)
+            except asyncio.TimeoutError:
+                return False  # another slot's read waits on the engine: this request runs as without us
+            try:
                 if self.off is not None or (not self.stale and (self.probed or not probe)):
                     continue
-                if time.monotonic() < self._retry_at:
+                if time.monotonic() < self._retry_at and not patient:
                     return False
                 generation = self.generation
                 try:
-                    await self._read(slot_id if probe and not self.probed else None)  # probed, or off, after it
-                except EngineError as e:
-                    self._retry_at = time.monotonic() + RETRY_S
+                    off = await self._read(slot_id if probe and not self.probed else None)
+                except (EngineError, ProbeRefused) as e:
+                    self._retry_at = time.monotonic() + (REFUSED_S if isinstance(e, ProbeRefused) else RETRY_S)
                     log.info("auto sessions: the engine's facts after its restart: %s; nothing is saved or restored "
-                             "until they are read", e)
+                             "until they are read (asked again in %g s)", e, self._retry_at - time.monotonic())
                     return False
-                if generation == self.generation:  # else another restart came meanwhile: read again
-                    self.stale = False
+                if generation != self.generation:
+                    continue  # another restart came meanwhile: read again, for it
+                self.stale = False
+                if off is not None:
+                    self._turn_off(off)
+            finally:
+                self._lock.release()
 
     def _turn_off(self, why: str) -> None:
         self.off = why
         log.warning("auto sessions: %s: nothing is saved or restored until the engine restarts again", why)
         self.ctx.events.emit("engine_changed", engine=self.ctx.engine.address, off=why)
 
-    async def _read(self, probe_slot: int | None) -> None:
+    async def _read(self, probe_slot: int | None) -> str | None:
+        """/props (when stale) and the probe (probe_slot): the facts applied; → why saving is
+        off for good (until the next restart), or None. A passing trouble (the engine not up
+        yet, a probe refused or cut short) raises: asked again later."""
         ctx = self.ctx
         info = await ctx.engine.info() if self.stale else None
-        layout = None
         if probe_slot is not None:
             try:
                 layout = await probe_save(ctx.engine, ctx.store, probe_slot)
-                self.probed = True
             except SlotSavingOff:
-                self._turn_off(f"slot saving is off in the engine at {ctx.engine.address} since its restart")
-            except EngineRefused as e:  # it cannot write there (a directory it may not write, a full disk)
-                self._turn_off(f"since its restart the engine refuses a probe save: {e}")
-            except StartupError as e:
-                self._turn_off(f"since its restart, {e}")
-            if ctx.engine_layout is not None and layout is not None and layout.n_stream != ctx.engine_layout.n_stream:
+                return f"slot saving is off in the engine at {ctx.engine.address} since its restart"
+            except SavesElsewhere as e:
+                return f"since its restart, {e}"
+            except (EngineRefused, StartupError) as e:  # a full disk, a 5xx, a file cut short
+                raise ProbeRefused(f"the probe save: {e}") from None
+            self.probed = True
+            before = self._layout_before
+            if before is not None and layout is not None and layout.n_stream != before.n_stream:
                 log.warning("engine: it restarted with %d KV stream(s), %d before: files of the old layout are not "
-                            "restored into it", layout.n_stream, ctx.engine_layout.n_stream)
+                            "restored into it", layout.n_stream, before.n_stream)
                 ctx.counters.engine_changes += 1
-                ctx.events.emit("engine_changed", engine=ctx.engine.address,
-                                kv_streams=[ctx.engine_layout.n_stream, layout.n_stream])
-            # The probe shows the streams only: the first save teaches the rest. Nothing of the
-            # old engine's layout stands (another -fa or cache type would look the same here).
-            ctx.engine_layout = layout
+                ctx.events.emit("engine_changed", engine=ctx.engine.address, kv_streams=[before.n_stream, layout.n_stream])
+            # The probe of an empty slot shows the streams only: the first save teaches the rest
+            # (another -fa or cache type looks the same here: a limit, as at the start).
+            if ctx.engine_layout is None:
+                ctx.engine_layout = layout
         if info is None:
-            return
+            return None
         changed: dict[str, tuple[object, object]] = {}
         if info.model != ctx.model:
             changed["model"] = (ctx.model_name or ctx.model, info.model_name or info.model)
@@ -156,14 +184,12 @@ class EngineFacts:
             ctx.index.max_tokens = ctx.max_tokens
         if ctx.remote is not None and changed:
             ctx.remote.engine_changed(ctx.model, ctx.max_tokens)  # its catalog listed the old model's saves
-        if probe_slot is None and changed:
-            ctx.engine_layout = None  # taught by the next save, or the probe before a restore
         if self.n_slots is not None and info.total_slots != self.n_slots:
             log.warning("engine: %s now runs %d slot(s), autosessd drives %d (as at its start): restart autosessd "
                         "to drive the engine's slots as they are now", ctx.engine.address, info.total_slots,
                         self.n_slots)
         if not changed:
-            return
+            return None
         ctx.counters.engine_changes += 1
         said = ", ".join(f"{k} {a or '-'} → {b or '-'}" for k, (a, b) in changed.items())
         log.warning("engine: it restarted with another %s: files saved for the old one are not restored into it",
@@ -175,3 +201,4 @@ class EngineFacts:
             ctx.swa_window = await Upkeep.swa_window(ctx)
         if self.check_template is not None and ("model" in changed or "template" in changed):
             await self.check_template()
+        return None

@@ -70,20 +70,22 @@ class _Handoff(logging.handlers.QueueHandler):
         record.msg, record.args = record.getMessage(), None
         return record
 
-    def enqueue(self, record: logging.LogRecord) -> None:
+    def enqueue(self, record: logging.LogRecord | None) -> None:
         """At most QUEUE_MAX waiting (the module docstring); the first line with room again is
-        preceded by how many were dropped, in their place."""
+        preceded by how many were dropped, in their place. None: only that, if any (the stop)."""
         global _dropped
         with _dropped_lock:
-            if self.queue.qsize() >= QUEUE_MAX:
+            if record is not None and self.queue.qsize() >= QUEUE_MAX:
                 _dropped += 1
                 return
             n, _dropped = _dropped, 0
         if n:
             self.queue.put_nowait(logging.makeLogRecord({
-                "name": "autosessd", "levelno": logging.WARNING, "levelname": "WARNING", "created": record.created,
+                "name": "autosessd", "levelno": logging.WARNING, "levelname": "WARNING",
+                "created": record.created if record is not None else time.time(),
                 "msg": f"log: {n:,} line(s) dropped here while stderr was blocked"}))
-        self.queue.put_nowait(record)
+        if record is not None:
+            self.queue.put_nowait(record)
 
 
 _writer: _Writer | None = None
@@ -98,7 +100,7 @@ _dropped_lock = threading.Lock()
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
     """The daemon's log on stderr, written by a thread of its own (the module docstring)."""
-    global _writer
+    global _writer, _dropped
     # What no line of ours shows, not gathered for every record (the logging HOWTO's
     # "Optimization"): a turn logs on the request's path, and each costs a quarter less.
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
@@ -109,6 +111,7 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     else:
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
     stop_logging()
+    _dropped = 0  # a count from an earlier setup is not this log's
     q: queue.SimpleQueue = queue.SimpleQueue()
     _writer = _Writer(q, stream)
     _writer.start()
@@ -132,6 +135,9 @@ def stop_logging() -> None:
     global _writer
     flush(timeout_s=2.0)  # as bounded as the writer's stop: a flusher may be stuck on stderr
     if _writer is not None:
+        for h in logging.getLogger("autosessd").handlers:
+            if isinstance(h, _Handoff):
+                h.enqueue(None)  # lines dropped since the last one written: said before the exit
         writer, _writer = _writer, None
         writer.stop()
 

@@ -162,8 +162,9 @@ class Remote:
         last reading; swap the catalog in. Blocking. Never raises SharedError: a failed LIST
         keeps the catalog as it was (its saves stay where they are or a download says so)."""
         t0 = time.perf_counter()
+        model = self.model  # a reading of one model's saves is never swapped in for another's
         try:
-            saves = self.shared.find(self.model)
+            saves = self.shared.find(model)
         except SharedError as e:
             self.list_failures += 1
             self.last_list_error = str(e)
@@ -200,6 +201,8 @@ class Remote:
             finally:
                 ex.shutdown(wait=False, cancel_futures=True)
         by_name = {s.name: s for s in saves}
+        if model != self.model:
+            return self.catalog  # the engine came back with another model meanwhile (engine_changed)
         if tokens.keys() == old.tokens.keys() and by_name.keys() == old.saves.keys():
             run = old.run  # nothing came or went: the sorted run stays
         else:

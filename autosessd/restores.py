@@ -55,7 +55,7 @@ class Restorer:
         self.saver = saver
 
     async def restore(self, s: Slot, key: str | None, result: TurnResult | None, name: str | None = None,
-                      expect: int | None = None, tokens: bytes | None = None, decided: int | None = None) -> bool:
+                      expect: int | None = None, tokens: bytes | None = None, *, decided: int) -> bool:
         """Restore auto-<key>.bin (or `name`; key None: a person's file) into slot s. expect:
         the tokens the engine should reuse of it (all by default); tokens: what it holds, when
         the index knows; decided: the engine's generation (facts.py) the caller chose the file
@@ -67,7 +67,7 @@ class Restorer:
         t0 = time.monotonic()
         try:
             with ctx.store.using(name):
-                if await self._refused(s, key, name, result) or self._overtaken(name, decided, result):
+                if self._overtaken(name, decided, result) or await self._refused(s, key, name, result):
                     return False
                 try:
                     res = await ctx.engine.restore(s.id, name)
@@ -120,7 +120,7 @@ class Restorer:
             result.restored = info
         return True
 
-    def _overtaken(self, name: str, decided: int | None, result: TurnResult | None) -> bool:
+    def _overtaken(self, name: str, decided: int, result: TurnResult | None) -> bool:
         """The file was chosen under the facts of an engine that has restarted since (facts.py):
         it is chosen again at the next request, under the new engine's."""
         facts = self.ctx.facts

@@ -211,7 +211,8 @@ class Saver:
             c.save_failures += 1
             return self._failed(what, short, key, result)
         t0 = time.monotonic()
-        model = ctx.model  # the engine's as the save starts (a restart's new facts may come meanwhile)
+        # The engine's as the save starts: a restart's new facts may come meanwhile (facts.py).
+        model, generation = ctx.model, ctx.facts.generation
         ctx.events.emit("saving", slot=s.id, key=key, file=target, n_tokens=held.n_tokens)
         try:
             res = await ctx.engine.save(s.id, temp_name(key))
@@ -224,11 +225,11 @@ class Saver:
             header = self._check_header(key, res.n_tokens)
         except StoreError as e:
             if not store.temp_path(key).exists():  # the first save since a restart is the probe too
-                ctx.facts.saves_elsewhere(f"the engine saves its sessions somewhere other than {store.path}")
+                ctx.facts.saves_elsewhere(f"the engine saves its sessions somewhere other than {store.path}",
+                                          generation)
             store.discard_temp(key)
             c.save_failures += 1
             return self._failed(what, str(e), key, result)
-        ctx.facts.saved_here()
         if res.n_tokens == 0:
             # The slot holds nothing: not a failed save but a state that is gone (an engine that
             # empties idle slots, a restart). Nothing held blocks the next restore.
@@ -280,7 +281,7 @@ class Saver:
         v = s.view
         mine = target is None and prefix is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED)
         n_prompt = v.n_prompt if mine and v.n_prompt is not None and v.n_prompt <= res.n_tokens else None
-        layout = self._learn_layout(key)
+        layout = self._learn_layout(key, generation)
         meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=model,
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
                     prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
@@ -341,8 +342,12 @@ class Saver:
                              f"{n_saved:,}")
         return header
 
-    def _learn_layout(self, key: str) -> slotfile.KVLayout | None:
-        """The KV layout of a state file this engine just wrote: it is the engine's layout."""
+    def _learn_layout(self, key: str, generation: int) -> slotfile.KVLayout | None:
+        """The KV layout of a state file this engine just wrote: it is the engine's layout, the
+        first full one the engine's current process shows (facts.py resets it at a restart).
+        The save landed here with state in it: since a restart, the probe's answer too."""
+        if generation == self.ctx.facts.generation:
+            self.ctx.facts.saved_here(generation)
         if self.ctx.engine.magic != slotfile.MAGIC_BYTES:
             return None
         try:
@@ -351,10 +356,7 @@ class Saver:
             log.debug("auto sessions: KV layout of %s: %s", key, e)
             return None
         known = self.ctx.engine_layout
-        if known != layout and (layout.v_trans is not None or known is None):  # the engine's own, as it is now
-            if known is not None and known.v_trans is not None:
-                log.warning("auto sessions: the engine's KV layout is now %s, it was %s: files of the old one are "
-                            "not restored", layout.fingerprint(), known.fingerprint())
+        if generation == self.ctx.facts.generation and (known is None or known.v_trans is None):
             self.ctx.engine_layout = layout
         return layout
 

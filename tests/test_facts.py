@@ -16,7 +16,7 @@ from autosessd.slotfile import KVLayout
 from autosessd.store import Store
 from stub_engine import StubEngine
 from autosessd.ctl import show_status
-from autosessd.engines.base import EngineUnreachable
+from autosessd.engines.base import EngineRefused, EngineUnreachable
 from autosessd.store import StoreError
 from test_recall import OTHER, grown
 from test_sessions import A, B, C, conv, file_tokens, make, request
@@ -113,9 +113,11 @@ async def test_the_tails_restore_and_autosessctl_restore_after_a_restart_decide_
     assert s.counters.restores == 0 and s.engine.held[0] == [] and s.model == "third-model"
 
 
-async def test_a_restart_seen_while_a_turn_runs_restores_nothing_it_chose_before(tmp_path):
+@pytest.mark.parametrize("read_meanwhile", [False, True])
+async def test_a_restart_seen_while_a_turn_runs_restores_nothing_it_chose_before(tmp_path, read_meanwhile):
     """The turn chose X's file by its messages under stub-model; the watch reports a restart
-    (another -m) while the turn saves. What it chose is not restored into the new engine."""
+    (another -m) while the turn saves, and maybe another slot's turn reads the new engine's
+    facts meanwhile. What it chose is not restored into the new engine."""
     s = await tokens.make(tmp_path)
     await tokens.chat(s, tokens.X)
     await tokens.chat(s, OTHER)  # X saved with its marks, for stub-model
@@ -127,6 +129,8 @@ async def test_a_restart_seen_while_a_turn_runs_restores_nothing_it_chose_before
             s.engine.model = "other-model"
             s.engine.held[0] = []
             await s.engine_restarted("test: restarted mid-turn")
+            if read_meanwhile:
+                assert await s.ctx.facts.fresh(slot.id) and s.ctx.facts.usable
         return await real(slot, *a, **kw)
 
     s.saver.save_if_worth = save_if_worth
@@ -208,3 +212,159 @@ async def test_the_layout_after_a_restart_is_the_new_engines(tmp_path, monkeypat
     assert s.ctx.engine_layout == KVLayout(1, 0, 24, 1) and s.store.read_meta(A).layout == "s1-v0-l24-k1"
     assert (await request(s, A, 70)).restored is not None
     assert (await request(s, C, 50)).restored is None  # the old layout: never handed to the new engine
+
+
+def layouts(monkeypatch, now: list[KVLayout]) -> None:
+    """The stub's files read as the KV layout now[0] (its streams alone for an empty slot)."""
+    monkeypatch.setattr(slotfile, "read_layout", lambda path: now[0] if slotfile.read_header(path).n_tokens
+                        else KVLayout(now[0].n_stream))
+
+
+async def test_after_a_restart_with_other_kv_streams_an_empty_save_first_is_no_probe(tmp_path, monkeypatch):
+    """-np 1 → -np 4 (one KV stream → four). A save that finds the slot empty (park on the
+    restarted engine) lands here but shows no layout: the next restore still probes first, and
+    the old engine's one-stream file is not handed to the four-stream one (it would refuse it
+    after reading part of it)."""
+    now = [KVLayout(1, 1, 24, 1)]
+    layouts(monkeypatch, now)
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)
+    now[0] = KVLayout(4, 1, 24, 1)
+    s.engine.held[0] = []
+    await s.engine_restarted("test: restarted")
+    with pytest.raises(StoreError, match="empty"):
+        await s.park(0, "mine")
+    turn = await request(s, A, 60)
+    assert any("probe" in name for name in s.engine.saves[-3:])
+    assert turn.restored is None and s.ctx.engine_layout.n_stream == 4 and s.counters.engine_changes == 1
+
+
+async def test_a_refused_probe_is_asked_again_later_not_taken_for_good(tmp_path, monkeypatch):
+    """A probe refused by a full disk or a 5xx is a passing trouble: nothing is restored then,
+    and once the engine takes the probe again, all is as before."""
+    monkeypatch.setattr(facts, "REFUSED_S", 0.0)
+    s = await restarted(tmp_path)
+    real = s.engine.save
+
+    async def full(slot, name):
+        if "probe" in name:
+            raise EngineRefused("POST /slots answered 500: failed to save: No space left on device")
+        return await real(slot, name)
+
+    s.engine.save = full
+    turn = await request(s, A, 60)
+    assert turn.restored is None and s.ctx.facts.off is None
+    s.engine.save = real
+    s.engine.held[0] = []
+    turn = await request(s, A, 60)
+    assert turn.restored is not None
+
+
+async def test_a_save_made_across_a_restart_keeps_the_model_it_was_made_for(tmp_path):
+    """The facts of the new engine read while an old engine's save was under way (another
+    slot's turn): the file and its index entry are the old model's."""
+    s = make(tmp_path)
+    await s.prepare()  # the token index
+    await request(s, A, 50)
+    real = s.engine.save
+
+    async def save(slot, name):
+        res = await real(slot, name)
+        if "probe" not in name and s.engine.model == "stub-model":
+            s.engine.model = "other-model"
+            await s.engine_restarted("test: restarted during a save")
+            assert await s.ctx.facts.fresh(slot, probe=False)
+        return res
+
+    s.engine.save = save
+    await request(s, B, 40)  # A saved: its bytes are stub-model's
+    assert s.store.read_meta(A).model == "stub-model" and s.index.get(f"auto-{A}.bin").model == "stub-model"
+
+
+async def test_a_new_model_empties_the_buckets_catalog(tmp_path):
+    s = await restarted(tmp_path, model="other-model")
+    told = []
+
+    class Bucket:
+        def engine_changed(self, model, max_tokens):
+            told.append((model, max_tokens))
+
+    s.ctx.remote = Bucket()
+    assert await s.ctx.facts.fresh(0)
+    assert told == [("other-model", s.ctx.max_tokens)]
+
+
+async def test_autosessctl_restore_looks_before_it_probes(tmp_path):
+    """A request that bypassed autosessd runs on the slot: llama-server would defer a probe save
+    until it ends, holding up every other slot's turn on the facts' read."""
+    s = await restarted(tmp_path)
+    s.engine.processing = True
+    saves = list(s.engine.saves)
+    with pytest.raises(StoreError, match="did not come through autosessd"):
+        await s.restore_now(A)
+    assert s.engine.saves == saves
+
+
+async def test_the_tails_restore_right_after_a_failed_read_asks_again(tmp_path):
+    """A turn while the engine loaded its model failed to read its facts (retried after
+    RETRY_S); the tail's restore once /health is up asks at once."""
+    s = await restarted(tmp_path)
+    info = s.engine.info
+
+    async def loading():
+        raise EngineRefused("GET /props answered 503: Loading model")
+
+    s.engine.info = loading
+    assert (await request(s, C, 20)).restored is None
+    s.engine.info = info
+    s.engine.held[0] = []
+    s.observer.lost(s.slot(0), "test: the tail's look")
+
+    async def no_request_meanwhile():
+        return None
+
+    assert await s.restore_behind(0, A, no_request_meanwhile)
+
+
+async def test_a_turn_waits_a_bounded_time_for_another_slots_read(tmp_path, monkeypatch):
+    """The probe runs on the reader's own slot; the engine may take its time. Another slot's
+    turn does not wait for it past LOCK_WAIT_S: its request runs as without autosessd."""
+    monkeypatch.setattr(facts, "LOCK_WAIT_S", 0.05)
+    s = make(tmp_path, n_slots=2)
+    await s.engine_restarted("test: restarted")
+    release = asyncio.Event()
+    real = s.engine.save
+
+    async def slow(slot, name):
+        if "probe" in name:
+            await release.wait()
+        return await real(slot, name)
+
+    s.engine.save = slow
+    first = asyncio.ensure_future(s.ctx.facts.fresh(0))
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(s.ctx.facts.fresh(1), 1) is False
+    release.set()
+    assert await first is True
+
+
+async def test_what_an_old_engines_probe_said_is_not_taken_for_the_new_ones(tmp_path):
+    """The probe went to the engine that saved elsewhere; before its answer that engine was
+    replaced by one saving here. Saving is not turned off for the new one."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    s = await restarted(tmp_path, directory=elsewhere)
+    real, fired = s.engine.save, []
+
+    async def save(slot, name):
+        res = await real(slot, name)
+        if "probe" in name and not fired:
+            fired.append(1)
+            s.engine.dir = tmp_path
+            await s.engine_restarted("test: restarted again, with the right directory")
+        return res
+
+    s.engine.save = save
+    turn = await request(s, A, 60)
+    assert fired and s.ctx.facts.off is None and turn.restored is not None

@@ -180,3 +180,16 @@ def test_a_stderr_blocked_for_long_holds_at_most_queue_max_lines_and_the_loss_is
     n = int(lost[0].split("log: ")[1].split()[0].replace(",", ""))
     assert n + sum("auto sessions: line" in x for x in out) == 500
     assert out[-2] == lost[0] and out[-1].endswith("auto sessions: after")  # said where the gap is
+
+
+def test_lines_dropped_just_before_the_stop_are_said_at_the_stop(stuck, monkeypatch):
+    monkeypatch.setattr(logs, "QUEUE_MAX", 5)
+    setup(stuck, "text", monkeypatch)
+    log = logging.getLogger("autosessd")
+    for i in range(20):
+        log.info("auto sessions: line %d", i)
+    stuck.go.set()
+    logs.stop_logging()
+    out = "".join(stuck.text).splitlines()
+    assert out[-1].endswith("line(s) dropped here while stderr was blocked")
+    assert int(out[-1].split("log: ")[1].split()[0]) + sum("auto sessions: line" in x for x in out) == 20

@@ -164,3 +164,31 @@ async def test_after_a_restart_with_another_model_none_of_the_old_models_saves_i
     finally:
         r.pool.shutdown()
         r.downloads.shutdown()
+
+
+def test_a_reading_of_the_old_models_saves_is_not_swapped_in_after_a_model_change():
+    """A LIST for the old model was under way when the engine came back with another."""
+    import threading
+
+    a = save("auto-00000000000000a1", BASE)
+    listed, go = threading.Event(), threading.Event()
+
+    class Slow(_Bucket):
+        def find(self, model):
+            listed.set()
+            go.wait(10)
+            return [s for s, _ in self.saves] if model == "m" else []
+
+    r = Remote(shared=Slow(a), cfg=CFG, model="m")
+    t = threading.Thread(target=r.refresh)
+    try:
+        t.start()
+        assert listed.wait(10)
+        r.model, r.catalog = "m2", Catalog()  # what engine_changed does, without its own reading
+        go.set()
+        t.join(10)
+        assert r.catalog.saves == {}
+    finally:
+        go.set()
+        r.pool.shutdown()
+        r.downloads.shutdown()
