@@ -13,13 +13,15 @@ So a restart marks the facts stale (Sessions.engine_restarted) and starts a new 
 The first call after it that decides on a file reads them again (fresh): /props always; a
 probe save before anything is restored (the caller holds the slot's ticket and may overwrite
 it), which shows the engine still saves into our directory and its files' KV streams. A save
-may go first without the probe: it checks the directory itself (its file must land here) and
-teaches the layout. Until the facts are read, nothing is saved or restored (a turn lets its
-request through as without autosessd); an engine that no longer saves here, or refuses the
-probe, turns saving and restoring off until its next restart, said once. A restore decided
-in an earlier generation is refused (a restart seen while the turn ran), and a read that a
-restart overtook is made again. What changed is logged, counted (engine_changes) and said as
-an `engine_changed` event.
+may go first without the probe: it checks the directory itself (its file must land here), and
+one with state in it teaches the layout and stands for the probe. Until the facts are read,
+nothing is saved or restored (a turn lets its request through as without autosessd, after
+waiting LOCK_WAIT_S at most for another slot's read); an engine with slot saving off, or
+saving elsewhere, gets no save or restore until its next restart, said once; a refused probe
+(a full disk, a 5xx) is asked again after REFUSED_S. A restore decided in an earlier
+generation is refused (a restart seen while the turn ran), and a read that a restart overtook
+is made again. What changed is logged, counted (engine_changes) and said as an
+`engine_changed` event.
 
 Not re-read: the number of slots (placement is fixed at start; a change is said, and
 autosessd must be restarted to drive the new count) and whether the engine empties idle
