@@ -159,13 +159,25 @@ def test_a_line_said_soon_stays_first_while_another_thread_writes_it(stuck, monk
     assert msgs[0] == "said first" and set(msgs[1:]) == {"said second", "the worker's line"}, msgs
 
 
-def test_a_stderr_blocked_for_long_holds_at_most_queue_max_lines_and_the_loss_is_said(stuck, monkeypatch):
-    """A pipe nobody reads: the daemon logs on, its memory must not grow with every line."""
-    monkeypatch.setattr(logs, "QUEUE_MAX", 50)
+def flooded(stuck, monkeypatch, bound: int, n: int) -> logging.Logger:
+    """The daemon's log with at most `bound` lines waiting, and n lines logged to a stderr that blocks."""
+    monkeypatch.setattr(logs, "QUEUE_MAX", bound)
     setup(stuck, "text", monkeypatch)
     log = logging.getLogger("autosessd")
-    for i in range(500):
+    for i in range(n):
         log.info("auto sessions: line %d", i)
+    return log
+
+
+def lost_and_written(out: list[str]) -> tuple[list[str], int]:
+    """The lines that say how many were dropped, and how many of the flood's lines were written."""
+    return ([x for x in out if "dropped here while stderr was blocked" in x],
+            sum("auto sessions: line" in x for x in out))
+
+
+def test_a_stderr_blocked_for_long_holds_at_most_queue_max_lines_and_the_loss_is_said(stuck, monkeypatch):
+    """A pipe nobody reads: the daemon logs on, its memory must not grow with every line."""
+    log = flooded(stuck, monkeypatch, 50, 500)
     assert logs._writer.queue.qsize() <= 50  # the writer holds one more, waiting on stderr
     stuck.go.set()
     deadline = time.monotonic() + 5
@@ -174,22 +186,16 @@ def test_a_stderr_blocked_for_long_holds_at_most_queue_max_lines_and_the_loss_is
     log.info("auto sessions: after")  # the first line with room: the loss is said before it
     logs.stop_logging()
     out = "".join(stuck.text).splitlines()
-    assert sum("auto sessions: line" in x for x in out) <= 51
-    lost = [x for x in out if "dropped here while stderr was blocked" in x]
-    assert len(lost) == 1 and " WARNING log: " in lost[0]
-    n = int(lost[0].split("log: ")[1].split()[0].replace(",", ""))
-    assert n + sum("auto sessions: line" in x for x in out) == 500
+    lost, written = lost_and_written(out)
+    assert written <= 51 and len(lost) == 1 and " WARNING log: " in lost[0]
+    assert int(lost[0].split("log: ")[1].split()[0].replace(",", "")) + written == 500
     assert out[-2] == lost[0] and out[-1].endswith("auto sessions: after")  # said where the gap is
 
 
 def test_lines_dropped_just_before_the_stop_are_said_at_the_stop(stuck, monkeypatch):
-    monkeypatch.setattr(logs, "QUEUE_MAX", 5)
-    setup(stuck, "text", monkeypatch)
-    log = logging.getLogger("autosessd")
-    for i in range(20):
-        log.info("auto sessions: line %d", i)
+    flooded(stuck, monkeypatch, 5, 20)
     stuck.go.set()
     logs.stop_logging()
     out = "".join(stuck.text).splitlines()
-    assert out[-1].endswith("line(s) dropped here while stderr was blocked")
-    assert int(out[-1].split("log: ")[1].split()[0]) + sum("auto sessions: line" in x for x in out) == 20
+    lost, written = lost_and_written(out)
+    assert lost == [out[-1]] and int(out[-1].split("log: ")[1].split()[0]) + written == 20
