@@ -6,8 +6,8 @@ save's dirty pages: 7 ms for one line in the bench's 21k switch, on the request'
 so records are handed to a writer thread (the logging cookbook's "Dealing with handlers
 that block") and the event loop never waits for it. The hand-off holds at most QUEUE_MAX
 records: past that, while stderr stays blocked (a pipe nobody reads, a stalled journal), a
-line is dropped and counted rather than kept in memory without end, and the writer says how
-many it lost once stderr takes lines again.
+line is dropped and counted rather than kept in memory without end, and how many were lost
+is said in their place once lines fit again (or at the stop).
 
 Building a record costs too: ~0.2 ms for one line on a CPU that has just woken from the
 engine's restore (the bench's VM; 5 us hot), more than any other step of the turn that

@@ -90,6 +90,12 @@ class Catalog:
     listed_at: float = 0.0  # time.time() of the LIST; 0: never listed
 
 
+def _said_if_failed(task: asyncio.Task) -> None:
+    """A reading of the bucket's catalog outside its loop: a bug in it is logged, as there."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("auto sessions: shared: reading the bucket: %s", task.exception(), exc_info=task.exception())
+
+
 class Remote:
     def __init__(self, shared: SharedStore, cfg: SharedConfig, model: str, max_tokens: int | None = None):
         """max_tokens: the engine's context; saves claiming more are left out of the catalog."""
@@ -142,7 +148,7 @@ class Remote:
         self.catalog = Catalog()
         if not self.closing.is_set():
             task = asyncio.get_running_loop().create_task(self.run(self.refresh))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # refresh logs its own troubles
+            task.add_done_callback(_said_if_failed)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the bucket's threads."""
