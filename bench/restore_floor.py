@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "bench"), str(ROOT)]
 
 import demo  # noqa: E402
-from run import Run, conv  # noqa: E402
+from run import Run, answer, blocking_call, conv, restore_request  # noqa: E402
 
 from autosessd.engines import http1  # noqa: E402
 from autosessd.engines.llama_server import LlamaServer  # noqa: E402
@@ -36,25 +36,7 @@ from autosessd.engines.llama_server import LlamaServer  # noqa: E402
 TOKENS = int(os.environ.get("FLOOR_TOKENS", "21000"))
 N = int(os.environ.get("FLOOR_N", "50"))
 BODY = b'{"filename":"floor.bin"}'
-RESTORE = (b"POST /slots/0?action=restore HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
-
-
-def answer(buf: bytes) -> dict | None:
-    """The JSON body of a whole Content-Length answer in buf; None until it is whole."""
-    if b"\r\n\r\n" not in buf:
-        return None
-    head, rest = buf.split(b"\r\n\r\n", 1)
-    n = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-    return json.loads(rest[:n]) if len(rest) >= n else None
-
-
-def blocking_call(s: socket.socket, request: bytes) -> dict:
-    s.sendall(request)
-    buf = b""
-    while (r := answer(buf)) is None:
-        buf += more(s.recv(65536))
-    return r
+RESTORE = restore_request("floor.bin")
 
 
 def more(data: bytes) -> bytes:

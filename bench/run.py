@@ -321,7 +321,7 @@ def plain_loop(directory: Path, n_bytes: int) -> tuple[float, float]:
     return n_bytes / w / 1e6, n_bytes / rd / 1e6
 
 
-def _whole_answer(buf: bytes) -> dict[str, Any] | None:
+def answer(buf: bytes) -> dict[str, Any] | None:
     """The JSON body of a whole Content-Length answer in buf; None until it is whole."""
     head, sep, rest = buf.partition(b"\r\n\r\n")
     if not sep:
@@ -330,25 +330,34 @@ def _whole_answer(buf: bytes) -> dict[str, Any] | None:
     return json.loads(rest[:n]) if len(rest) >= n else None
 
 
+def blocking_call(s: socket.socket, request: bytes) -> dict[str, Any]:
+    """One exchange with the engine on a plain blocking socket (a kept-alive connection)."""
+    s.sendall(request)
+    buf = b""
+    while (r := answer(buf)) is None:
+        data = s.recv(65536)
+        if not data:
+            raise SystemExit("bench: the engine closed the connection (did it die?)")
+        buf += data
+    return r
+
+
+def restore_request(name: str) -> bytes:
+    body = json.dumps({"filename": name}).encode()
+    return (b"POST /slots/0?action=restore HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
 def plain_restores(port: int, name: str, n: int) -> list[float]:
     """ms beyond the engine's restore_ms of n restores of `name` by a plain blocking client on
     one kept-alive socket: what any caller pays for the exchange (bench/restore_floor.py
     compares the clients at length). The floor under the back turn's overhead."""
-    body = json.dumps({"filename": name}).encode()
-    request = (b"POST /slots/0?action=restore HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    out = []
+    request, out = restore_request(name), []
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(n):
             t = time.perf_counter()
-            s.sendall(request)
-            buf = b""
-            while (r := _whole_answer(buf)) is None:
-                data = s.recv(65536)
-                if not data:
-                    raise SystemExit("bench: the engine closed the connection during a plain restore")
-                buf += data
+            r = blocking_call(s, request)
             out.append((time.perf_counter() - t) * 1000 - r["timings"]["restore_ms"])
     return out
 
