@@ -38,7 +38,7 @@ import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from .checks import SavesElsewhere, StartupError, probe_save
-from .engines.base import EngineError, EngineRefused, SlotSavingOff
+from .engines.base import EngineError, EngineInfo, EngineRefused, SlotSavingOff
 
 if TYPE_CHECKING:
     from .context import Context
@@ -111,14 +111,14 @@ class EngineFacts:
         while True:
             if self.off is not None:
                 return False
-            if not self.stale and (self.probed or not probe):
+            if self._known(probe):
                 return True
             try:
                 await asyncio.wait_for(self._lock.acquire(), LOCK_WAIT_S)
             except asyncio.TimeoutError:
                 return False  # another slot's read waits on the engine: this request runs as without us
             try:
-                if self.off is not None or (not self.stale and (self.probed or not probe)):
+                if self.off is not None or self._known(probe):
                     continue
                 if time.monotonic() < self._retry_at and not patient:
                     return False
@@ -138,6 +138,10 @@ class EngineFacts:
             finally:
                 self._lock.release()
 
+    def _known(self, probe: bool) -> bool:
+        """Read since the restart, and probed where the caller will restore."""
+        return not self.stale and (self.probed or not probe)
+
     def _turn_off(self, why: str) -> None:
         self.off = why
         log.warning("auto sessions: %s: nothing is saved or restored until the engine restarts again", why)
@@ -149,6 +153,7 @@ class EngineFacts:
         yet, a probe refused or cut short) raises: asked again later."""
         ctx = self.ctx
         info = await ctx.engine.info() if self.stale else None
+        changed: dict[str, tuple[object, object]] = {}
         if probe_slot is not None:
             try:
                 layout = await probe_save(ctx.engine, ctx.store, probe_slot)
@@ -161,35 +166,13 @@ class EngineFacts:
             self.probed = True
             before = self._layout_before
             if before is not None and layout is not None and layout.n_stream != before.n_stream:
-                log.warning("engine: it restarted with %d KV stream(s), %d before: files of the old layout are not "
-                            "restored into it", layout.n_stream, before.n_stream)
-                ctx.counters.engine_changes += 1
-                ctx.events.emit("engine_changed", engine=ctx.engine.address, kv_streams=[before.n_stream, layout.n_stream])
+                changed["kv_streams"] = (before.n_stream, layout.n_stream)
             # The probe of an empty slot shows the streams only: the first save teaches the rest
             # (another -fa or cache type looks the same here: a limit, as at the start).
             if ctx.engine_layout is None:
                 ctx.engine_layout = layout
-        if info is None:
-            return None
-        changed: dict[str, tuple[object, object]] = {}
-        if info.model != ctx.model:
-            changed["model"] = (ctx.model_name or ctx.model, info.model_name or info.model)
-        if info.template != ctx.template:
-            changed["template"] = (ctx.template, info.template)
-        if info.n_ctx != ctx.n_ctx:
-            changed["n_ctx"] = (ctx.n_ctx, info.n_ctx)
-        if "model" in changed:
-            ctx.savings.switch_model(info.model)
-            ctx.model, ctx.model_name = info.model, info.model_name
-        ctx.template, ctx.n_ctx = info.template, info.n_ctx
-        if ctx.index is not None:
-            ctx.index.max_tokens = ctx.max_tokens
-        if ctx.remote is not None and changed:
-            ctx.remote.engine_changed(ctx.model, ctx.max_tokens)  # its catalog listed the old model's saves
-        if self.n_slots is not None and info.total_slots != self.n_slots:
-            log.warning("engine: %s now runs %d slot(s), autosessd drives %d (as at its start): restart autosessd "
-                        "to drive the engine's slots as they are now", ctx.engine.address, info.total_slots,
-                        self.n_slots)
+        if info is not None:
+            self._apply(info, changed)
         if not changed:
             return None
         ctx.counters.engine_changes += 1
@@ -204,3 +187,25 @@ class EngineFacts:
         if self.check_template is not None and ("model" in changed or "template" in changed):
             await self.check_template()
         return None
+
+    def _apply(self, info: EngineInfo, changed: dict[str, tuple[object, object]]) -> None:
+        """/props's facts taken in; what differs from before added to `changed`."""
+        ctx = self.ctx
+        if info.model != ctx.model:
+            changed["model"] = (ctx.model_name or ctx.model, info.model_name or info.model)
+        if info.template != ctx.template:
+            changed["template"] = (ctx.template, info.template)
+        if info.n_ctx != ctx.n_ctx:
+            changed["n_ctx"] = (ctx.n_ctx, info.n_ctx)
+        if "model" in changed:
+            ctx.savings.switch_model(info.model)
+            ctx.model, ctx.model_name = info.model, info.model_name
+        ctx.template, ctx.n_ctx = info.template, info.n_ctx
+        if ctx.index is not None:
+            ctx.index.max_tokens = ctx.max_tokens
+        if ctx.remote is not None and changed.keys() & {"model", "template", "n_ctx"}:
+            ctx.remote.engine_changed(ctx.model, ctx.max_tokens)  # its catalog listed the old model's saves
+        if self.n_slots is not None and info.total_slots != self.n_slots:
+            log.warning("engine: %s now runs %d slot(s), autosessd drives %d (as at its start): restart autosessd "
+                        "to drive the engine's slots as they are now", ctx.engine.address, info.total_slots,
+                        self.n_slots)
