@@ -150,9 +150,10 @@ class Commands:
             s = self.placement.slot_of(t)
             if not s.at_rest():
                 return False  # the log shows a request on it
-            st = await self.observer.look(s)  # a probe save (facts.py) on a busy slot would wait for it
-            if st is not None and st.is_processing or not await ctx.facts.ready(s.id, patient=True):
-                return False
+            if not ctx.facts.usable:  # a probe save (facts.py) on a busy slot would wait for it: look first
+                st = await self.observer.look(s)
+                if st is not None and st.is_processing or not await ctx.facts.fresh(s.id, patient=True):
+                    return False
             decided = ctx.facts.generation
             file = await self.saver.wait_file(file_key)
             step = policy.plan_restore(None, file_key, SaveOutcome.NOT_TRIED, file, ctx.model, ctx.min_tokens,

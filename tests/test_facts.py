@@ -368,3 +368,17 @@ async def test_what_an_old_engines_probe_said_is_not_taken_for_the_new_ones(tmp_
     s.engine.save = save
     turn = await request(s, A, 60)
     assert fired and s.ctx.facts.off is None and turn.restored is not None
+
+
+async def test_the_tails_restore_looks_before_it_probes(tmp_path):
+    """As autosessctl restore: a request that bypassed autosessd runs on the slot, and a probe
+    save there would wait for it, holding the facts' read for every other slot."""
+    s = await restarted(tmp_path)
+    s.engine.processing = True
+    saves = list(s.engine.saves)
+
+    async def no_request_meanwhile():
+        return None
+
+    assert not await s.restore_behind(0, A, no_request_meanwhile)
+    assert s.engine.saves == saves
