@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .config import Config
 from .engines.base import ChatEngine, Engine
 from .facts import EngineFacts
-from .report import Counters, Events, Histograms, RestoreLog
+from .report import Counters, Events, Histograms, RestoreLog, TurnTimes
 from .savings import Savings
 from .store import Store
 
@@ -53,6 +53,7 @@ class Context:
     events: Events = field(default_factory=Events)
     restore_log: RestoreLog = field(default_factory=RestoreLog)
     histograms: Histograms = field(default_factory=Histograms)
+    turn_times: TurnTimes = field(default_factory=TurnTimes)  # where turns' time went (report.PHASES)
     savings: Savings = field(default_factory=Savings)  # the engine's rates; what was spared
 
     def __post_init__(self) -> None:

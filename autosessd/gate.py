@@ -465,6 +465,7 @@ class Gate:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
             await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt, watcher.reply())
+            s.ctx.turn_times.engine_done(ticket.slot_id, key, watcher.timings)  # beside its turn's phases
             if status == "ok":
                 s.prefill_seen(*watcher.prefill(), cache_n=cache_n)
             if self.request_log and status != "not_run":

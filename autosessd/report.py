@@ -120,6 +120,9 @@ class Counters:
     bytes_saved_idle: int = _counter("idle_saved_bytes_total", "Bytes saved while idle (also in saved_bytes_total)")
     tokenize_failures: int = _counter("tokenize_failures_total",
                                       "Turns that got no tokens from the engine (the key rule decided)")
+    restores_before_durable: int = _counter("restores_before_durable_total",
+                                            "Restores of a save whose finalize (fsync) still ran, read through a "
+                                            "link to its temporary instead of waiting for it")
     restores_by_tokens: int = _counter("restores_by_tokens_total",
                                        "Restores chosen by the tokens a file shares with the request")
     saves_covered: int = _counter("saves_covered_total",
@@ -242,6 +245,29 @@ def skipped(counters: Counters, step: Skip, result: TurnResult | None) -> None:
 
 
 # -- what one turn did ---------------------------------------------------------------------
+# Where a turn's time goes (issue 31), each phase in ms of the request's wait: "look" (GET
+# /slots), "facts" (the engine's facts read again after a restart), "wait" (finalizes that the
+# decision must see: a save of the same temporary, or of the same file), "save" (the engine
+# writing the outgoing conversation, then its checks), "tokens" (/apply-template + /tokenize
+# beyond what the save hid), "fetch" (a download from the shared bucket), "launch" (the launch
+# gate: an engine that empties idle slots), "check" (the file's integrity: a stat, or a digest
+# when it changed), "restore" (the engine reading the file), "prefix" (a shared prefix read on
+# its own). The engine's own work on the request after the turn is beside them in status
+# (engine_prompt_ms, engine_reply_ms: its timings).
+PHASES = ("look", "facts", "wait", "save", "tokens", "fetch", "launch", "check", "restore", "prefix")
+
+
+@contextlib.contextmanager
+def timed(result: TurnResult | None, phase: str):
+    """Adds the time of the block to result.phases[phase] (nothing when result is None)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        if result is not None:
+            result.phases[phase] = result.phases.get(phase, 0.0) + (time.monotonic() - t0) * 1000
+
+
 @dataclass
 class TurnResult:
     key: str | None
@@ -256,6 +282,7 @@ class TurnResult:
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     ms: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # ms by PHASES name, those that ran
 
     def to_dict(self) -> dict[str, Any]:
         # As dataclasses.asdict has it (its values are flat dicts, lists of str and scalars),
@@ -265,7 +292,46 @@ class TurnResult:
             if d[k] is not None:
                 d[k] = dict(d[k])
         d["skipped"], d["errors"] = list(self.skipped), list(self.errors)
+        d["phases"] = {k: round(v, 2) for k, v in self.phases.items()}
         return d
+
+    def phases_line(self) -> str:
+        """'save 59, restore 125, other 3' (ms, in PHASES order): the turn's log line."""
+        parts = [f"{name} {self.phases[name]:,.0f}" for name in PHASES if name in self.phases]
+        other = self.ms - sum(self.phases.values())
+        return ", ".join([*parts, f"other {max(other, 0):,.0f}"])
+
+
+@dataclass
+class TurnTimes:
+    """Per slot, the last turn's phases that saved or restored (and the engine's own time on
+    its request, once it ended); in total, every timed turn's phases. Status and /metrics."""
+
+    last: dict[int, dict[str, Any]] = field(default_factory=dict)
+    total_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    turns: int = 0
+
+    def add(self, result: TurnResult) -> None:
+        self.turns += 1
+        for name, ms in result.phases.items():
+            self.total_ms[name] = self.total_ms.get(name, 0.0) + ms
+        if result.slot is not None and (result.saved or result.restored):
+            self.last[result.slot] = {"key": result.key, "at": round(time.time(), 3), "ms": result.ms,
+                                      **{k: round(v, 2) for k, v in result.phases.items()}}
+
+    def engine_done(self, slot: int, key: str | None, timings: dict[str, Any] | None) -> None:
+        """The engine's timings of the request that ran after the slot's last timed turn."""
+        last = self.last.get(slot)
+        if last is None or last["key"] != key or "engine_prompt_ms" in last or not timings:
+            return
+        for mine, theirs in (("engine_prompt_ms", "prompt_ms"), ("engine_reply_ms", "predicted_ms")):
+            v = timings.get(theirs)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                last[mine] = round(float(v), 2)
+
+    def status(self) -> dict[str, Any]:
+        return {"turns": self.turns, "total_ms": {k: round(v, 2) for k, v in self.total_ms.items()},
+                "last": {str(k): dict(v) for k, v in sorted(self.last.items())}}
 
 
 @dataclass
@@ -398,6 +464,7 @@ def status(s: Sessions) -> dict[str, Any]:
         "slots": slot_entries(s),
         "counters": asdict(s.counters),
         "last_not_reused": s.restore_log.not_reused,
+        "turn_phases": s.ctx.turn_times.status(),
         "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
                   "free_bytes": free, "min_tokens": s.ctx.min_tokens, "min_tokens_auto": not auto_min_is_number(cfg),
                   "min_tokens_why": s.ctx.savings.min_tokens()[1] if not auto_min_is_number(cfg) else "set in the config",
@@ -577,6 +644,8 @@ def _gauges(s: Sessions) -> list[Row]:
          [({"slot": str(sl.id)}, sl.view.n_tokens or 0) for sl in slots]),
         ("slot_state", "gauge", "1 for the state each slot is in (slot.py: empty, switched, held, restored, unknown)",
          [({"slot": str(sl.id), "state": p.value}, int(sl.view.phase is p)) for sl in slots for p in Phase]),
+        ("turn_phase_seconds_total", "counter", "Time requests waited in each phase of their turns (report.PHASES)",
+         [({"phase": name}, ms / 1000) for name, ms in s.ctx.turn_times.total_ms.items()]),
     ]
     if free is not None:
         rows.append(("disk_free_bytes", "gauge", "Free bytes on the session directory's file system", free))

@@ -3,6 +3,8 @@
     keep starts out   on an engine that empties idle slots, no other request starts between
                       the restore and the slot's own request (launch.no_starts)
     in use            the name is held in Store.in_use while the engine reads it (no prune)
+    not waited for    a file whose finalize still runs (saves.Pending) is read through a link to its
+                      temporary (Store.link_temp): a switch back does not wait for the fsync
     checked           the file must be the one saved (Store.check_whole: a regular file of its
                       metadata's size; its digest again when its identity changed) and fit
                       the slot (no more tokens than the engine's context): llama-server aborts
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING
 from . import files, logs, slotfile
 from .engines.base import EngineError, EngineRefused
 from .policy import Occasion
-from .report import TurnResult, fmt_tokens
+from .report import TurnResult, fmt_tokens, timed
 from .slot import Phase, Slot
 from .observe import SLEPT, UNLOADED
 from .store import AUTO_BIN, NEEDS_READ, auto_name
@@ -62,21 +64,29 @@ class Restorer:
         under, after facts.ready. Blocks on the launch gate and the engine."""
         ctx = self.ctx
         name = name or auto_name(key or "")
-        await self.launch.no_starts(s)  # another request starting in between would empty the restored slot
+        with timed(result, "launch"):
+            await self.launch.no_starts(s)  # another request starting in between would empty the restored slot
         after = s.view.why  # a model switch or a sleep emptied the slot: counted once reused
         t0 = time.monotonic()
+        reading = None  # the name the engine reads: `name`, or a link to its pending temporary
         try:
             with ctx.store.using(name):
-                if self._overtaken(name, decided, result) or await self._refused(s, key, name, result):
+                if self._overtaken(name, decided, result):
                     return False
-                try:
-                    res = await ctx.engine.restore(s.id, name)
-                except EngineRefused as e:
-                    # A unified KV cache shared by every slot can be too full for the file; the
-                    # engine never evicts another slot itself. Make room once, then try again.
-                    if NO_KV_ROOM not in str(e) or not await self._make_room(s, name):
-                        raise
-                    res = await ctx.engine.restore(s.id, name)
+                reading = await self._pending_link(name, result)
+                with timed(result, "check"):
+                    refused = await self._refused(s, key, name, result, pending=reading is not None)
+                if refused:
+                    return False
+                with timed(result, "restore"):
+                    try:
+                        res = await ctx.engine.restore(s.id, reading or name)
+                    except EngineRefused as e:
+                        # A unified KV cache shared by every slot can be too full for the file; the
+                        # engine never evicts another slot itself. Make room once, then try again.
+                        if NO_KV_ROOM not in str(e) or not await self._make_room(s, name):
+                            raise
+                        res = await ctx.engine.restore(s.id, reading or name)
         except EngineError as e:
             ctx.counters.restore_failures += 1
             log.warning("auto sessions: restore of %s: %s", name, e)
@@ -95,8 +105,16 @@ class Restorer:
             else:
                 self.observer.lost(s, f"the restore of {name} failed")
             return False
+        finally:
+            if reading is not None:
+                try:
+                    ctx.store.unlink_reading(reading)
+                except OSError as e:  # a leftover link goes at the next start (Store.cleanup)
+                    log.warning("auto sessions: removing %s: %s", reading, e)
         ms = (time.monotonic() - t0) * 1000
         ctx.counters.restores += 1
+        if reading is not None:
+            ctx.counters.restores_before_durable += 1
         ctx.counters.bytes_restored += res.n_bytes
         ctx.counters.ms_restored += res.ms
         ctx.savings.saw_restore(res.n_tokens, res.n_bytes, res.ms)
@@ -139,22 +157,45 @@ class Restorer:
         with self.ctx.store.using(name):
             await self._refused(s, key, name, result)
 
-    async def _refused(self, s: Slot, key: str | None, name: str, result: TurnResult | None) -> bool:
+    async def _pending_link(self, name: str, result: TurnResult | None) -> str | None:
+        """A file whose finalize still runs (its fsync: seconds at 2 GB) is read by the engine
+        through a link to its temporary, not waited for (saves.py, Store.link_temp): the bytes
+        are the ones verified after the save. None: the file is final (or became so meanwhile,
+        and its finalize has landed), or links cannot be made here (then it is waited for)."""
+        p = self.saver.pending(name)
+        if p is None or p.meta is None:
+            return None
+        try:
+            reading = self.ctx.store.link_temp(p.temp, p.ino, p.meta.bytes)
+        except OSError as e:
+            log.debug("auto sessions: %s is being finalized and cannot be linked (%s): waiting for it", name, e)
+            reading = None
+        if reading is None:
+            with timed(result, "wait"):
+                await self.saver.wait_file(p.meta.key)
+        return reading
+
+    async def _refused(self, s: Slot, key: str | None, name: str, result: TurnResult | None,
+                       pending: bool = False) -> bool:
         """Whether the file may not be handed to the engine (said, counted, and a file that is
         not whole moved aside). The check is a stat or two, in a thread (a digest when the
-        file changed since it was last checked)."""
+        file changed since it was last checked). pending: the engine reads a link to the file's
+        temporary, whose inode and size link_temp checked: only the context is checked here."""
         ctx = self.ctx
         loop = asyncio.get_running_loop()
         seen = files.regular_ident(ctx.store.path / name)
         n_blocks = (2 if ctx.swa_window else 1) if ctx.engine.magic == slotfile.MAGIC_BYTES else None
-        # A file unchanged since it was saved or last checked: a few lstats, here on the loop
-        # (a thread's round trip costs more than they do); one to read: in a thread.
-        why = ctx.store.check_whole(name, n_blocks, stat_only=True, ident=seen)
-        if why is NEEDS_READ:
-            why = await loop.run_in_executor(None, ctx.store.check_whole, name, n_blocks)
+        if pending:
+            why = None
+        else:
+            # A file unchanged since it was saved or last checked: a few lstats, here on the loop
+            # (a thread's round trip costs more than they do); one to read: in a thread.
+            why = ctx.store.check_whole(name, n_blocks, stat_only=True, ident=seen)
+            if why is NEEDS_READ:
+                why = await loop.run_in_executor(None, ctx.store.check_whole, name, n_blocks)
         bad = why is not None
         if not bad and ctx.n_ctx is not None:
-            entry = ctx.index.get(name) if ctx.index is not None else None
+            entry = ctx.index.get(name) if ctx.index is not None and not pending else None
             meta = self.saver.meta_of(name) if entry is None else None
             n = entry.n_tokens if entry is not None else meta.n_tokens if meta is not None else None
             if n is not None and n > ctx.n_ctx:

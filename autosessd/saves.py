@@ -3,10 +3,9 @@
 Every save goes through `save()`; every occasion that may or may not save (a switch, a
 keyless request, a request's end on an engine that empties idle slots, the stop, the tail's
 save behind, make-room, a command's restore) asks `save_if_worth()`, which decides with
-policy.plan_save only after the finalizes in flight have landed: a save of the same
-conversation may still be finalizing, and deciding on the file as it was, not as it will
-be, would save the same state twice (at a stop: a second multi-GB save inside
-stop_timeout_s).
+policy.plan_save on the files as they will be once the finalizes in flight have landed (a
+save of the same conversation may still be finalizing: deciding on the file as it was would
+save the same state twice, at a stop a second multi-GB save inside stop_timeout_s).
 
     engine writes   .autosessd-<key>.partial        (one save per temporary name at a time:
                                                      two slots saving one prefix, or one key)
@@ -18,8 +17,23 @@ stop_timeout_s).
                     the name is held in Store.in_use until then, and the slot's view says
                     which file holds its conversation now (Slot.saved)
 
-A save returns to its caller as soon as the temporary checked out; a later restore or save
-of that file waits for its finalize (wait_file, settled). Lock order: the slot's ticket, the
+A save returns to its caller as soon as the temporary checked out, and nothing on a
+request's path waits for a finalize's fsync (issue 31: at 128 KiB a token, the fsync of a
+2 GB save takes seconds, and a switch back used to wait for it). What a finalize in flight
+will make is known already (Pending: its metadata less the digest, its header's tokens), so
+
+    decisions       the up-to-date check (held_info), the naming by tokens (saved_file) and the
+                    restore choice (pending_best) read a pending file's facts as they will be
+    a restore       of a pending file reads its temporary through a hard link of its own
+                    (Restorer, Store.link_temp): the bytes are whole (verified), only not yet
+                    durable, and the link does not care when the rename comes
+    waits           only where bytes are at stake: a save whose temporary name is still a
+                    pending finalize's (the engine would write into the file being fsynced), and a
+                    finalize of a file another finalize of it still runs (in order, newest last)
+
+A crash before a finalize ends loses that save, never a file (no auto-* name until the fsync);
+a finalize that fails drops its Pending, and decisions read the directory again. Commands
+and the stop wait for every finalize (settled, wait_file). Lock order: the slot's ticket, the
 launch gate, then the temporary's lock here, then finalize futures; Store and TokenIndex
 locks are taken only inside their own calls.
 """
@@ -30,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from . import logs, policy, slotfile
@@ -37,7 +52,8 @@ from .engines.base import EngineError
 from .branches import SavedFile, save_key
 from .keys import chain
 from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
-from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
+from .index import common_prefix, swa_usable
+from .report import TurnResult, fmt_bytes, fmt_tokens, skipped, timed
 from .slot import Phase, Slot, View
 from .store import AUTO_BIN, Mark, Meta, StoreError, auto_name, temp_name
 
@@ -48,11 +64,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("autosessd")
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A save whose finalize (fsync, rename, metadata) runs in a thread: what it will make."""
+
+    temp: str  # the temporary's key: the bytes are at .autosessd-<temp>.partial until the rename
+    final: str  # the name it becomes
+    meta: Meta | None  # an auto file's metadata as finalize writes it, less its digest; None: a person's name
+    tokens: bytes | None  # its header's tokens (None: an engine whose files do not show them)
+    ino: int  # the temporary's inode, as verified: a link is made only to that file
+    fut: asyncio.Future
+
+
 class Saver:
     def __init__(self, ctx: Context, observer: Observer):
         self.ctx = ctx
         self.observer = observer
-        self._finalizing: dict[str, asyncio.Future] = {}  # by the final file's key
+        self._finalizing: dict[str, Pending] = {}  # by the final file's key
         self._temps: dict[str, list] = {}  # temporary's key → [asyncio.Lock, users]
         self._free_target = 0  # bytes a refused save needed free; the next prune makes room
         # Called on the loop once a conversation's save is final: (its name, its metadata, the
@@ -61,11 +89,48 @@ class Saver:
 
     # -- the files' facts --------------------------------------------------------------------
     def meta_of(self, name: str) -> Meta | None:
+        """An auto file's metadata: a pending finalize's as it will be written, else the disk's."""
         m = AUTO_BIN.match(name)
-        return self.ctx.store.read_meta(m.group(1)) if m else None
+        return self.read_meta(m.group(1)) if m else None
+
+    def read_meta(self, key: str) -> Meta | None:
+        """store.read_meta, or the metadata a finalize in flight will write for auto-<key>.bin."""
+        p = self._finalizing.get(key)
+        if p is not None and p.meta is not None and p.final == auto_name(key):
+            return p.meta
+        return self.ctx.store.read_meta(key)
+
+    def pending(self, name: str) -> Pending | None:
+        """The finalize in flight that will make `name`, if any."""
+        m = AUTO_BIN.match(name)
+        p = self._finalizing.get(m.group(1)) if m else None
+        return p if p is not None and p.final == name else None
+
+    def tokens_of(self, name: str) -> bytes | None:
+        """The tokens a file holds (a pending one's as it will be), when known."""
+        p = self.pending(name)
+        if p is not None:
+            return p.tokens
+        e = self.ctx.index.get(name) if self.ctx.index is not None else None
+        return e.tokens if e is not None else None
+
+    def pending_best(self, tokens: bytes, model: str | None, found: tuple[str, int] | None, min_lcp: int,
+                     window: int | None, prefer: str | None = None) -> tuple[str, int] | None:
+        """index.best over the files being finalized too (the index learns a file once it is
+        final): `found` (the index's choice among final files), or a pending file of `model`
+        sharing more with `tokens` (min_lcp at least; on a tie, `prefer`), by the same rules."""
+        for p in list(self._finalizing.values()):
+            if p.meta is None or p.tokens is None or p.meta.model != model or p.meta.prefix and False:
+                continue
+            n = common_prefix(p.tokens, tokens)
+            if n < max(1, min_lcp) or not swa_usable(p.meta.n_tokens, n, window):
+                continue
+            if found is None or n > found[1] or (n == found[1] and p.final == prefer):
+                found = (p.final, n)
+        return found
 
     def file_info(self, key: str) -> FileInfo | None:
-        meta = self.ctx.store.read_meta(key)
+        meta = self.read_meta(key)
         if meta is None:
             return None
         return FileInfo(meta.n_tokens, meta.model, slotfile.KVLayout.from_fingerprint(meta.layout) if meta.layout
@@ -89,6 +154,9 @@ class Saver:
         """auto-<key>.bin as branches.save_key needs it: its tokens (the index's, else its header)
         and the prompt count its metadata recorded."""
         store, index = self.ctx.store, self.ctx.index
+        p = self.pending(auto_name(key))
+        if p is not None and p.meta is not None and p.tokens is not None:
+            return SavedFile(p.tokens, p.meta.n_prompt)  # as it will be once final
         meta = store.read_meta(key)
         e = index.get(auto_name(key)) if index is not None else None
         if e is not None and meta is not None and e.n_tokens == meta.n_tokens:
@@ -111,17 +179,32 @@ class Saver:
 
     # -- waiting for finalizes ------------------------------------------------------------------
     async def wait_file(self, key: str) -> FileInfo | None:
+        """auto-<key>.bin's facts once its finalize in flight (if any) has landed: for commands,
+        which hand people a file on disk. A turn reads file_info (pending ones as they will be)."""
         pending = self._finalizing.get(key)
         if pending is not None:
             with contextlib.suppress(Exception):
-                await asyncio.shield(pending)
+                await asyncio.shield(pending.fut)
         return self.file_info(key)
+
+    async def _wait(self, futs: list[asyncio.Future]) -> None:
+        for fut in futs:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+        if futs:
+            await asyncio.sleep(0)  # their done-callbacks (_finalized) run before the caller goes on
+
+    async def temp_free(self, temp: str) -> None:
+        """Until no finalize in flight holds .autosessd-<temp>.partial: the engine writes a
+        save into that name, over the bytes being fsynced."""
+        while futs := [p.fut for p in self._finalizing.values() if p.temp == temp]:
+            await self._wait(futs)
 
     async def settled(self) -> None:
         """Every finalize in flight: a save's temporary is named by its line's key while its
         final name is chosen by comparing with the files of that line."""
         while self._finalizing:
-            fut = next(iter(self._finalizing.values()))
+            fut = next(iter(self._finalizing.values())).fut
             if fut.done():
                 # Finished, and its done-callback (_finalized, which removes it) is queued on
                 # the loop: awaiting a done future does not yield, so yield once for it to run
@@ -132,7 +215,7 @@ class Saver:
                 await asyncio.shield(fut)
 
     def finalizing(self) -> list[asyncio.Future]:
-        return list(self._finalizing.values())
+        return [p.fut for p in self._finalizing.values()]
 
     def room_wanted(self) -> int:
         """Bytes a refused save needed free (the prune makes room for them), once."""
@@ -146,11 +229,10 @@ class Saver:
                             ) -> tuple[Save | Skip | None, SaveOutcome]:
         """Save the slot's conversation if policy.plan_save says so for this occasion (key:
         the conversation that runs next, at a switch), deciding on its file as it will be once
-        the finalizes in flight have landed. → (the plan's step, what came of it); None: the
-        slot holds no conversation we can name."""
+        the finalizes in flight have landed (held_info reads a pending one's metadata: no wait).
+        → (the plan's step, what came of it); None: the slot holds no conversation we can name."""
         if not await self._facts_ok(s, result):
             return None, SaveOutcome.NOT_TRIED
-        await self.settled()
         held = s.view.conversation()
         step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
         if isinstance(step, Save) and held is not None:
@@ -195,8 +277,10 @@ class Saver:
         if not await self._facts_ok(s, result):
             return SaveOutcome.NOT_TRIED
         async with self._temporary(held.key):
-            await self.settled()
-            return await self._save(s, held, result, target, check, prefix)
+            with timed(result, "wait"):
+                await self.temp_free(held.key)
+            with timed(result, "save"):
+                return await self._save(s, held, result, target, check, prefix)
 
     async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None,
                     check: Callable[[], Awaitable[str | None]] | None, prefix: bytes | None) -> SaveOutcome:
@@ -221,7 +305,7 @@ class Saver:
             c.save_failures += 1
             return self._failed(what, str(e), key, result)
         try:
-            store.verify_temp(key, res.n_bytes, ctx.engine.magic)
+            ino = store.verify_temp(key, res.n_bytes, ctx.engine.magic)
             header = self._check_header(key, res.n_tokens)
         except StoreError as e:
             if not store.temp_path(key).exists():  # the first save since a restart is the probe too
@@ -286,13 +370,18 @@ class Saver:
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
                     prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
                     marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
+        earlier = self._finalizing.get(file_key)
+        if earlier is not None:
+            # Another temporary's finalize of the same file still runs (a branch or prefix name
+            # two lines reach): this one lands after it, so the newer state is the one kept.
+            await self._wait([earlier.fut])
         store.acquire(final)
         try:
             fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
         except BaseException:
             store.release(final)
             raise
-        self._finalizing[file_key] = fut
+        self._finalizing[file_key] = Pending(key, final, meta if target is None else None, tokens, ino, fut)
         saved = (v, tokens) if mine and tokens is not None and meta.marks else None
         fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None, saved))
         if mine:
@@ -384,7 +473,8 @@ class Saver:
         once final (with the metadata finalize wrote). People's parked names stay local. saved:
         the view saved and the file's tokens, for after_final."""
         store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
-        if self._finalizing.get(file_key) is fut:
+        p = self._finalizing.get(file_key)
+        if p is not None and p.fut is fut:
             del self._finalizing[file_key]
         store.release(final)
         exc = fut.exception() if not fut.cancelled() else None

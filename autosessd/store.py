@@ -8,6 +8,8 @@ How a save becomes visible (no torn `auto-*.bin`, ever):
 
     engine writes  .autosessd-<key>.partial           (a name no reader looks at)
     verify_temp    size == engine's n_written, header magic if the engine has one
+    link_temp      (only while the finalize runs) a hard link for a restore that cannot wait
+                   for the fsync: the bytes are whole, and read from the page cache
     finalize       chmod(temp) → fsync(temp) → digest (files.DIGEST, the file is in the page
                    cache) → rename to auto-<target>.bin → fsync(dir) → metadata (with the
                    digest and the file's identity) to .autosessd-<target>.json.partial →
@@ -241,13 +243,15 @@ class Store:
         return None
 
     # -- the save path -----------------------------------------------------
-    def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> None:
-        """The engine said it wrote n_written bytes to the temporary: check it did."""
+    def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> int:
+        """The engine said it wrote n_written bytes to the temporary: check it did. Returns the
+        temporary's inode (what link_temp links, and only that file)."""
         temp = self.temp_path(key)
         try:
-            size = temp.stat().st_size
+            st = temp.stat()
         except FileNotFoundError:
             raise StoreError(f"the engine reported a save but {temp.name} is not in {self.path}") from None
+        size = st.st_size
         if size != n_written:
             raise StoreError(f"{temp.name} has {size:,} bytes, the engine reported {n_written:,}")
         if magic:
@@ -255,6 +259,32 @@ class Store:
                 head = f.read(len(magic))
             if head != magic:
                 raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
+        return st.st_ino
+
+    def link_temp(self, key: str, ino: int, size: int) -> str | None:
+        """A name of its own for the verified temporary of `key` while its finalize runs (a
+        hard link, .autosessd-<key>.<8 hex>.reading.partial), so the engine can restore it
+        without waiting for the fsync: the link stays valid across the finalize's rename. None
+        when the temporary is no longer that file (its inode or size differ, or the rename has
+        come): the caller waits for the finalize and reads the final name instead. Any other
+        error (a file system without hard links) is raised. A crash leaves the link behind for
+        cleanup() at the next start."""
+        temp = self.temp_path(key)
+        name = f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.reading.partial"
+        try:
+            os.link(temp, self.path / name, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        st = os.lstat(self.path / name)
+        if st.st_ino != ino or st.st_size != size:
+            self.unlink_reading(name)
+            return None
+        return name
+
+    def unlink_reading(self, name: str) -> None:
+        """A link_temp name, once the engine has read it."""
+        if name.startswith(TEMP_PREFIX) and name.endswith(".reading.partial"):
+            self._unlink(self.path / name)
 
     def finalize(self, key: str, meta: Meta) -> Meta:
         """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,

@@ -30,13 +30,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import policy
+from . import logs, policy
 from .engines.base import EngineError, EngineLacks
 from .index import common_prefix, encode
 from .keys import chat_signature, continues
 from .policy import Held, Occasion, Restore, RestoreFile, SaveOutcome, Skip
 from .recall import Known, Recall
-from .report import TurnResult, skipped
+from .report import TurnResult, skipped, timed
 from .slot import Phase, Slot, View
 from .store import Meta, auto_name
 
@@ -94,7 +94,7 @@ class Turn:
                 ctx.counters.turns += 1
             sig = chat_signature(body) if key is not None and body is not None else None
             if ctx.cfg.auto_sessions and (self._look_needless(s, key, sig, body) or
-                                          await self.observer.observe(s, result)) and \
+                                          await self._look(s, result)) and \
                     (ctx.facts.usable or await self._facts_read(s, result)):
                 self._decided[s.id] = ctx.facts.generation
                 carry = await self._turn(s, key, result, body, sig)
@@ -115,6 +115,11 @@ class Turn:
             result.ms = round((time.monotonic() - t0) * 1000, 2)
             if ctx.cfg.auto_sessions and (key is not None or result.saved or result.errors):
                 ctx.events.emit_soon("turn", **result.to_dict())
+            if ctx.cfg.auto_sessions:
+                ctx.turn_times.add(result)
+                if result.saved or result.restored:
+                    logs.soon(log, logging.INFO, "auto sessions: turn for %s on slot %d took %.0f ms: %s", key, s.id,
+                              result.ms, result.phases_line())
         if not sees_end:
             self.observer.watch_request(s)
             if carry is not None and carry.unknown_prompt and body is not None and self.ctx.index is not None:
@@ -151,11 +156,17 @@ class Turn:
                                 key)
         return isinstance(step, Skip)
 
+    async def _look(self, s: Slot, result: TurnResult) -> bool:
+        with timed(result, "look"):
+            return await self.observer.observe(s, result)
+
     async def _facts_read(self, s: Slot, result: TurnResult) -> bool:
         """After an engine restart, its facts read again before anything is decided (facts.py;
         after the look: a probe save on a slot running someone's request would wait for it).
         Until they can be read, the turn does nothing and its request runs as without us."""
-        if await self.ctx.facts.fresh(s.id):
+        with timed(result, "facts"):
+            fresh = await self.ctx.facts.fresh(s.id)
+        if fresh:
             return True
         result.skipped.append(f"no save or restore: {self.ctx.facts.off or 'the engine is not known since its restart'}")
         return False
@@ -214,7 +225,8 @@ class Turn:
             if n == len(known.tokens) // 4:
                 known = None  # the slot holds all that is known of them, and more: ask
         if same and want and tokens is None and known is None:
-            tokens = await self._request_tokens(body, result)
+            with timed(result, "tokens"):
+                tokens = await self._request_tokens(body, result)
         if same and tokens is None and known is None:
             return Carry(v.tokens, sig, v.file)  # the key rule: the same conversation
         if same and tokens is not None and v.tokens and common_prefix(v.tokens, tokens) == len(v.tokens) // 4:
@@ -238,7 +250,8 @@ class Turn:
             if isinstance(step, Skip):
                 skipped(self.ctx.counters, step, result)
             if asking is not None:
-                tokens = await asking
+                with timed(result, "tokens"):  # what the save did not hide
+                    tokens = await asking
         finally:
             if asking is not None and not asking.done():
                 asking.cancel()
@@ -256,7 +269,8 @@ class Turn:
             if pick is not None:
                 assert sig is not None
                 return await self._restore_by_messages(s, key, held, outcome, result, sig, known, pick, body)
-            tokens = await self._request_tokens(body, result)  # the save made it unsure (rare)
+            with timed(result, "tokens"):
+                tokens = await self._request_tokens(body, result)  # the save made it unsure (rare)
         if tokens is None:
             return await self._restore_by_key(s, key, held, outcome, result, sig)
         assert body is not None and sig is not None
@@ -301,9 +315,7 @@ class Turn:
             step = Skip("restore", key, policy.LAYOUT_MISMATCH)
         own = None
         if isinstance(step, RestoreFile):
-            entry = ctx.index.get(name)
-            if await self.restorer.restore(s, key, result, name, expect=n,
-                                           tokens=entry.tokens if entry is not None else None,
+            if await self.restorer.restore(s, key, result, name, expect=n, tokens=self.saver.tokens_of(name),
                                            decided=self._decided[s.id]):
                 own = name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
@@ -320,11 +332,14 @@ class Turn:
         """DESIGN §1 step 3: auto-<key>.bin, for requests whose tokens are not known; with a
         shared bucket, its save of that name first when the local one is missing or older."""
         ctx = self.ctx
-        file = await self.saver.wait_file(key)
+        file = self.saver.file_info(key)  # one being finalized as it will be: its restore reads a link
         path = ctx.store.bin_path(key)
         if file is None and (path.is_symlink() or path.exists()):  # a file its metadata does not vouch for
             await self.restorer.refuse_if_damaged(s, key, auto_name(key), result)
-        claim = await self.fetcher.by_key(key, held, outcome, file, result) if ctx.remote else None
+        claim = None
+        if ctx.remote:
+            with timed(result, "fetch"):
+                claim = await self.fetcher.by_key(key, held, outcome, file, result)
         own = None
         try:
             if claim is not None:
@@ -333,7 +348,7 @@ class Turn:
             if isinstance(step, Restore):
                 name = auto_name(key)
                 if await self.restorer.restore(s, key, result, name, decided=self._decided[s.id]):
-                    meta = ctx.store.read_meta(key)
+                    meta = self.saver.read_meta(key)
                     own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
                     self._record_restore(s, result, name, None, None, "key" if claim is None else "key, downloaded")
             elif isinstance(step, Skip):
@@ -361,18 +376,18 @@ class Turn:
         found = self._best_present(tokens, key, shared + max(min_tokens, 1))
         claim = None
         if ctx.remote is not None:
-            found, claim = await self.fetcher.by_tokens(key, held, outcome, tokens, shared, found, result)
+            with timed(result, "fetch"):
+                found, claim = await self.fetcher.by_tokens(key, held, outcome, tokens, shared, found, result)
         step = policy.plan_restore_by_tokens(held, key, outcome, found, shared, min_tokens)
         own = None
         if isinstance(step, RestoreFile) and not self.saver.loadable(step.name):
             step = Skip("restore", key, policy.LAYOUT_MISMATCH)
         if isinstance(step, RestoreFile):
-            entry = ctx.index.get(step.name)
             try:
                 # The engine should now reuse `step.shared` tokens of it: what the next
                 # response's cache_n is checked against.
                 restored = await self.restorer.restore(s, key, result, step.name, expect=step.shared,
-                                                       tokens=entry.tokens if entry is not None else None,
+                                                       tokens=self.saver.tokens_of(step.name),
                                                        decided=self._decided[s.id])
             finally:
                 if claim is not None:
@@ -400,20 +415,24 @@ class Turn:
             else:
                 skipped(ctx.counters, step, result)
         if not from_messages and not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
-            await self.prefix.split(s, key, body, tokens, shared, result)
+            with timed(result, "prefix"):
+                await self.prefix.split(s, key, body, tokens, shared, result)
         return Carry(tokens, sig, own, len(tokens) // 4)
 
     def _best_present(self, tokens: bytes, key: str, min_lcp: int) -> tuple[str, int] | None:
         """index.best, passing over files removed from the directory behind autosessd's back
         (rm, another tool): each is forgotten by the index as it is found gone (a stat), and
-        the choice made again, so that the next best file, or the bucket's save, serves."""
+        the choice made again, so that the next best file, or the bucket's save, serves. Files
+        being finalized compete as they will be (Saver.pending_best): the conversation saved at
+        the switch away is the one a quick switch back wants."""
         ctx = self.ctx
         assert ctx.index is not None
+        prefer = auto_name(key)
         while True:
-            found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=auto_name(key),
+            found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=prefer,
                                    min_lcp=min_lcp, window=ctx.swa_window)
             if found is None or not ctx.index.forget_if_gone(found[0]):
-                return found
+                return self.saver.pending_best(tokens, ctx.model, found, min_lcp, ctx.swa_window, prefer)
 
     async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither

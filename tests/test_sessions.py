@@ -12,6 +12,7 @@ import pytest
 from autosessd import slotfile
 from autosessd.config import parse
 from autosessd.sessions import Sessions
+from autosessd.saves import Pending
 from autosessd.slot import Phase
 from autosessd.store import Store
 from stub_engine import StubEngine
@@ -269,7 +270,7 @@ async def test_waiting_for_a_finalize_that_just_finished_lets_its_callback_run(t
     s = make(tmp_path)
     s.saver._finalizing = _Spinning()
     fut = asyncio.get_running_loop().create_future()
-    s.saver._finalizing["k"] = fut
+    s.saver._finalizing["k"] = Pending("k", "auto-k.bin", None, None, 0, fut)
     fut.add_done_callback(lambda f: s.saver._finalizing.pop("k"))
     fut.set_result(None)  # done; the callback is queued, not run
     await s.saver.settled()

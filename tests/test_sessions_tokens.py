@@ -44,14 +44,16 @@ def body(*messages, tools=None):
     return b
 
 
-async def chat(s, b, reply="Aye."):
-    """What the gate does with a chat body: FIFO, turn with the body, the request, ended."""
+async def chat(s, b, reply="Aye.", drain=True):
+    """What the gate does with a chat body: FIFO, turn with the body, the request, ended (then,
+    unless drain=False, every finalize and prune in the background)."""
     key = conversation_key(b)
     async with await s.admit() as t:
         turn = await s.turn(t, key, body=b)
         cache_n, n_prompt = s.engine.chat(b, reply)
         await s.ended(t, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
-    await s.drain()
+    if drain:
+        await s.drain()
     return turn, cache_n, n_prompt
 
 
@@ -440,3 +442,63 @@ async def test_a_switch_that_saves_nothing_looks_at_the_engine_only_where_the_sl
         cache_n, n_prompt = s.engine.chat(back, "Aye.")
         await s.ended(t, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
     assert s.counters.restores_reused == 1
+
+
+# -- a switch back does not wait for the outgoing save's fsync (issue 31) --------------------------
+def held_finalize(s):
+    """Store.finalize made to wait (a 2 GB file's fsync takes seconds) until the event is set."""
+    import threading
+
+    gate, real = threading.Event(), s.store.finalize
+
+    def slow(key, meta):
+        assert gate.wait(30), "the finalize was never let go"
+        return real(key, meta)
+
+    s.store.finalize = slow
+    return gate
+
+
+async def test_a_quick_return_restores_its_save_whose_fsync_still_runs_through_a_link(tmp_path):
+    """X is saved at the switch to Y; while that save's finalize (its fsync) still runs, the
+    client goes back to X. The return does not wait for the fsync: the engine reads X's bytes
+    through a link to the temporary, the slot then holds X's tokens token for token, the link
+    is gone after, and once the finalize lands X's file is whole under its own name."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    gate = held_finalize(s)
+    other = body(("user", LONG_2))
+    await chat(s, other, drain=False)  # saves X; X's finalize is held
+    assert s.saver.writing() == {f"auto-{K}.bin"}
+    x2 = body(*[(m["role"], m["content"]) for m in X["messages"]], ("assistant", "Aye."), ("user", "More?"))
+    try:
+        turn, cache_n, n_prompt = await asyncio.wait_for(chat(s, x2, drain=False), 10)
+    finally:
+        gate.set()
+    assert turn.restored and turn.restored["file"] == f"auto-{K}.bin"
+    assert cache_n >= len(prompt(X))  # the engine reused X's state
+    assert s.counters.restores_before_durable == 1
+    assert turn.phases.get("wait", 0) < 1000  # not the fsync's: it was held for ever
+    last = s.ctx.turn_times.last[0]  # status's turn_phases: where the return's time went
+    assert last["key"] == K and last["restore"] >= 0 and "wait" in last and last["ms"] == turn.ms
+    await s.drain()
+    assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
+    assert not [p for p in s.store.path.iterdir() if p.name.endswith(".reading.partial")]
+
+
+async def test_a_switch_decides_on_a_pending_save_as_it_will_be_without_waiting_for_it(tmp_path):
+    """The idle save (or any) of X is finalizing when the client switches to Y: X's file is up
+    to date as it will be, so nothing is saved again and the switch does not wait for the fsync."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    gate = held_finalize(s)
+    [saved] = await s.idle.save_now()  # X's save while idle, held in its finalize
+    assert saved["saved"] and s.saver.writing() == {f"auto-{K}.bin"}
+    saves = len(s.engine.saves)
+    try:
+        turn, _, _ = await asyncio.wait_for(chat(s, body(("user", LONG_2)), drain=False), 10)
+    finally:
+        gate.set()
+    assert len(s.engine.saves) == saves and not turn.saved  # X's file is up to date: not saved twice
+    await s.drain()
+    assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]

@@ -549,7 +549,7 @@ async def test_the_stop_after_an_end_save_asks_the_engine_for_no_second_save(tmp
 
     def slow_finalize(key, meta):
         time.sleep(0.1)  # a big file's fsync
-        finalize(key, meta)
+        return finalize(key, meta)
 
     s.store.finalize = slow_finalize
     t = await s.place(A)
@@ -562,6 +562,7 @@ async def test_the_stop_after_an_end_save_asks_the_engine_for_no_second_save(tmp
     assert len(s.engine.saves) == 1
     assert await s.save_at_stop(t.slot_id, "stop")  # up to date: done, nothing to write
     assert len(s.engine.saves) == 1
+    await s.saver.settled()  # the stop waits for it before the exit (Sessions.close)
     assert file_tokens(tmp_path, A) == conv(A, 50)
 
 
