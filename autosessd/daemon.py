@@ -191,6 +191,8 @@ class Daemon:
             empties_idle_slots=checked.clears_idle_slots, engine_healthy=True, n_ctx=checked.n_ctx,
             template=checked.template)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
+        # What the slots held at the last stop is restored first after a restart: warm it (warm.py).
+        self.sessions.warmer.held_at_stop(self.sessions.recorded_files()[0].values())
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
             # worker first queues local saves of this model that the bucket lacks.

@@ -127,6 +127,9 @@ class Placement:
         self._idle_waiters: list[asyncio.Future] = []  # fifos_free
         # Called with the slot when its ticket is released (launch.py drops the ticket's hold).
         self.on_release: list[Callable[[Slot], None]] = []
+        # Called with a conversation's key when its request has to wait for a busy slot: the
+        # time to warm its file (warm.py) before its turn restores it.
+        self.on_wait: list[Callable[[str], None]] = []
         self.slot()
 
     def slot(self, slot_id: int | None = None) -> Slot:
@@ -155,8 +158,8 @@ class Placement:
     async def place(self, key: str | None, prompt: str | bytes | None = None) -> Ticket:
         """Choose the slot for a request of conversation `key` and wait for its FIFO. prompt:
         a keyless request's prompt (keyless_prompt), for the slot that shares the most of it."""
-        if len(self.slots) <= 1:
-            return await self.admit()
+        if len(self.slots) <= 1:  # the one slot, its FIFO; the key for on_wait
+            return await self._take(_Waiter(asyncio.get_running_loop().create_future(), self.slot(None).id, key))
         like = prompt if key is None else None
         return await self._take(_Waiter(asyncio.get_running_loop().create_future(), None, key, like))
 
@@ -192,6 +195,9 @@ class Placement:
     async def _take(self, w: _Waiter) -> Ticket:
         self._waiters.append(w)
         self._dispatch()
+        if w.key is not None and not w.future.done():
+            for hook in self.on_wait:
+                hook(w.key)
         try:
             return await w.future
         except asyncio.CancelledError:

@@ -123,6 +123,11 @@ class Counters:
     restores_before_durable: int = _counter("restores_before_durable_total",
                                             "Restores of a save whose finalize (fsync) still ran, read through a "
                                             "link to its temporary instead of waiting for it")
+    warmed_files: int = _counter("warmed_files_total",
+                                 "Session files asked into the page cache before a restore (warm.py)")
+    warmed_bytes: int = _counter("warmed_bytes_total", "Bytes of those files")
+    warm_skipped_memory: int = _counter("warm_skipped_memory_total",
+                                        "Files not warmed: larger than half the memory available")
     restores_by_tokens: int = _counter("restores_by_tokens_total",
                                        "Restores chosen by the tokens a file shares with the request")
     saves_covered: int = _counter("saves_covered_total",
@@ -170,6 +175,10 @@ class Counters:
     engine_log_unseen: int = _counter("engine_log_unseen_requests_total",
                                       "Requests the engine ran that its log did not show (a build that logs "
                                       "otherwise, or a log level that hides them)")
+    skipped_swa_window: int = _counter("skipped_swa_window_total",
+                                       "Restores not possible: a file holds the prompt, but the model's sliding "
+                                       "window keeps a file restorable only for a prompt going on from its end "
+                                       "(a retry or regenerate is read again)")
 
     def bump(self, name: str, by: int | float = 1) -> None:
         setattr(self, name, getattr(self, name) + by)
@@ -341,6 +350,8 @@ class RestoreLog:
 
     last: dict[int, dict[str, Any]] = field(default_factory=dict)
     not_reused: dict[str, Any] | None = None
+    # The last request a file held that the sliding-window rule kept out (Turn._window_kept_out).
+    window_kept_out: dict[str, Any] | None = None
     # The OpenAI chat body of each slot's restore awaiting verification, and the last few
     # restores the engine did not reuse with it (autosessctl doctor: where the prompt departed).
     # In memory only; never in status.
@@ -464,6 +475,7 @@ def status(s: Sessions) -> dict[str, Any]:
         "slots": slot_entries(s),
         "counters": asdict(s.counters),
         "last_not_reused": s.restore_log.not_reused,
+        "last_window_kept_out": s.restore_log.window_kept_out,
         "turn_phases": s.ctx.turn_times.status(),
         "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
                   "free_bytes": free, "min_tokens": s.ctx.min_tokens, "min_tokens_auto": not auto_min_is_number(cfg),

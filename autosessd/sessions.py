@@ -115,6 +115,7 @@ from .slot import Slot, View
 from .store import Store
 from .turn import Turn
 from .upkeep import Upkeep
+from .warm import Warmer
 from .watch import EngineWatch
 
 if TYPE_CHECKING:
@@ -150,8 +151,9 @@ class Sessions:
         self.placement.on_release.append(self.launch.released)
         self.saver = Saver(ctx, self.observer)
         self.restorer = Restorer(ctx, self.placement, self.launch, self.observer, self.saver)
-        self._turn = Turn(ctx, self.observer, self.saver, self.restorer,
-                          PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver))
+        self.warmer = Warmer(ctx, self.saver, self.placement)  # files into the page cache before a restore
+        prefix, fetcher = PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver)
+        self._turn = Turn(ctx, self.observer, self.saver, self.restorer, prefix, fetcher, self.warmer)
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
         self.idle = IdleSaver(ctx, self.placement, self.observer, self.saver, self.launch)
         self.saver.after_final.append(self._turn.recall.saved)  # reply marks (recall.py)

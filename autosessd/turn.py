@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .remote import Fetcher
     from .restores import Restorer
     from .saves import Saver
+    from .warm import Warmer
 
 log = logging.getLogger("autosessd")
 
@@ -66,8 +67,9 @@ class Carry:
 
 class Turn:
     def __init__(self, ctx: Context, observer: Observer, saver: Saver, restorer: Restorer, prefix: PrefixReader,
-                 fetcher: Fetcher):
+                 fetcher: Fetcher, warmer: Warmer):
         self.ctx = ctx
+        self.warmer = warmer
         self.observer = observer
         self.saver = saver
         self.restorer = restorer
@@ -245,6 +247,12 @@ class Turn:
         before = self._sole_inputs(s) if tokens is None and known is not None else None
         asking = asyncio.get_running_loop().create_task(self._request_tokens(body, result)) \
             if want and not sure else None
+        # The file to restore starts coming into the page cache while the outgoing conversation
+        # is saved (warm.py): the one the messages name now, or the one the tokens choose.
+        if pick is not None:
+            self.warmer.warm(pick[0])
+        elif asking is not None:
+            asking.add_done_callback(self._warm_best)
         try:
             step, outcome = await self.saver.save_if_worth(s, occasion, key, result)
             if isinstance(step, Skip):
@@ -277,6 +285,17 @@ class Turn:
         if exact:
             self._known_by_messages(result)
         return await self._restore_by_tokens(s, key, held, outcome, result, body, sig, tokens, exact)
+
+    def _warm_best(self, asking: asyncio.Task) -> None:
+        """The request's tokens came (beside the save): warm the file they would restore."""
+        ctx = self.ctx
+        if asking.cancelled() or asking.exception() is not None or ctx.index is None:
+            return
+        tokens = asking.result()
+        found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), min_lcp=max(ctx.min_tokens, 1),
+                               window=ctx.swa_window) if tokens else None
+        if found is not None:
+            self.warmer.warm(found[0])
 
     def _known_by_messages(self, result: TurnResult) -> None:
         self.ctx.counters.known_by_messages += 1
@@ -406,7 +425,7 @@ class Turn:
         else:
             if claim is not None:
                 claim.release()
-            if step.reason == policy.NO_MATCH:
+            if step.reason == policy.NO_MATCH and not self._window_kept_out(key, tokens, shared, min_tokens, result):
                 msg = (f"no restore for {key}: no file of this model shares {shared + max(min_tokens, 1):,} "
                        f"tokens with the request's {len(tokens) // 4:,} (the slot shares {shared:,})")
                 result.skipped.append(msg)
@@ -418,6 +437,29 @@ class Turn:
             with timed(result, "prefix"):
                 await self.prefix.split(s, key, body, tokens, shared, result)
         return Carry(tokens, sig, own, len(tokens) // 4)
+
+    def _window_kept_out(self, key: str, tokens: bytes, shared: int, min_tokens: int, result: TurnResult) -> bool:
+        """On a sliding-window model, whether a file holds the request's prompt but the window
+        rule kept it out (index.swa_usable): the request ends before the file does (a retry, a
+        regenerate, an edit of the last message). llama-server's file of such a model holds only
+        the window's last cells, so the engine would read the prompt again anyway; said at INFO,
+        counted, and kept for status and doctor, instead of a silent re-read."""
+        ctx = self.ctx
+        if not ctx.swa_window or ctx.index is None:
+            return False
+        found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), min_lcp=shared + max(min_tokens, 1))
+        if found is None:
+            return False
+        name, n = found
+        msg = (f"no restore for {key}: {name} holds {n:,} of the request's {len(tokens) // 4:,} tokens, but the "
+               f"model has a {ctx.swa_window:,}-token sliding window: llama-server's file keeps only the window's "
+               "last cells, so a prompt that ends before the file does (a retry, a regenerate) is read again")
+        result.skipped.append(msg)
+        ctx.counters.skipped_swa_window += 1
+        ctx.restore_log.window_kept_out = {"at": round(time.time(), 3), "key": key, "file": name, "shared": n,
+                                           "n_prompt": len(tokens) // 4, "swa_window": ctx.swa_window}
+        log.info("auto sessions: %s", msg)
+        return True
 
     def _best_present(self, tokens: bytes, key: str, min_lcp: int) -> tuple[str, int] | None:
         """index.best, passing over files removed from the directory behind autosessd's back

@@ -1,5 +1,6 @@
 import pytest
 
+import harness
 from harness import Engine, engine_paths
 
 
@@ -8,13 +9,24 @@ def engine_bin():
     return engine_paths()
 
 
+@pytest.fixture(params=harness.models())
+def model(request, engine_bin) -> harness.Model:
+    """The core real-engine tests run on both test models (issue 31): Gemma 3 270M, a
+    sliding-window model, and the model with Llama 3 8B's KV shape, without a window, whose
+    files are the size users' are. A test that takes this fixture runs once on each, and its
+    `engines` load that model."""
+    return harness.model(request.param)
+
+
 @pytest.fixture
-def engines(tmp_path, engine_bin):
+def engines(request, tmp_path, engine_bin):
     """Factory: engines(save_dir=..., swa_full=..., ...) starts a real llama-server; all are
-    stopped at the end of the test."""
+    stopped at the end of the test. In a test that takes the `model` fixture, that model."""
     started: list[Engine] = []
+    default = request.getfixturevalue("model").path if "model" in request.fixturenames else None
 
     def make(save_dir=None, **kw) -> Engine:
+        kw.setdefault("model", default)
         e = Engine(save_dir, log_path=tmp_path / f"engine-{len(started)}.log", **kw)
         started.append(e)
         return e.start()

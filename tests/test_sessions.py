@@ -376,3 +376,43 @@ async def test_what_the_last_turn_left_to_say_is_said_at_the_stop(tmp_path, monk
         assert (await s.turn(t, A)).restored is not None  # the stop comes before the request's end
     await s.close()
     assert [e["type"] for e in s.events._recent].count("restored") == 1
+
+
+async def test_a_request_waiting_behind_another_warms_its_conversations_file(tmp_path, monkeypatch):
+    """Issue 31: a request that has to wait for its slot behind another conversation's has its
+    own file asked into the page cache (POSIX_FADV_WILLNEED) while it waits, once; a file
+    larger than half the memory available is not, and is counted as such."""
+    import os
+
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append((os.fstat(fd).st_ino, advice)))
+    s = make(tmp_path)
+    await request(s, A, 50)
+    await request(s, B, 40)  # A saved at the switch
+    t = await s.place(B)  # B's request runs; A's waits behind it
+    waiting = asyncio.ensure_future(s.place(A))
+    for _ in range(200):  # the advice is given in a worker thread
+        await asyncio.sleep(0.01)
+        if advised:
+            break
+    assert advised == [((tmp_path / f"auto-{A}.bin").stat().st_ino, os.POSIX_FADV_WILLNEED)]
+    assert s.counters.warmed_files == 1 and s.counters.warmed_bytes == (tmp_path / f"auto-{A}.bin").stat().st_size
+    t.release()
+    (await waiting).release()
+    t = await s.place(B)  # again, within REPEAT_S: not asked twice
+    waiting = asyncio.ensure_future(s.place(A))
+    await asyncio.sleep(0)
+    assert len(advised) == 1
+    t.release()
+    (await waiting).release()
+
+    import psutil
+    from autosessd import warm
+    monkeypatch.setattr(warm, "REPEAT_S", 0.0)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("vm", (), {"available": 100})())
+    t = await s.place(B)
+    waiting = asyncio.ensure_future(s.place(A))
+    await asyncio.sleep(0)
+    assert len(advised) == 1 and s.counters.warm_skipped_memory == 1
+    t.release()
+    (await waiting).release()

@@ -502,3 +502,25 @@ async def test_a_switch_decides_on_a_pending_save_as_it_will_be_without_waiting_
     assert len(s.engine.saves) == saves and not turn.saved  # X's file is up to date: not saved twice
     await s.drain()
     assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
+
+
+# -- a retry after a switch: restored without a window, said with one (issue 31) -------------------
+@pytest.mark.parametrize("swa", [0, 20])
+async def test_a_retry_after_a_switch_is_restored_without_a_window_and_said_with_one(tmp_path, swa):
+    """The same request sent again after a switch (a retry, a regenerate): its prompt ends
+    before X's file does (the file holds the reply too). Without a sliding window the file
+    serves it; with one the engine's file keeps only the window's last cells, so it is not
+    restored, and the turn, status and doctor's facts say why instead of a silent re-read."""
+    s = await make(tmp_path, swa=swa)
+    await chat(s, X)
+    await chat(s, body(("user", LONG_2)))
+    turn, cache_n, n_prompt = await chat(s, X)
+    if not swa:
+        assert turn.restored and turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
+        assert s.counters.skipped_swa_window == 0 and s.restore_log.window_kept_out is None
+    else:
+        assert not turn.restored and cache_n < 10
+        assert s.counters.skipped_swa_window == 1
+        assert any("20-token sliding window" in m and "a retry" in m for m in turn.skipped)
+        kept = s.status()["last_window_kept_out"]
+        assert kept["file"] == f"auto-{K}.bin" and kept["n_prompt"] == n_prompt and kept["swa_window"] == 20
