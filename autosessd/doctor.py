@@ -69,7 +69,7 @@ class Facts:
     reused: int  # restores the engine reused since the start
     not_reused: int
     not_reused_cause: str | None  # the last one's likely cause
-    window_kept_out: int = 0  # requests a file held that the sliding window kept from a restore (retries)
+    swa_retries: int = 0  # requests that ended inside a file on a sliding-window model (retries)
 
 
 def _flag(flags: dict[str, str | bool] | None, *names: str) -> str | bool | None:
@@ -107,11 +107,12 @@ def checks(f: Facts) -> list[Finding]:
             out.append(Finding("unknown", "--swa-full", f"the model has a {f.swa_window:,}-token sliding window; its "
                                "flags are not readable from here and no restore has been verified yet",
                                "start llama-server with --swa-full"))
-    if f.swa_window and f.window_kept_out:
-        out.append(Finding("problem", "sliding window", f"{f.window_kept_out:,} request(s) that a file held were read again: "
-                           f"with a {f.swa_window:,}-token sliding window, llama-server's file keeps only the "
-                           "window's last cells, so a prompt that ends before the file does (a retry, a "
-                           "regenerate after a switch) cannot be restored; a client's next message can",
+    if f.swa_window and f.swa_retries:
+        out.append(Finding("problem", "sliding window", f"{f.swa_retries:,} request(s) ended inside a saved file (a "
+                           f"retry, a regenerate): with a {f.swa_window:,}-token sliding window, llama-server's file "
+                           "keeps only the window's last cells, so such a prompt is read again (a restore made "
+                           "without its tokens, after a restart through a tail, is even reused with the window's "
+                           "oldest cells missing); a client's next message is restored as always",
                            "no flag fixes it in llama-server b11434 (README: Limits); a model without a "
                            "sliding window restores retries too"))
     # --cache-idle-slots with a unified KV cache
@@ -223,7 +224,7 @@ async def facts(s: Sessions) -> Facts:
                  save_path=str(s.store.path), n_ctx=n_ctx, largest_file=max(sizes) if sizes else None,
                  files_over_ctx=sum(1 for n in sizes if n_ctx is not None and n >= n_ctx), arch=arch,
                  recurrent=recurrent, reused=c.restores_reused, not_reused=c.restores_not_reused,
-                 not_reused_cause=nr["likely_cause"] if nr else None, window_kept_out=c.skipped_swa_window)
+                 not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries)
 
 
 # -- where a prompt departed from the file ---------------------------------------------------------

@@ -471,7 +471,8 @@ class Gate:
             if self.request_log and status != "not_run":
                 self.request_log.write(event="end", id=rid, slot=ticket.slot_id, n_tokens=n_tokens,
                                        status="ok" if status == "ok" else "error",
-                                       **({"cache_n": cache_n} if cache_n is not None else {}))
+                                       **({"cache_n": cache_n} if cache_n is not None else {}),
+                                       **({"n_prompt": n_prompt} if n_prompt is not None else {}))
         except Exception as e:  # the answer is delivered; bookkeeping must not turn it into an error
             log.exception("gate: bookkeeping after a request of %s: %s", key, e)
         finally:

@@ -198,6 +198,17 @@ class Observer:
         last = restores.last.get(s.id)
         body = restores.bodies.pop(s.id, None)
         file = last["file"] if last is not None else auto_name(key)
+        window = self.ctx.swa_window
+        if reused and window and n_prompt is not None and n_prompt < n_restored:
+            # Seen on b11434 with --swa-full (the server then takes the model for one without a
+            # window): the prompt ends inside the file, and the engine reuses it although the
+            # window of its first new token reaches cells the file does not hold. Its answer can
+            # differ from a fresh read's (2 of 3 tries here). Nothing can undo it now: said loud.
+            log.warning("auto sessions: the engine reused %s for a prompt of %s tokens that ends before the file's %s "
+                        "(a retry?): with a %s-token sliding window the file lacks the window's oldest %s cells, so "
+                        "this answer may differ from a fresh read (llama-server does not check it)", file,
+                        fmt_tokens(n_prompt), fmt_tokens(n_restored), f"{window:,}", fmt_tokens(n_restored - n_prompt))
+            self._swa_retry(key, file, n_prompt, n_restored, reused=True)
         if last is not None:
             last.update(cache_n=cache_n, reused=reused)
         if reused:
@@ -215,9 +226,17 @@ class Observer:
             return
         c.restores_not_reused += 1
         cause = NOT_REUSED_CAUSE
-        # A regenerated answer's prompt is a little shorter than the restored state (which
-        # holds the answer too); one under half of it was cut back by the client.
-        if n_prompt is not None and n_prompt * 2 < n_restored:
+        if window and n_prompt is not None and n_prompt < n_restored:
+            # A restore the index could not weigh (the tails and the key rule restore without the
+            # request's tokens): what Turn._window_kept_out says of a retry the turn passes over.
+            cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) ends before the restored conversation "
+                     f"({fmt_tokens(n_restored)}) does (a retry, a regenerate?): the model has a {window:,}-token "
+                     "sliding window and llama-server's file keeps only the window's last cells, so the engine "
+                     "read the prompt again")
+            self._swa_retry(key, file, n_prompt, n_restored, reused=False)
+        elif n_prompt is not None and n_prompt * 2 < n_restored:
+            # A regenerated answer's prompt is a little shorter than the restored state (which
+            # holds the answer too); one under half of it was cut back by the client.
             cause = (f"the prompt ({fmt_tokens(n_prompt)} tokens) is shorter than the restored conversation: "
                      f"the client cut it, and the engine read the prompt again instead of cutting its state back")
         restores.not_reused = {"key": key, "file": file, "n_restored": n_restored, "cache_n": cache_n,
@@ -227,6 +246,12 @@ class Observer:
                     fmt_tokens(n_restored), file, fmt_tokens(cache_n), cause)
         self.ctx.events.emit("restore_not_reused", slot=s.id, key=key, file=file, cache_n=cache_n,
                              n_restored=n_restored)
+
+    def _swa_retry(self, key: str, file: str, n_prompt: int, n_restored: int, reused: bool) -> None:
+        self.ctx.counters.swa_retries += 1
+        self.ctx.restore_log.swa_retry = {"at": round(time.time(), 3), "key": key, "file": file, "shared": None,
+                                          "n_prompt": n_prompt, "n_file": n_restored, "reused": reused,
+                                          "swa_window": self.ctx.swa_window}
 
     # -- requests we do not see end with their timings ---------------------------------------
     def watch_request(self, s: Slot) -> None:

@@ -175,10 +175,11 @@ class Counters:
     engine_log_unseen: int = _counter("engine_log_unseen_requests_total",
                                       "Requests the engine ran that its log did not show (a build that logs "
                                       "otherwise, or a log level that hides them)")
-    skipped_swa_window: int = _counter("skipped_swa_window_total",
-                                       "Restores not possible: a file holds the prompt, but the model's sliding "
-                                       "window keeps a file restorable only for a prompt going on from its end "
-                                       "(a retry or regenerate is read again)")
+    swa_retries: int = _counter("swa_retries_total",
+                                "Requests on a sliding-window model whose prompt ends inside a file (a retry, a "
+                                "regenerate): the file keeps only the window's last cells, so the turn passes over "
+                                "it; a restore made without the request's tokens (the tails, the key rule) is read "
+                                "again, or reused by llama-server with the window's oldest cells missing")
 
     def bump(self, name: str, by: int | float = 1) -> None:
         setattr(self, name, getattr(self, name) + by)
@@ -350,8 +351,8 @@ class RestoreLog:
 
     last: dict[int, dict[str, Any]] = field(default_factory=dict)
     not_reused: dict[str, Any] | None = None
-    # The last request a file held that the sliding-window rule kept out (Turn._window_kept_out).
-    window_kept_out: dict[str, Any] | None = None
+    # The last request a file held that the sliding-window rule kept out (Turn._swa_retry).
+    swa_retry: dict[str, Any] | None = None
     # The OpenAI chat body of each slot's restore awaiting verification, and the last few
     # restores the engine did not reuse with it (autosessctl doctor: where the prompt departed).
     # In memory only; never in status.
@@ -475,7 +476,7 @@ def status(s: Sessions) -> dict[str, Any]:
         "slots": slot_entries(s),
         "counters": asdict(s.counters),
         "last_not_reused": s.restore_log.not_reused,
-        "last_window_kept_out": s.restore_log.window_kept_out,
+        "last_swa_retry": s.restore_log.swa_retry,
         "turn_phases": s.ctx.turn_times.status(),
         "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
                   "free_bytes": free, "min_tokens": s.ctx.min_tokens, "min_tokens_auto": not auto_min_is_number(cfg),

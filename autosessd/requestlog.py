@@ -3,6 +3,8 @@
 
     {"ts": 1764460000.12, "event": "start", "id": "r17", "slot": 0, "key": "<16 hex>"}
     {"ts": …, "event": "end", "id": "r17", "slot": 0, "n_tokens": 27174, "status": "ok"}
+    (optional on an end: "cache_n", the response's timings.cache_n; "n_prompt", its
+    usage.prompt_tokens)
 
 A start may carry `messages` instead of `key` (the key is derived from them); status is
 ok|error|cancelled; unknown fields are ignored.
@@ -73,6 +75,10 @@ class LogEvent:
     n_tokens: int | None = None
     status: str | None = None
     cache_n: int | None = None  # end: the response's timings.cache_n, which verifies a restore
+    # end: the response's usage.prompt_tokens: how much of n_tokens was the prompt, the rest the
+    # reply. A file saved behind then knows its reply, and a request that sends that reply back
+    # as other tokens (text re-tokenized) replaces the file instead of branching off it.
+    n_prompt: int | None = None
 
 
 def parse_line(line: bytes) -> LogEvent:
@@ -110,7 +116,10 @@ def parse_line(line: bytes) -> LogEvent:
     status = d.get("status", "ok")
     if status not in ("ok", "error", "cancelled"):
         raise BadLine(f"status must be ok, error or cancelled, got {str(status)[:32]!r}")
-    cache_n = d.get("cache_n")
-    if cache_n is not None and (not isinstance(cache_n, int) or isinstance(cache_n, bool) or cache_n < 0):
-        raise BadLine("cache_n must be a whole number ≥ 0")
-    return LogEvent("end", str(rid), slot, n_tokens=n, status=status, cache_n=cache_n)
+    cache_n, n_prompt = d.get("cache_n"), d.get("n_prompt")
+    for name, v in (("cache_n", cache_n), ("n_prompt", n_prompt)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise BadLine(f"{name} must be a whole number ≥ 0")
+    if n_prompt is not None and n is not None and n_prompt > n:
+        raise BadLine(f"n_prompt ({n_prompt}) is more than n_tokens ({n})")
+    return LogEvent("end", str(rid), slot, n_tokens=n, status=status, cache_n=cache_n, n_prompt=n_prompt)

@@ -455,7 +455,8 @@ class Tail(Following):
         start, _ = self.in_flight.pop(ev.id, (None, 0.0))
         if start is None:
             return
-        await self.sessions.observed_end(ev.slot, start.key, ev.status or "ok", ev.n_tokens, ev.cache_n, look=last)
+        await self.sessions.observed_end(ev.slot, start.key, ev.status or "ok", ev.n_tokens, ev.cache_n, look=last,
+                                         n_prompt=ev.n_prompt)
         if ev.status == "ok" and start.key is not None and not self._in_flight_on(ev.slot):
             self._schedule_save_behind(ev.slot)
 

@@ -455,8 +455,8 @@ class Turn:
                f"model has a {ctx.swa_window:,}-token sliding window: llama-server's file keeps only the window's "
                "last cells, so a prompt that ends before the file does (a retry, a regenerate) is read again")
         result.skipped.append(msg)
-        ctx.counters.skipped_swa_window += 1
-        ctx.restore_log.window_kept_out = {"at": round(time.time(), 3), "key": key, "file": name, "shared": n,
+        ctx.counters.swa_retries += 1
+        ctx.restore_log.swa_retry = {"at": round(time.time(), 3), "key": key, "file": name, "shared": n,
                                            "n_prompt": len(tokens) // 4, "swa_window": ctx.swa_window}
         log.info("auto sessions: %s", msg)
         return True

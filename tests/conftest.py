@@ -15,7 +15,7 @@ def model(request, engine_bin) -> harness.Model:
     sliding-window model, and the model with Llama 3 8B's KV shape, without a window, whose
     files are the size users' are. A test that takes this fixture runs once on each, and its
     `engines` load that model."""
-    return harness.model(request.param)
+    return harness.model(request.param)  # also as parametrize(..., indirect=["model"]) with a name
 
 
 @pytest.fixture

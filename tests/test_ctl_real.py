@@ -110,7 +110,7 @@ def _turn(d, body):
     return reply["result"]
 
 
-def test_turn_hook_switch_away_and_back(daemon, session_dir):
+def test_turn_hook_switch_away_and_back(daemon, session_dir, model):
     eng, d = daemon
     _turn(d, A)
     a1 = eng.post("/v1/chat/completions", A)

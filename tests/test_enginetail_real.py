@@ -55,8 +55,13 @@ def saved_with(session_dir, n):
     return None
 
 
-@pytest.mark.parametrize("fmt, slots", [("jsonl", 1), ("jsonl", "auto"), ("text", 1), ("text", "auto")])
-def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, session_dir, tmp_path, fmt, slots):
+# Gemma 3 in every arrangement; the model of Llama 3 8B's KV shape in two of them that between
+# them take every path (a restart under a running autosessd with -np 1 and rotation, a service
+# restart of both with -np auto), for the suite's time.
+@pytest.mark.parametrize("fmt, slots, model", [
+    ("jsonl", 1, "gemma3"), ("jsonl", "auto", "gemma3"), ("text", 1, "gemma3"), ("text", "auto", "gemma3"),
+    ("jsonl", "auto", "kv8b"), ("text", 1, "kv8b")], indirect=["model"])
+def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, session_dir, tmp_path, fmt, slots, model):
     log = tmp_path / "llama" / "server.log"
     log.parent.mkdir()
     extra = ["--log-file", str(log)] + (["--log-jsonl"] if fmt == "jsonl" else [])
@@ -68,7 +73,7 @@ def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, sess
         r1 = eng.post("/v1/chat/completions", CONV)  # straight to the engine
         released = time.monotonic()
         slot, n = holding(eng)
-        assert n >= 2000
+        assert n >= 1900  # 2,150 tokens by Gemma 3's tokenizer, 1,980 by Llama 3's
         f = wait_until(lambda: saved_with(session_dir, n), 10, 0.01, "the conversation saved behind")
         assert time.monotonic() - released < 1.0, f"saved {time.monotonic() - released:.2f} s after its release"
         assert f.name == f"auto-{LINE}.bin"
@@ -83,7 +88,7 @@ def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, sess
             r1b = eng.post("/v1/chat/completions", grow(CONV, r1["choices"][0]["message"]["content"], "And box 6?"))
             n_b = holding(eng)[1]
             wait_until(lambda: saved_with(session_dir, n_b), 10, 0.02, "the grown conversation saved")
-            assert r1b["timings"]["cache_n"] > 2000 and ctl_status(d)["counters"]["log_truncations"] == 1
+            assert r1b["timings"]["cache_n"] > 1900 and ctl_status(d)["counters"]["log_truncations"] == 1
             r1 = r1b
             conv = grow(CONV, r1["choices"][0]["message"]["content"], "And box 6?")
         else:

@@ -24,7 +24,7 @@ def post(base, body, path="/v1/chat/completions", timeout=300):
         return json.load(r)
 
 
-def test_switch_back_through_gate_reuses_and_direct_does_not(engines, session_dir, tmp_path):
+def test_switch_back_through_gate_reuses_and_direct_does_not(engines, session_dir, tmp_path, model):
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
@@ -74,7 +74,7 @@ def test_streaming_is_not_buffered(engines, session_dir, tmp_path):
         d.stop()
 
 
-def test_restart_of_engine_and_daemon_restores_the_held_conversation(engines, session_dir, tmp_path):
+def test_restart_of_engine_and_daemon_restores_the_held_conversation(engines, session_dir, tmp_path, model):
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     # Streamed, and stopped the moment the last chunk is read: the bookkeeping after the

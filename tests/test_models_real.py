@@ -58,7 +58,7 @@ def router(engines, session_dir, tmp_path, slots=1):
 
 
 def test_a_model_switch_and_back_reuses_the_conversation_and_the_router_alone_does_not(engines, session_dir,
-                                                                                      tmp_path):
+                                                                                      tmp_path, model):
     eng = router(engines, session_dir, tmp_path)
     d = Daemon(tmp_path, session_dir, eng.url, timeout_s=120).start()
     try:

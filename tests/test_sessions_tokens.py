@@ -517,10 +517,10 @@ async def test_a_retry_after_a_switch_is_restored_without_a_window_and_said_with
     turn, cache_n, n_prompt = await chat(s, X)
     if not swa:
         assert turn.restored and turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
-        assert s.counters.skipped_swa_window == 0 and s.restore_log.window_kept_out is None
+        assert s.counters.swa_retries == 0 and s.restore_log.swa_retry is None
     else:
         assert not turn.restored and cache_n < 10
-        assert s.counters.skipped_swa_window == 1
+        assert s.counters.swa_retries == 1
         assert any("20-token sliding window" in m and "a retry" in m for m in turn.skipped)
-        kept = s.status()["last_window_kept_out"]
+        kept = s.status()["last_swa_retry"]
         assert kept["file"] == f"auto-{K}.bin" and kept["n_prompt"] == n_prompt and kept["swa_window"] == 20

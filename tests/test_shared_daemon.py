@@ -139,7 +139,7 @@ def test_a_bucket_that_does_not_answer_is_a_warning_and_the_host_works_alone(tmp
 @pytest.mark.s3
 @pytest.mark.engine
 def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines, s3_gateway, s3_bucket, aws_env,
-                                                                         tmp_path, stopping):
+                                                                         tmp_path, stopping, model):
     s1, s2 = tmp_path / "s1", tmp_path / "s2"
     s1.mkdir()
     s2.mkdir()

@@ -181,7 +181,7 @@ def test_two_conversations_run_at_the_same_time(engines, session_dir, tmp_path):
         d.stop()
 
 
-def test_sigterm_with_four_held_then_restart_restores_each(engines, session_dir, tmp_path):
+def test_sigterm_with_four_held_then_restart_restores_each(engines, session_dir, tmp_path, model):
     eng = engines(session_dir, slots=4)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:

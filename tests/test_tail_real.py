@@ -34,11 +34,12 @@ def serve(eng, log, rid, body, key=True):
     write(log, event="start", id=rid, slot=0, **({"key": conversation_key(body)} if key else
                                                   {"messages": body["messages"]}))
     r = eng.post("/v1/chat/completions", body)
-    write(log, event="end", id=rid, slot=0, n_tokens=r["usage"]["total_tokens"], status="ok")
+    write(log, event="end", id=rid, slot=0, n_tokens=r["usage"]["total_tokens"], status="ok",
+          n_prompt=r["usage"]["prompt_tokens"])
     return r
 
 
-def test_save_behind_and_restore_after_engine_restart(engines, session_dir, tmp_path):
+def test_save_behind_and_restore_after_engine_restart(engines, session_dir, tmp_path, model):
     eng = engines(session_dir)
     log = tmp_path / "serving" / "requests.jsonl"  # the directory exists, the file not yet
     log.parent.mkdir()
