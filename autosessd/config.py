@@ -152,6 +152,11 @@ class Config:
     idle_save_s: float = 3.0
     idle_save_min_new_tokens: int = 1
     idle_save_mb_per_min: float = 4096.0
+    # ... and only on a slot that switched conversations within this many seconds: one
+    # conversation going on alone is never switched away, and saving it after every reply
+    # would write its whole state each turn for nothing (2 GB a turn at 16k tokens of an 8B
+    # model; README "Write volume"). 0: after every reply, switched or not.
+    idle_save_switched_s: float = 1800.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     tail: TailConfig = field(default_factory=TailConfig)
@@ -346,6 +351,8 @@ def _validate(c: Config, source: str) -> None:
         bad("idle_save_min_new_tokens", f"must be 1 or more, got {c.idle_save_min_new_tokens}")
     if not c.idle_save_mb_per_min > 0:
         bad("idle_save_mb_per_min", f"must be more than 0, got {c.idle_save_mb_per_min}")
+    if c.idle_save_switched_s < 0:
+        bad("idle_save_switched_s", f"must be 0 (always) or more (seconds), got {c.idle_save_switched_s}")
     if c.state_dir is not None and not os.path.isabs(c.state_dir):
         bad("state_dir", f"must be an absolute path, got {c.state_dir!r}")
 

@@ -348,7 +348,8 @@ class Daemon:
                                        auto_sessions_keep=new.auto_sessions_keep,
                                        auto_sessions_max_gb=new.auto_sessions_max_gb,
                                        idle_save_s=new.idle_save_s, idle_save_min_new_tokens=new.idle_save_min_new_tokens,
-                                       idle_save_mb_per_min=new.idle_save_mb_per_min)
+                                       idle_save_mb_per_min=new.idle_save_mb_per_min,
+                                       idle_save_switched_s=new.idle_save_switched_s)
         if self.sessions:
             self.sessions.cfg = self.cfg
         if self.router:

@@ -9,6 +9,11 @@ file lacks at least `idle_save_min_new_tokens` of it: a switch then finds the fi
 
 Bounds, each a promise:
 
+    switching slots      a pause saves only on a slot that switched conversations within
+                         `idle_save_switched_s` (30 min): one conversation going on alone on its
+                         slot is never switched away, and an idle save after each of its replies
+                         would write its whole state every turn for nothing (issue 31: 2 GB a
+                         turn at 16k tokens of an 8B model). Its first switch saves it at the switch
     one save per pause   a pause is the quiet after one request's end; it saves at most once
                          (deferred by the cap, it is tried again within the same pause), and
                          the next save needs another request and another pause
@@ -68,6 +73,8 @@ class IdleSaver:
         self._one = asyncio.Lock()  # one idle save at a time: the disk is shared by every slot
         self._saving: set[int] = set()  # slots whose save is under way: never cancelled half-way
         self._closed = False
+        self._ended_key: dict[int, str | None] = {}  # slot id → the conversation of its last end
+        self._switched_at: dict[int, float] = {}  # slot id → time.monotonic() it last ended another one
 
     # -- the pause -------------------------------------------------------------------------
     def ended(self, s: Slot) -> None:
@@ -83,6 +90,10 @@ class IdleSaver:
         v = s.view
         if v.conversation() is None:
             return
+        before = self._ended_key.get(s.id)
+        if before is not None and before != v.key:
+            self._switched_at[s.id] = time.monotonic()
+        self._ended_key[s.id] = v.key
         task = asyncio.get_running_loop().create_task(self._pause(s, v))
         self._pauses[s.id] = task
         task.add_done_callback(lambda t: self._pauses.pop(s.id, None) if self._pauses.get(s.id) is t else None)
@@ -90,6 +101,11 @@ class IdleSaver:
     async def _pause(self, s: Slot, v: View) -> None:
         try:
             await asyncio.sleep(self.ctx.cfg.idle_save_s)
+            if not self.switching(s):
+                self.ctx.counters.idle_saves_alone += 1
+                log.debug("auto sessions: slot %d: not saved while idle: no switch on it in the last %.0f s "
+                          "(idle_save_switched_s)", s.id, self.ctx.cfg.idle_save_switched_s)
+                return
             while True:
                 # llama-server writes a slot's state on its main loop: while it does, no other
                 # slot generates. So a pause saves only while no other slot runs a request.
@@ -104,6 +120,13 @@ class IdleSaver:
             raise
         except Exception as e:  # a bug must not end the loop's other work
             log.exception("auto sessions: slot %d: save while idle: %s", s.id, e)
+
+    def switching(self, s: Slot) -> bool:
+        """Whether slot s ended another conversation than its last within idle_save_switched_s
+        (0: always true): only such a slot's conversation may be switched away soon."""
+        window = self.ctx.cfg.idle_save_switched_s
+        at = self._switched_at.get(s.id)
+        return window <= 0 or (at is not None and time.monotonic() - at <= window)
 
     # -- save now --------------------------------------------------------------------------
     async def save_now(self, capped: bool = False) -> list[dict[str, Any]]:
@@ -197,7 +220,9 @@ class IdleSaver:
         """For status (read from a worker thread: plain values only; the counters say the rest)."""
         cfg = self.ctx.cfg
         return {"after_s": cfg.idle_save_s, "min_new_tokens": cfg.idle_save_min_new_tokens,
-                "mb_per_min": cfg.idle_save_mb_per_min, "pausing": len(self._pauses),
+                "mb_per_min": cfg.idle_save_mb_per_min, "switched_s": cfg.idle_save_switched_s,
+                "switching_slots": sorted(s.id for s in self.placement.slots.values() if self.switching(s)),
+                "pausing": len(self._pauses),
                 "on": cfg.auto_sessions and cfg.idle_save_s > 0 and not self.launch.active}
 
     def close(self) -> None:

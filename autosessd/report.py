@@ -117,6 +117,9 @@ class Counters:
                                "Conversations saved while their slot stayed idle after a reply (idle_save_s)")
     idle_saves_deferred: int = _counter("idle_saves_deferred_total",
                                         "Saves while idle put off by idle_save_mb_per_min")
+    idle_saves_alone: int = _counter("idle_saves_alone_total",
+                                     "Pauses that saved nothing: their slot had not switched conversations within "
+                                     "idle_save_switched_s (one conversation going on alone)")
     bytes_saved_idle: int = _counter("idle_saved_bytes_total", "Bytes saved while idle (also in saved_bytes_total)")
     tokenize_failures: int = _counter("tokenize_failures_total",
                                       "Turns that got no tokens from the engine (the key rule decided)")

@@ -22,6 +22,12 @@ Scenarios (each competitor is measured in the same run, interleaved with autoses
   11 real sizes       a fake engine moving 1 GB and 4 GB state files at the disk's speed: a
                       switch's wait against the engine's restore, saved at the switch or while
                       idle, and the bytes written per turn (bench/gb.py)
+  12 real engine, real llama-server on the model of Llama 3 8B's KV shape (128 KiB a token): A of
+     real sizes      2k/8k/16k tokens and B; the re-read, the engine's own save and restore
+                     (page cache warm and cold), autosessd saving at the switch or while idle,
+                     cold with and without warming, the disk's read speed (bench/kv8b.py)
+  13 write volume   saves per hour of two conversations taking turns every 30 s and of one alone
+                    every 5 min, under three idle-save settings, priced at 8B sizes (bench/writes.py)
 
 Writes bench/results/<date>-<host>.json and prints Markdown tables; with scenario 1, also
 bench/results/switch-back.png (bench/plot.py), the README's plot.
@@ -54,6 +60,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "bench"))
 import demo  # noqa: E402  (free_port, wait_http, facts, ask: the demo's client and helpers)
 from gb import s11_gb, t11  # noqa: E402  (scenario 11: switches at a real model's size)
+from kv8b import s12_kv8b, t12  # noqa: E402  (scenario 12: the same on the real engine)
+from writes import s13_writes, t13  # noqa: E402  (scenario 13: what saving writes, per hour)
 
 SIZES = [int(x) for x in os.environ.get("BENCH_SIZES", "1000,4000,16000").split(",")]
 REPS = int(os.environ.get("BENCH_REPS", "3"))
@@ -652,6 +660,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[
     "7": ("Scale of the session directory", s7_scale, t7),
     "8": ("Footprint", s8_footprint, t8),
     "11": ("Switches at real sizes: 1 GB and 4 GB state files, saved at the switch or while idle", s11_gb, t11),
+    "12": ("Switches at real sizes on the real engine: Llama 3 8B's KV shape, 2k to 16k tokens", s12_kv8b, t12),
+    "13": ("What saving writes: two usage patterns, three settings, priced at 8B sizes", s13_writes, t13),
 }
 
 

@@ -21,12 +21,14 @@ GROWN_A = {**A, "messages": A["messages"] + [{"role": "assistant", "content": "A
 PAUSE = 0.05
 
 
-async def make(tmp_path, idle_s=PAUSE, mb_per_min=4096.0, min_new=1, n_slots=1):
+async def make(tmp_path, idle_s=PAUSE, mb_per_min=4096.0, min_new=1, n_slots=1, switched_s=0):
+    """switched_s: idle_save_switched_s; 0 (every reply's pause saves) for the tests of the other
+    bounds, the default's own test below."""
     d = tmp_path / "sessions"
     d.mkdir(parents=True, exist_ok=True)
     cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {t.MIN}\nstate_dir = "{tmp_path / "state"}"\n'
                 f'idle_save_s = {idle_s}\nidle_save_mb_per_min = {mb_per_min}\n'
-                f'idle_save_min_new_tokens = {min_new}\n'.encode())
+                f'idle_save_min_new_tokens = {min_new}\nidle_save_switched_s = {switched_s}\n'.encode())
     s = Sessions(cfg, StubEngine(d, n_slots=n_slots), Store(d), "stub-model", n_slots=n_slots)
     await s.prepare()
     return s
@@ -111,7 +113,7 @@ async def test_a_small_growth_is_left_to_the_switch(tmp_path):
 def test_idle_save_keys_are_checked():
     for text, key in (("idle_save_s = -1", "idle_save_s"), ("idle_save_mb_per_min = 0", "idle_save_mb_per_min"),
                       ("idle_save_min_new_tokens = 0", "idle_save_min_new_tokens"),
-                      ('idle_save_s = "soon"', "idle_save_s")):
+                      ('idle_save_s = "soon"', "idle_save_s"), ("idle_save_switched_s = -5", "idle_save_switched_s")):
         with pytest.raises(ConfigError) as e:
             parse(f'slot_save_path = "/tmp/x"\n{text}\n'.encode())
         assert e.value.key == key
@@ -128,3 +130,23 @@ async def test_no_save_while_another_slot_runs_a_request(tmp_path):
     assert s.counters.idle_saves == 0 and s.engine.saves == []
     other.release()
     await until(lambda: s.counters.idle_saves == 1)
+
+
+async def test_one_conversation_alone_is_not_saved_while_idle_until_its_slot_switches(tmp_path):
+    """idle_save_switched_s (the default, 30 min): a conversation going on alone on its slot is
+    never switched away, so its pauses write nothing (at 8B sizes a whole state a turn); once the
+    slot has switched conversations, every pause saves as before."""
+    s = await make(tmp_path, switched_s=1800)
+    await t.chat(s, A)
+    await until(lambda: s.counters.idle_saves_alone == 1)
+    await t.chat(s, GROWN_A)
+    await until(lambda: s.counters.idle_saves_alone == 2)
+    assert s.counters.idle_saves == 0 and s.engine.saves == [] and s.status()["idle_save"]["switching_slots"] == []
+    turn, _, _ = await t.chat(s, B)  # the first switch saves A at the switch
+    assert turn.saved is not None and turn.saved["key"] == conversation_key(A)
+    await until(lambda: s.counters.idle_saves == 1)  # B's pause: the slot switched
+    assert s.status()["idle_save"]["switching_slots"] == [0]
+    await s.drain()
+    turn, _, _ = await t.chat(s, {**GROWN_A, "messages": GROWN_A["messages"] + [
+        {"role": "assistant", "content": "Aye."}, {"role": "user", "content": "And then?"}]})
+    assert turn.saved is None and turn.restored is not None  # B's file was up to date
