@@ -157,6 +157,9 @@ class Config:
     # would write its whole state each turn for nothing (2 GB a turn at 16k tokens of an 8B
     # model; README "Write volume"). 0: after every reply, switched or not.
     idle_save_switched_s: float = 1800.0
+    # At a start without the gate (the tails, the hook), when the engine's slots are empty:
+    # each slot's last conversation restored while the engine is idle (comeback.py).
+    restore_at_start: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     tail: TailConfig = field(default_factory=TailConfig)

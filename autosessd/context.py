@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from .config import Config
 from .engines.base import ChatEngine, Engine
 from .facts import EngineFacts
-from .report import Counters, Events, Histograms, RestoreLog, TurnTimes
+from .phases import TurnTimes
+from .report import Counters, Events, Histograms, RestoreLog
 from .savings import Savings
 from .store import Store
 

@@ -39,6 +39,7 @@ from .logs import stop_logging
 from .checks import (Checked, StartupError, check_engine, check_store, empties_idle_slots, probe_save,
                      router_refusals, warn_empties_idle)
 from .child import EngineChild, ExecError, check_free, describe_exit
+from .comeback import StartRestore
 from .slotfile import KVLayout
 from .config import Config, ConfigError
 from .engines import make_engine
@@ -115,6 +116,7 @@ class Daemon:
         self._stop_reason = ""
         self._sigints = 0
         self._watcher: asyncio.Task | None = None
+        self._comeback: asyncio.Task | None = None  # the restore at start (comeback.py)
         self._stopping = ""  # what the stop is doing now: said if the deadline cuts it
         self.shared: Any = None  # shared.SharedStore when [shared] is set
         self.remote: Remote | None = None
@@ -180,6 +182,12 @@ class Daemon:
             raise
         self._watcher = asyncio.get_running_loop().create_task(self.house.watch_engine())
         self.house.inputs.update({inp.name: inp.describe for inp in self.inputs})
+        if self.sessions is not None and self.cfg.restore_at_start and self.cfg.auto_sessions and \
+                not any(inp.name == "gate" for inp in self.inputs):
+            # No input restores before a request: each slot's last conversation, back now.
+            back = StartRestore(self.sessions)
+            self.house.inputs[back.name] = back.describe
+            self._comeback = asyncio.get_running_loop().create_task(back.run())
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
                  self.store.path, ", ".join(self.house.inputs) or "none")
 
@@ -192,7 +200,7 @@ class Daemon:
             template=checked.template)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         # What the slots held at the last stop is restored first after a restart: warm it (warm.py).
-        self.sessions.warmer.held_at_stop(self.sessions.recorded_files()[0].values())
+        self.sessions.warmer.held_at_stop(self.sessions.last.files()[0].values())
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
             # worker first queues local saves of this model that the bucket lacks.
@@ -440,6 +448,8 @@ class Daemon:
 
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._comeback is not None:
+            self._comeback.cancel()  # a restore it waits for ends with the engine call's own bound
         # No save while idle starts now: the stop save comes.
         every = self.router.all_sessions() if self.router is not None else [self.sessions]
         for s in filter(None, every):
@@ -462,7 +472,7 @@ class Daemon:
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
             if self.sessions is not None:
-                self.sessions.record_held()
+                self.sessions.last.record_stop(self.sessions.slots.values())
         await self._stop_child(left())
         if self.shared is not None:
             await self._stop_shared(left)

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import __version__, policy
+from . import __version__, phases, policy
 from .engines.base import EngineError, EngineRefused
 from .index import decode
 from .policy import Skip
@@ -258,29 +258,6 @@ def skipped(counters: Counters, step: Skip, result: TurnResult | None) -> None:
 
 
 # -- what one turn did ---------------------------------------------------------------------
-# Where a turn's time goes (issue 31), each phase in ms of the request's wait: "look" (GET
-# /slots), "facts" (the engine's facts read again after a restart), "wait" (finalizes that the
-# decision must see: a save of the same temporary, or of the same file), "save" (the engine
-# writing the outgoing conversation, then its checks), "tokens" (/apply-template + /tokenize
-# beyond what the save hid), "fetch" (a download from the shared bucket), "launch" (the launch
-# gate: an engine that empties idle slots), "check" (the file's integrity: a stat, or a digest
-# when it changed), "restore" (the engine reading the file), "prefix" (a shared prefix read on
-# its own). The engine's own work on the request after the turn is beside them in status
-# (engine_prompt_ms, engine_reply_ms: its timings).
-PHASES = ("look", "facts", "wait", "save", "tokens", "fetch", "launch", "check", "restore", "prefix")
-
-
-@contextlib.contextmanager
-def timed(result: TurnResult | None, phase: str):
-    """Adds the time of the block to result.phases[phase] (nothing when result is None)."""
-    t0 = time.monotonic()
-    try:
-        yield
-    finally:
-        if result is not None:
-            result.phases[phase] = result.phases.get(phase, 0.0) + (time.monotonic() - t0) * 1000
-
-
 @dataclass
 class TurnResult:
     key: str | None
@@ -310,41 +287,9 @@ class TurnResult:
 
     def phases_line(self) -> str:
         """'save 59, restore 125, other 3' (ms, in PHASES order): the turn's log line."""
-        parts = [f"{name} {self.phases[name]:,.0f}" for name in PHASES if name in self.phases]
+        parts = [f"{name} {self.phases[name]:,.0f}" for name in phases.PHASES if name in self.phases]
         other = self.ms - sum(self.phases.values())
         return ", ".join([*parts, f"other {max(other, 0):,.0f}"])
-
-
-@dataclass
-class TurnTimes:
-    """Per slot, the last turn's phases that saved or restored (and the engine's own time on
-    its request, once it ended); in total, every timed turn's phases. Status and /metrics."""
-
-    last: dict[int, dict[str, Any]] = field(default_factory=dict)
-    total_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    turns: int = 0
-
-    def add(self, result: TurnResult) -> None:
-        self.turns += 1
-        for name, ms in result.phases.items():
-            self.total_ms[name] = self.total_ms.get(name, 0.0) + ms
-        if result.slot is not None and (result.saved or result.restored):
-            self.last[result.slot] = {"key": result.key, "at": round(time.time(), 3), "ms": result.ms,
-                                      **{k: round(v, 2) for k, v in result.phases.items()}}
-
-    def engine_done(self, slot: int, key: str | None, timings: dict[str, Any] | None) -> None:
-        """The engine's timings of the request that ran after the slot's last timed turn."""
-        last = self.last.get(slot)
-        if last is None or last["key"] != key or "engine_prompt_ms" in last or not timings:
-            return
-        for mine, theirs in (("engine_prompt_ms", "prompt_ms"), ("engine_reply_ms", "predicted_ms")):
-            v = timings.get(theirs)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                last[mine] = round(float(v), 2)
-
-    def status(self) -> dict[str, Any]:
-        return {"turns": self.turns, "total_ms": {k: round(v, 2) for k, v in self.total_ms.items()},
-                "last": {str(k): dict(v) for k, v in sorted(self.last.items())}}
 
 
 @dataclass

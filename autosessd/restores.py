@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 
 from . import files, logs, slotfile
 from .engines.base import EngineError, EngineRefused
+from .phases import timed
 from .policy import Occasion
-from .report import TurnResult, fmt_tokens, timed
+from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot
 from .observe import SLEPT, UNLOADED
 from .store import AUTO_BIN, NEEDS_READ, auto_name

@@ -50,10 +50,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 from . import logs, policy, slotfile
 from .engines.base import EngineError
 from .branches import SavedFile, save_key
-from .keys import chain
-from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
 from .index import common_prefix, swa_usable
-from .report import TurnResult, fmt_bytes, fmt_tokens, skipped, timed
+from .keys import chain
+from .phases import timed
+from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
+from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
 from .slot import Phase, Slot, View
 from .store import AUTO_BIN, Mark, Meta, StoreError, auto_name, temp_name
 

@@ -62,7 +62,7 @@ call says what it blocks on.
   daemon: Sessions(...) whole from its start checks, await s.prepare(), then s.remote (the
     shared bucket), s.inputs (what status describes) and s.cfg (at SIGHUP) are set; the engine
     watch runs s.watch_engine(); at the stop s.save_at_stop(slot) per slot, s.drain(),
-    s.close(), s.record_held().
+    s.close(), s.last.record_stop(slots).
 
   Two more writers change a slot without its ticket, both compare-and-swap on a view they
   read: the engine watch (a restart: every slot lost, the one transition allowed from
@@ -91,7 +91,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from . import held, observe, report
@@ -160,6 +159,8 @@ class Sessions:
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
+        # What each slot held last (held.json), kept as it changes; behind a router, at stops only.
+        self.last = held.Recorder(cfg.effective_state_dir() / "held.json", model, self.placement.slots, house is None)
         ctx.facts.n_slots, ctx.facts.check_template = n_slots, self.check_template  # facts.py
         self.listing = report.Listing()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
@@ -435,16 +436,3 @@ class Sessions:
                 await callback()
             except Exception as e:
                 log.warning("engine restart handling: %s", e)
-
-    def state_file(self) -> Path:
-        return self.cfg.effective_state_dir() / "held.json"
-
-    def record_held(self) -> None:
-        held.record(self.state_file(), self.model, self.slots.values())
-
-    def recorded_held(self) -> dict[int, str]:
-        return held.recorded(self.state_file(), self.model)
-
-    def recorded_files(self) -> tuple[dict[int, str], float]:
-        """slot → the file holding what it held at the last stop, and when that was recorded."""
-        return held.recorded_files(self.state_file(), self.model)

@@ -44,7 +44,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .engines.base import SlotState
 from .policy import Held
@@ -187,6 +187,8 @@ class Slot:
         self.start_pending = False
         self.looked: tuple[int, bool, SlotState | None] | None = None
         self.place_watch: asyncio.Task | None = None
+        # Told of every change of the view, after it (held.Recorder: what the slot held last).
+        self.on_change: Callable[[Slot], None] | None = None
 
     def __repr__(self) -> str:
         return f"Slot({self.id}, {self._view.phase.value} {self._view.key or ''})"
@@ -220,6 +222,11 @@ class Slot:
             log.debug("auto sessions: slot %d: %s %s → %s %s (%s)", self.id, old.phase.value, old.key or "",
                       new.phase.value, new.key or "", event.value)
         self._view = new
+        if self.on_change is not None:
+            try:
+                self.on_change(self)
+            except Exception as e:  # a record's bug must not stop the state machine
+                log.exception("auto sessions: slot %d: recording its change: %s", self.id, e)
         return new
 
     # -- transitions ---------------------------------------------------------------------

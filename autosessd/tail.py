@@ -418,7 +418,7 @@ class Tail(Following):
         self._last_held: dict[int, str] = {}  # per slot: the conversation its last request was of
 
     async def start(self) -> None:
-        self._last_held = dict(self.sessions.recorded_held())
+        self._last_held = dict(self.sessions.last.keys())
         self.sessions.on_engine_restart.append(self._engine_restarted)
         await super().start()
 

@@ -34,9 +34,10 @@ from . import logs, policy
 from .engines.base import EngineError, EngineLacks
 from .index import common_prefix, encode
 from .keys import chat_signature, continues
+from .phases import timed
 from .policy import Held, Occasion, Restore, RestoreFile, SaveOutcome, Skip
 from .recall import Known, Recall
-from .report import TurnResult, skipped, timed
+from .report import TurnResult, skipped
 from .slot import Phase, Slot, View
 from .store import Meta, auto_name
 

@@ -217,10 +217,14 @@ def one_size(run: Any, n_tokens: int) -> dict[str, Any]:
         a_file = sessions / status(d["socket"])["slots"][0]["file"]
         if mode == "cold, warmed while waiting":
             evict(a_file)
-            # B runs long enough for A's file to be read from the disk meanwhile; A arrives
-            # while B's turn is under way and waits for the slot.
+            # B runs long enough for A's file to be read from the disk meanwhile (its size at
+            # the disk's speed measured above, and a second; a reply token takes ~20 ms at B's
+            # size here); A arrives while B's turn is under way and waits for the slot.
+            read_s = a_file.stat().st_size / (out["disk_read_mb_s"] * 1e6)
+            n_reply = max(48, int((read_s + 1.0) / 0.02))
+            out["warmed_b_reply_tokens"] = n_reply
             box: dict[str, Any] = {}
-            tb = threading.Thread(target=lambda: box.update(r=ask(d["port"], b, 48)))
+            tb = threading.Thread(target=lambda: box.update(r=ask(d["port"], b, n_reply)))
             tb.start()
             time.sleep(0.3)
             r = ask(d["port"], a)

@@ -181,8 +181,12 @@ def test_two_conversations_run_at_the_same_time(engines, session_dir, tmp_path):
         d.stop()
 
 
-def test_sigterm_with_four_held_then_restart_restores_each(engines, session_dir, tmp_path, model):
-    eng = engines(session_dir, slots=4)
+# Gemma 3 with four KV streams; the model of Llama 3 8B's KV shape with llama-server's default
+# -np auto (four slots, one unified cache), which the eight conversations above cover on Gemma 3.
+@pytest.mark.parametrize("model, slots", [("gemma3", 4), ("kv8b", "auto")], indirect=["model"],
+                         ids=["gemma3-np4", "kv8b-np-auto"])
+def test_sigterm_with_four_held_then_restart_restores_each(engines, session_dir, tmp_path, model, slots):
+    eng = engines(session_dir, slots=slots)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
         first = rotation(d.gate_url, SHORT[:4])

@@ -1,0 +1,104 @@
+"""After a reboot: each slot's last conversation back before its first request (issue 33).
+
+The gate restores a conversation in its request's turn, before the request runs. The other
+inputs cannot: the engine's log and a request log show a request once the engine has it, and
+a turn hook is called only when the serving layer calls it. So after the engine and autosessd
+start fresh together (a reboot, `systemctl restart` of the pair), a client going on from its
+last answer re-read its whole conversation. At a start with no gate, when the engine's slots
+are empty, each slot's last conversation (held.json, kept as the slots change: held.Recorder)
+is restored into it while the engine is idle, the most recently used first, through the same
+path as the tails' restore after an engine restart (Sessions.restore_behind):
+
+    a request first    a slot that runs or ran a request since the start (its view is not at
+                       rest, or its engine slot holds tokens or works) is left alone: the
+                       request wins; one arriving during a restore waits at most for it
+    trusted            only when the engine's slot ran no task meanwhile (its id_task), else
+                       counted in restores_not_trusted and the slot is unknown
+    bounded            each restore within engine.timeout_s; a file is restored once, and only
+                       one this engine can load (restore_behind's rules: this model, min tokens)
+    said               every slot's outcome in the log and in status (inputs.start_restore)
+
+`restore_at_start = false` turns it off. Behind a router nothing is restored at start (which
+model a slot's conversation was of is not recorded per model yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from .engines.base import SlotState
+from .store import AUTO_BIN
+
+if TYPE_CHECKING:
+    from .sessions import Sessions
+
+log = logging.getLogger("autosessd")
+
+
+class StartRestore:
+    name = "start_restore"
+
+    def __init__(self, sessions: Sessions):
+        self.sessions = sessions
+        self.outcomes: list[dict[str, Any]] = []
+        self.done = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"done": self.done, "restored": sum(o["restored"] for o in self.outcomes), "slots": list(self.outcomes)}
+
+    def plan(self) -> list[tuple[int, str, str]]:
+        """(slot, key, file) from what each slot held last, the most recently used first, each
+        file once, slots the engine has."""
+        out, seen = [], set()
+        for slot, entry in self.sessions.last.last():
+            name = entry.get("file")
+            key = entry.get("key")
+            if slot in self.sessions.slots and isinstance(name, str) and AUTO_BIN.match(name) and \
+                    isinstance(key, str) and name not in seen:
+                seen.add(name)
+                out.append((slot, key, name))
+        return out
+
+    async def run(self) -> None:
+        try:
+            plan = self.plan()
+            if plan:
+                log.info("auto sessions: at start: %d slot(s) had a conversation before; putting them back while the "
+                         "engine is idle", len(plan))
+            for slot, key, name in plan:
+                t0 = time.monotonic()
+                why = await self._one(slot, key, name)
+                self.outcomes.append({"slot": slot, "file": name, "restored": why is None,
+                                      "why": why, "ms": round((time.monotonic() - t0) * 1000, 1)})
+                if why is None:
+                    log.info("auto sessions: at start: slot %d has %s back (its last conversation)", slot, name)
+                else:
+                    log.info("auto sessions: at start: slot %d: %s not restored: %s", slot, name, why)
+        except Exception as e:  # a bug must not stop the daemon's other work
+            log.exception("auto sessions: restore at start: %s", e)
+        finally:
+            self.done = True
+
+    async def _one(self, slot: int, key: str, name: str) -> str | None:
+        s = self.sessions
+        if not s.slot(slot).at_rest() or s.view(slot).file is not None:
+            return "a request came first"
+        st = await s.look(slot)
+        if st is None:
+            return "the engine's slots cannot be read (GET /slots): whether it uses them is not known"
+        if st.is_processing or st.n_tokens > 0:
+            return f"the engine's slot is in use ({st.n_tokens:,} tokens)"
+        if not await s.restore_behind(slot, key, self._check(slot, st), file_key=name[5:21]):
+            return "not restored (the log says why)"
+        return None
+
+    def _check(self, slot: int, before: SlotState) -> Callable[[], Awaitable[str | None]]:
+        async def check() -> str | None:
+            st = await self.sessions.look(slot)
+            if st is not None and (st.task_id != before.task_id or st.is_processing):
+                return "a request reached the slot while it was restored"
+            return None
+
+        return check

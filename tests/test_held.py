@@ -1,0 +1,75 @@
+"""held.json kept as the slots change (issue 33, held.Recorder): what each slot held last, for
+the restore after a restart and at a start, written whole (temporary, fsync, rename) so that a
+crash leaves the old record or the new one."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from autosessd import held
+from autosessd.slot import Phase, View
+
+A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
+
+
+def slot(i, phase, key=None, file=None, n=100):
+    return SimpleNamespace(id=i, view=View(phase, key=key, n_tokens=n, file=file), on_change=None)
+
+
+async def settled(r):
+    for _ in range(100):
+        await asyncio.sleep(r.FLUSH_S)
+        if not r._dirty and (r._writing is None or r._writing.done()):
+            return
+
+
+async def test_a_slot_holding_a_conversation_in_a_file_is_recorded_as_it_changes(tmp_path):
+    path = tmp_path / "state" / "held.json"
+    slots = {0: slot(0, Phase.EMPTY), 1: slot(1, Phase.EMPTY)}
+    r = held.Recorder(path, "m1", slots)
+    assert all(s.on_change == r.changed for s in slots.values())
+    slots[0].view = View(Phase.HELD, key=A, n_tokens=100, file=f"auto-{A}.bin")
+    r.changed(slots[0])
+    slots[1].view = View(Phase.RESTORED, key=B, n_tokens=50, file=f"auto-{B}.bin")
+    r.changed(slots[1])
+    await settled(r)
+    data = json.loads(path.read_text())
+    assert data["model"] == "m1" and {k: v["file"] for k, v in data["slots"].items()} == {
+        "0": f"auto-{A}.bin", "1": f"auto-{B}.bin"}
+    assert (path.stat().st_mode & 0o777) == 0o600 and not path.with_suffix(".tmp").exists()
+    # A request running, a lost state, an empty slot: what it held last stays.
+    for phase in (Phase.SWITCHED, Phase.UNKNOWN, Phase.EMPTY):
+        slots[0].view = View(phase, key=A if phase is Phase.SWITCHED else None)
+        r.changed(slots[0])
+    await settled(r)
+    assert json.loads(path.read_text())["slots"]["0"]["file"] == f"auto-{A}.bin"
+    # Another conversation in no file yet: the slot's entry goes (A is not its last any more).
+    slots[0].view = View(Phase.HELD, key=C, n_tokens=10)
+    r.changed(slots[0])
+    await settled(r)
+    assert set(json.loads(path.read_text())["slots"]) == {"1"}
+    # A new start reads it back, most recent first; another model's record is none.
+    again = held.Recorder(path, "m1", {})
+    assert [s for s, _ in again.last()] == [1] and again.keys() == {1: B}
+    assert held.Recorder(path, "m2", {}).entries == {}
+
+
+async def test_the_stop_record_keeps_what_slots_that_hold_nothing_now_held_last(tmp_path):
+    path = tmp_path / "held.json"
+    slots = {0: slot(0, Phase.HELD, A, f"auto-{A}.bin"), 1: slot(1, Phase.HELD, B, f"auto-{B}.bin")}
+    r = held.Recorder(path, "m", slots)
+    for s in slots.values():
+        r.changed(s)
+    await settled(r)
+    slots[1].view = View(Phase.UNKNOWN, why="the engine restarted")
+    r.record_stop(slots.values())
+    files, _ = r.files()
+    assert files == {0: f"auto-{A}.bin", 1: f"auto-{B}.bin"}
+
+
+def test_a_torn_or_foreign_record_is_as_good_as_none(tmp_path):
+    path = tmp_path / "held.json"
+    for data in (b"{not json", b"[1, 2]", json.dumps({"model": "m", "slots": {"x": {}}}).encode()):
+        path.write_bytes(data)
+        r = held.Recorder(path, "m", {})
+        assert r.last() == [] and r.keys() == {}
