@@ -149,7 +149,7 @@ class Commands:
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)
             if s.view.phase is Phase.RESTORED and s.view.file == auto_name(file_key):
-                return True  # another caller put it back a moment ago (an engine-log start and the start's own)
+                return False  # another caller put it back a moment ago (the start restore, an engine-log start)
             if not s.at_rest():
                 return False  # the log shows a request on it
             if not ctx.facts.usable:  # a probe save (facts.py) on a busy slot would wait for it: look first

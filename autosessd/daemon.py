@@ -199,6 +199,8 @@ class Daemon:
             empties_idle_slots=checked.clears_idle_slots, engine_healthy=True, n_ctx=checked.n_ctx,
             template=checked.template)
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
+        self.sessions.watch.at_start = await asyncio.get_running_loop().run_in_executor(
+            None, self.sessions.watch.identity)  # its log's start lines are not a restart (watch.py)
         # What the slots held at the last stop is restored first after a restart: warm it (warm.py).
         self.sessions.warmer.held_at_stop(self.sessions.last.files()[0].values())
         if self.shared is not None:

@@ -121,7 +121,7 @@ class Saver:
         final): `found` (the index's choice among final files), or a pending file of `model`
         sharing more with `tokens` (min_lcp at least; on a tie, `prefer`), by the same rules."""
         for p in list(self._finalizing.values()):
-            if p.meta is None or p.tokens is None or p.meta.model != model or p.meta.prefix and False:
+            if p.meta is None or p.tokens is None or p.meta.model != model:
                 continue
             n = common_prefix(p.tokens, tokens)
             if n < max(1, min_lcp) or not swa_usable(p.meta.n_tokens, n, window):

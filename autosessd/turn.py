@@ -454,11 +454,12 @@ class Turn:
         name, n = found
         msg = (f"no restore for {key}: {name} holds {n:,} of the request's {len(tokens) // 4:,} tokens, but the "
                f"model has a {ctx.swa_window:,}-token sliding window: llama-server's file keeps only the window's "
-               "last cells, so a prompt that ends before the file does (a retry, a regenerate) is read again")
+               "last cells, so a prompt that ends or departs before the file's end (a retry, a regenerate, an "
+               "edited last message) is read again")
         result.skipped.append(msg)
         ctx.counters.swa_retries += 1
         ctx.restore_log.swa_retry = {"at": round(time.time(), 3), "key": key, "file": name, "shared": n,
-                                           "n_prompt": len(tokens) // 4, "swa_window": ctx.swa_window}
+                                     "n_prompt": len(tokens) // 4, "swa_window": ctx.swa_window}
         log.info("auto sessions: %s", msg)
         return True
 

@@ -74,6 +74,10 @@ class EngineWatch:
         self._by_log: tuple[int, float] | None = None
         self._by_watch: tuple[int, float] | None = None
         self._log_at = 0.0  # when the log last reported a start (monotonic)
+        # The engine process autosessd found at its own start (the daemon sets it before the
+        # inputs start): its start lines in the log are not a restart of anything autosessd knew
+        # (issue 33: the pair restarted; the restore at start puts the slots back, once).
+        self.at_start: tuple[int, float] | None = None
 
     def identity(self) -> tuple[int, float] | None:
         cfg = self.ctx.cfg.engine
@@ -87,6 +91,10 @@ class EngineWatch:
         self._by_log = ident
         if ident is not None and ident == self._by_watch:
             log.debug("engine: the restart its log shows was already seen (pid %d)", ident[0])
+            return False
+        if ident is not None and ident == self.at_start:
+            log.debug("engine: its log shows the start of the process found at autosessd's own start (pid %d): "
+                      "not a restart", ident[0])
             return False
         self._identity = ident or self._identity
         await self.on_restart(why)

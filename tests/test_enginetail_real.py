@@ -112,9 +112,13 @@ def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, sess
         else:
             eng.restart()
         wait_until(lambda: ctl_status(d)["counters"]["restores"] == 1, 60, 0.1, "the restore after the restart")
+        wait_until(lambda: ctl_status(d)["counters"]["engine_log_starts"] >= 1, 15, 0.1, "the log's engine start read")
         st = ctl_status(d)
         assert st["counters"]["engine_log_starts"] >= 1 and st["counters"]["restores_not_trusted"] == 0
-        assert st["inputs"]["engine_log"]["restored_after_start"] == 1
+        # After the service restart autosessd's own restore at start (comeback.py) may come
+        # before the log's: one of them put it back, once.
+        assert st["inputs"]["engine_log"]["restored_after_start"] + (
+            st["inputs"].get("start_restore") or {"restored": 0})["restored"] == 1
         after = grow(conv, r1["choices"][0]["message"]["content"], "And in box 7?")
         r2 = eng.post("/v1/chat/completions", after)
         assert r2["timings"]["cache_n"] >= 0.9 * r2["usage"]["prompt_tokens"], r2["timings"]

@@ -189,7 +189,9 @@ def test_a_return_asks_the_engine_for_no_tokens_and_a_switch_after_a_pause_only_
     a = chat(("user", long_text(40, "box") + "\nWhich box holds the most marbles?"))
     b = chat(("user", long_text(40, "jar") + "\nWhich jar holds the most marbles?"))
     eng = engines(session_dir)
-    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 0.3").start()
+    # Every reply's pause saves (idle_save_switched_s = 0): the mechanism under test; the
+    # default's wait for a switch first is tested in test_idle.py.
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 0.3\nidle_save_switched_s = 0").start()
     counters = lambda: d.status()["counters"]  # noqa: E731
     try:
         a1 = post(d.gate_url, a)
