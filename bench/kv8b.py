@@ -50,29 +50,13 @@ def facts(n_tokens: int, topic: str) -> list[dict[str, str]]:
 
 
 def ask(port: int, messages: list[dict[str, str]], max_tokens: int = 8) -> dict[str, Any]:
-    """A streamed chat request: time to first token and to the end, the answer, the timings."""
-    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "seed": 1, "stream": True}
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    t0 = time.monotonic()
-    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"bench: request answered {r.status}: {r.read()[:300]!r}")
-    ttft, text, timings = None, "", {}
-    for line in r:
-        if not line.startswith(b"data: {"):
-            continue
-        d = json.loads(line[6:])
-        delta = ((d.get("choices") or [{}])[0].get("delta") or {}).get("content")
-        if delta:
-            ttft = ttft or time.monotonic() - t0
-            text += delta
-        timings = d.get("timings") or timings
-    c.close()
-    end = time.monotonic() - t0
-    return {"ttft_s": ttft or end, "end_s": end, "text": text, "cache_n": timings.get("cache_n", 0),
-            "prompt": timings.get("prompt_n", 0) + timings.get("cache_n", 0),
-            "prompt_ms": timings.get("prompt_ms"), "predicted_ms": timings.get("predicted_ms")}
+    """A streamed chat request (slots.ask): time to first token and to the end, the answer, the timings."""
+    from slots import ask as streamed
+
+    r = streamed(f"http://127.0.0.1:{port}", messages, max_tokens, timeout=1800)
+    t = r["timings"]
+    return {"ttft_s": r["ttft"], "end_s": r["s"], "text": r["text"], "cache_n": r["cache_n"], "prompt": r["prompt"],
+            "prompt_ms": t.get("prompt_ms"), "predicted_ms": t.get("predicted_ms")}
 
 
 def going_on(messages: list[dict[str, str]], r: dict[str, Any], i: int) -> list[dict[str, str]]:

@@ -80,11 +80,12 @@ CONFIGS: dict[str, tuple[int | str, str | int, list[str]]] = {
 
 
 # -- clients ---------------------------------------------------------------------------
-def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 24, timeout: float = 600,
+        **extra: Any) -> dict[str, Any]:
     """One streamed chat request read to its end: time to first content chunk, the engine's timings."""
     u = urlparse(url)
     body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "seed": 1, "stream": True, **extra}
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     t0 = time.monotonic()
     c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = c.getresponse()
@@ -105,7 +106,7 @@ def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 24, **extra:
     cache_n, prompt_n = timings.get("cache_n", 0), timings.get("prompt_n", 0)
     return {"ttft": ttft if ttft is not None else t1 - t0, "s": t1 - t0, "cache_n": cache_n,
             "prompt": cache_n + prompt_n, "reused": cache_n / max(1, cache_n + prompt_n),
-            "predicted_n": timings.get("predicted_n", 0), "text": text}
+            "predicted_n": timings.get("predicted_n", 0), "text": text, "timings": timings}
 
 
 def clients(jobs: list[list[Any]], work: Any) -> tuple[list[list[Any]], float]:

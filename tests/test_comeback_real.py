@@ -6,7 +6,6 @@ used to re-read all of it; a request of another conversation arriving during the
 restore is not held up past it, and no slot or file ends up with another's state."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import pytest
 
 from autosessd import slotfile
 from autosessd.keys import conversation_key
-from harness import Daemon, chat_body, going_on, long_text, wait_until
+from harness import Daemon, chat_body, going_on, hook_turn, long_text, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -29,16 +28,6 @@ def status(d):
                         "--socket", str(d.socket), "--json", "status"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
-
-
-def hook(d, body):
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.socket))
-    s.sendall(json.dumps({"v": 1, "cmd": "turn", "args": {"messages": body["messages"]}}).encode() + b"\n")
-    reply = json.loads(s.makefile().readline())
-    s.close()
-    assert reply["ok"], reply
-    return reply["result"]
 
 
 class Pair:
@@ -66,7 +55,7 @@ class Pair:
             self._log(event="start", id=rid, slot=0, key=conversation_key(body))
         elif self.input_ == "hook":
             # A serving layer pins the request to the slot the turn names (several slots).
-            body = {**body, "id_slot": hook(self.d, body)["slot"]}
+            body = {**body, "id_slot": hook_turn(self.d, body)["slot"]}
         r = self.eng.post("/v1/chat/completions", body)
         if self.input_ == "request-log":
             self._log(event="end", id=rid, slot=0, n_tokens=r["usage"]["total_tokens"],

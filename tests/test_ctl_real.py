@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autosessd.keys import conversation_key
-from harness import Daemon, answer, chat_body, going_on, long_text, wait_until
+from harness import Daemon, answer, chat_body, going_on, hook_turn, long_text, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -61,7 +61,7 @@ def test_autosessctl_against_the_real_engine(daemon, session_dir):
     seen: list[str] = []
     threading.Thread(target=lambda: seen.extend(follower.stdout), daemon=True).start()
     try:
-        _turn(d, A)  # the turn hook, as a serving layer uses it, then the request straight to the engine
+        hook_turn(d, A)  # the turn hook, as a serving layer uses it, then the request straight to the engine
         a1 = eng.post("/v1/chat/completions", A)
         r = ctl(d, "park")
         assert f"to auto-{KA}.bin" in r.stdout
@@ -74,7 +74,7 @@ def test_autosessctl_against_the_real_engine(daemon, session_dir):
     eng.post("/v1/chat/completions", B)  # the engine now holds B
     r = ctl(d, "restore", KA)
     assert "restored" in r.stdout
-    _turn(d, A)  # a serving layer asks before every request (the restored A is held: nothing to do)
+    hook_turn(d, A)  # a serving layer asks before every request (the restored A is held: nothing to do)
     a2 = eng.post("/v1/chat/completions", A)
     assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
     assert a2["choices"][0]["message"]["content"] == a1["choices"][0]["message"]["content"]
@@ -98,27 +98,15 @@ def test_autosessctl_against_the_real_engine(daemon, session_dir):
     assert r.returncode == 1 and "Traceback" not in r.stderr
 
 
-def _turn(d, body):
-    import socket as so
-
-    s = so.socket(so.AF_UNIX)
-    s.connect(str(d.socket))
-    s.sendall(json.dumps({"v": 1, "cmd": "turn", "args": {"messages": body["messages"]}}).encode() + b"\n")
-    reply = json.loads(s.makefile().readline())
-    s.close()
-    assert reply["ok"], reply
-    return reply["result"]
-
-
 def test_turn_hook_switch_away_and_back(daemon, session_dir, model):
     eng, d = daemon
-    _turn(d, A)
+    hook_turn(d, A)
     a1 = eng.post("/v1/chat/completions", A)
-    t = _turn(d, B)
+    t = hook_turn(d, B)
     assert t["saved"]["key"] == KA
     eng.post("/v1/chat/completions", B)
     a2_body = going_on(A, a1)  # A goes on from its answer, as a client's next request does
-    t = _turn(d, a2_body)
+    t = hook_turn(d, a2_body)
     assert t["saved"]["key"] == KB and t["restored"]["key"] == KA
     a2 = eng.post("/v1/chat/completions", a2_body)
     assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]
@@ -128,7 +116,7 @@ def test_turn_hook_switch_away_and_back(daemon, session_dir, model):
 
 def test_sigterm_with_a_request_in_flight_saves_nothing_partial(daemon, session_dir):
     eng, d = daemon
-    _turn(d, A)
+    hook_turn(d, A)
     long = chat_body(A["messages"][0]["content"], max_tokens=3000)
     def request():
         try:

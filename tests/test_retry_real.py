@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from autosessd.keys import conversation_key
-from harness import Daemon, chat_body, long_text, wait_until
+from harness import Daemon, chat_body, hook_turn, long_text, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -34,18 +34,6 @@ def ctl(d, *args):
 
 def status(d):
     return json.loads(ctl(d, "--json", "status"))
-
-
-def hook(d, body):
-    import socket
-
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.socket))
-    s.sendall(json.dumps({"v": 1, "cmd": "turn", "args": {"messages": body["messages"]}}).encode() + b"\n")
-    reply = json.loads(s.makefile().readline())
-    s.close()
-    assert reply["ok"], reply
-    return reply["result"]
 
 
 def reused(r):
@@ -86,11 +74,11 @@ def test_a_retry_after_a_switch_through_the_turn_hook(engines, session_dir, tmp_
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url, gate=False).start()
     try:
-        hook(d, A)
+        hook_turn(d, A)
         eng.post("/v1/chat/completions", A)
-        assert hook(d, B)["saved"]["key"] == KA
+        assert hook_turn(d, B)["saved"]["key"] == KA
         eng.post("/v1/chat/completions", B)
-        t = hook(d, A)  # the same request again
+        t = hook_turn(d, A)  # the same request again
         again = eng.post("/v1/chat/completions", A)
         if model.swa:
             assert not t["restored"] and any("sliding window" in m for m in t["skipped"])
