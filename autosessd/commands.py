@@ -114,6 +114,9 @@ class Commands:
                 return False
             await self.observer.observe(s)
             res = TurnResult(key=None)
+            # The stop waits for every finalize anyway: decide on the files as they landed (a
+            # finalize that failed leaves its conversation to this save, not to a Pending).
+            await self.saver.settled()
             step, outcome = await self.saver.save_if_worth(s, Occasion.STOP, result=res)
             held = s.view.conversation()
             if step is None:
@@ -211,6 +214,8 @@ class Commands:
         """Each ticket's slot observed, its conversation saved when worth it; the finalizes
         awaited (settle)."""
         saved = 0
+        if settle:  # the files as they landed (above)
+            await self.saver.settled()
         for t in tickets:
             s = self.placement.slot_of(t)
             if await self.observer.observe(s):

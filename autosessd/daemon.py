@@ -474,7 +474,7 @@ class Daemon:
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
             if self.sessions is not None:
-                self.sessions.last.record_stop(self.sessions.slots.values())
+                await self.sessions.last.record_stop(self.sessions.slots.values())
         await self._stop_child(left())
         if self.shared is not None:
             await self._stop_shared(left)

@@ -141,8 +141,7 @@ class EngineTail(Following):
                     self.last_files[int(k)] = (str(v[0]), float(v[1]))
         except (OSError, ValueError, TypeError, AttributeError):
             pass
-        files, at = self.sessions.last.files()
-        for slot, name in files.items():
+        for slot, (name, at) in self.sessions.last.files_at().items():
             if AUTO_BIN.match(name) and at > self.last_files.get(slot, ("", 0.0))[1]:
                 self.last_files[slot] = (name, at)
 

@@ -9,9 +9,11 @@ or one that cannot be read, is as good as none."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -35,14 +37,18 @@ def record(path: Path, model: str, slots: Iterable[Slot], kept: dict[int, dict[s
 def _write(path: Path, data: dict[str, Any]) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)  # 0600, its own
+        tmp = Path(name)
         try:
-            os.write(fd, json.dumps(data).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                os.write(fd, json.dumps(data).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -83,8 +89,16 @@ class Recorder:
             sl.on_change = self.changed if live else None
 
     # -- what the inputs ask ------------------------------------------------------------------
-    def record_stop(self, slots: Iterable[Slot]) -> None:
-        """At a stop: the slots as they are now, over what each held last."""
+    async def record_stop(self, slots: Iterable[Slot]) -> None:
+        """At a stop: the slots as they are now, over what each held last; after the write in
+        flight, if any, and instead of the one waiting (an older record never lands after it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._dirty = False
+        if self._writing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._writing)
         record(self.path, self.model, slots, self.entries if self.live else None)
 
     def keys(self) -> dict[int, str]:
@@ -95,6 +109,11 @@ class Recorder:
         """slot → the file holding what it held last, and when that was recorded."""
         return recorded_files(self.path, self.model)
 
+    def files_at(self) -> dict[int, tuple[str, float]]:
+        """slot → (the file holding what it held last, when that slot's entry was made)."""
+        files, mtime = self.files()
+        return {slot: (name, float(self.entries.get(slot, {}).get("at") or mtime)) for slot, name in files.items()}
+
     # -- keeping it ----------------------------------------------------------------------------
     def changed(self, s: Slot) -> None:
         v = s.view
@@ -102,8 +121,9 @@ class Recorder:
             return
         old = self.entries.get(s.id)
         if not v.file:
-            # Another conversation, in no file yet: what the slot held before is not its last.
-            if old is not None and old.get("key") != v.key:
+            # A conversation in no file of its own (a new one; one that went on from another's
+            # file or a prefix, which its view does not call its own): nothing to put back.
+            if old is not None:
                 del self.entries[s.id]
                 self._schedule()
             return
@@ -134,16 +154,6 @@ class Recorder:
     def _write_now(self) -> None:
         self._dirty = False
         _write(self.path, {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}})
-
-    async def close(self) -> None:
-        """What changed last, written before the stop's own record."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._writing is not None:
-            await asyncio.shield(self._writing)
-        if self._dirty:
-            self._write_now()
 
     def last(self) -> list[tuple[int, dict[str, Any]]]:
         """(slot, entry) of every slot's last conversation, the most recently used first."""

@@ -221,7 +221,7 @@ class IdleSaver:
         cfg = self.ctx.cfg
         return {"after_s": cfg.idle_save_s, "min_new_tokens": cfg.idle_save_min_new_tokens,
                 "mb_per_min": cfg.idle_save_mb_per_min, "switched_s": cfg.idle_save_switched_s,
-                "switching_slots": sorted(s.id for s in self.placement.slots.values() if self.switching(s)),
+                "switching_slots": sorted(s.id for s in list(self.placement.slots.values()) if self.switching(s)),
                 "pausing": len(self._pauses),
                 "on": cfg.auto_sessions and cfg.idle_save_s > 0 and not self.launch.active}
 

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .slot import Slot
+
+log = logging.getLogger("autosessd")
 
 
 PROMPT_KEPT = 1 << 18  # characters (or token ids) of a keyless prompt compared
@@ -197,7 +200,10 @@ class Placement:
         self._dispatch()
         if w.key is not None and not w.future.done():
             for hook in self.on_wait:
-                hook(w.key)
+                try:
+                    hook(w.key)
+                except Exception as e:  # a hook's bug must not leave the waiter in the FIFO for ever
+                    log.exception("auto sessions: while %s waits for a slot: %s", w.key, e)
         try:
             return await w.future
         except asyncio.CancelledError:

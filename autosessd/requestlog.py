@@ -121,5 +121,5 @@ def parse_line(line: bytes) -> LogEvent:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise BadLine(f"{name} must be a whole number ≥ 0")
     if n_prompt is not None and n is not None and n_prompt > n:
-        raise BadLine(f"n_prompt ({n_prompt}) is more than n_tokens ({n})")
+        n_prompt = None  # the engine cut the context (a shift, a truncation): not the state's prompt
     return LogEvent("end", str(rid), slot, n_tokens=n, status=status, cache_n=cache_n, n_prompt=n_prompt)

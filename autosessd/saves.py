@@ -172,7 +172,7 @@ class Saver:
 
     def writing(self) -> set[str]:
         """Files being finalized (the slot that saved them holds them live)."""
-        return {auto_name(k) for k in self._finalizing}
+        return {p.final for p in self._finalizing.values()}
 
     def in_flight(self, key: str) -> bool:
         """A save of temporary `key` is in flight, or its file is being finalized."""

@@ -426,14 +426,14 @@ class Turn:
         else:
             if claim is not None:
                 claim.release()
-            if step.reason == policy.NO_MATCH and not self._window_kept_out(key, tokens, shared, min_tokens, result):
+            if step.reason != policy.NO_MATCH:
+                skipped(ctx.counters, step, result)
+            elif not self._window_kept_out(key, tokens, shared, min_tokens, result):
                 msg = (f"no restore for {key}: no file of this model shares {shared + max(min_tokens, 1):,} "
                        f"tokens with the request's {len(tokens) // 4:,} (the slot shares {shared:,})")
                 result.skipped.append(msg)
                 ctx.counters.skipped_no_file += 1
                 log.debug("auto sessions: %s", msg)
-            else:
-                skipped(ctx.counters, step, result)
         if not from_messages and not (outcome is SaveOutcome.FAILED and held is not None and held.durable):
             with timed(result, "prefix"):
                 await self.prefix.split(s, key, body, tokens, shared, result)

@@ -14,8 +14,9 @@ it, in a worker thread; nothing waits for it), so that the restore finds it in m
     a start                the files the slots held at the last stop (held.json): the
                            conversations most recently used, restored first after a restart
 
-Bounds: a file is warmed only when it fits in half of the memory available now (psutil), so
-warming never pushes the engine's own memory out, and the same file (the same inode, size and
+Bounds: a file is warmed only when it fits, with the files asked for in the last REPEAT_S, in
+half of the memory available now (psutil), so warming never pushes the engine's own memory
+out, and the same file (the same inode, size and
 ctime) is not asked for again within REPEAT_S. Counted in status (warmed_files,
 warmed_bytes, warm_skipped_memory). Where the platform has no posix_fadvise (macOS), nothing
 is warmed and the restore reads from the disk as before.
@@ -85,10 +86,13 @@ class Warmer:
         last = self._asked.get(name)
         if last is not None and last[0] == ident and now - last[1] < REPEAT_S:
             return False
-        if ident.size > psutil.virtual_memory().available * MEMORY_SHARE:
+        # With the files asked for lately (still being read in, or just read): all of them must
+        # fit, not each alone (the start warms every slot's file at once).
+        recent = sum(i.size for n, (i, t) in self._asked.items() if n != name and now - t < REPEAT_S)
+        if ident.size + recent > psutil.virtual_memory().available * MEMORY_SHARE:
             self.ctx.counters.warm_skipped_memory += 1
-            log.debug("auto sessions: %s not warmed: %s bytes, more than %.0f%% of the memory available", name,
-                      f"{ident.size:,}", MEMORY_SHARE * 100)
+            log.debug("auto sessions: %s not warmed: %s bytes, with %s asked for lately more than %.0f%% of the "
+                      "memory available", name, f"{ident.size:,}", f"{recent:,}", MEMORY_SHARE * 100)
             return False
         self._asked[name] = (ident, now)
         for old in [n for n, (_, t) in self._asked.items() if now - t >= REPEAT_S]:

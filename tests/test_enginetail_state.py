@@ -276,7 +276,7 @@ async def test_the_file_the_stop_save_wrote_is_the_one_restored_after_the_next_s
     await s.observed_end(0, LINE, "ok", len(B))  # as the stop save's look would settle it
     await s.save_at_stop(0)
     await s.drain()
-    s.last.record_stop(s.slots.values())
+    await s.last.record_stop(s.slots.values())
     kb = branch_key(LINE, encode(B[:len(OPENER) + 1]))
     _, tail2, _ = make(tmp_path)
     assert tail2.last_files[0][0] == f"auto-{kb}.bin"

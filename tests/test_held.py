@@ -48,6 +48,15 @@ async def test_a_slot_holding_a_conversation_in_a_file_is_recorded_as_it_changes
     r.changed(slots[0])
     await settled(r)
     assert set(json.loads(path.read_text())["slots"]) == {"1"}
+    # A restore of another's file (or a prefix) that the conversation then goes on from: its
+    # view names no file of its own, and nothing is kept for it either.
+    slots[1].view = View(Phase.HELD, key=B, n_tokens=60)
+    r.changed(slots[1])
+    await settled(r)
+    assert json.loads(path.read_text())["slots"] == {}
+    slots[1].view = View(Phase.HELD, key=B, n_tokens=60, file=f"auto-{B}.bin")
+    r.changed(slots[1])
+    await settled(r)
     # A new start reads it back, most recent first; another model's record is none.
     again = held.Recorder(path, "m1", {})
     assert [s for s, _ in again.last()] == [1] and again.keys() == {1: B}
@@ -62,7 +71,7 @@ async def test_the_stop_record_keeps_what_slots_that_hold_nothing_now_held_last(
         r.changed(s)
     await settled(r)
     slots[1].view = View(Phase.UNKNOWN, why="the engine restarted")
-    r.record_stop(slots.values())
+    await r.record_stop(slots.values())
     files, _ = r.files()
     assert files == {0: f"auto-{A}.bin", 1: f"auto-{B}.bin"}
 
@@ -73,3 +82,17 @@ def test_a_torn_or_foreign_record_is_as_good_as_none(tmp_path):
         path.write_bytes(data)
         r = held.Recorder(path, "m", {})
         assert r.last() == [] and r.keys() == {}
+
+
+async def test_the_stop_record_lands_last(tmp_path):
+    """A change just before the stop (the stop save) is not written after the stop's record."""
+    path = tmp_path / "held.json"
+    slots = {0: slot(0, Phase.HELD, A, f"auto-{A}.bin")}
+    r = held.Recorder(path, "m", slots)
+    r.changed(slots[0])  # its write waits FLUSH_S
+    slots[0].view = View(Phase.SWITCHED, key=A)
+    await r.record_stop(slots.values())
+    stop = path.read_text()
+    await asyncio.sleep(r.FLUSH_S * 4)
+    assert path.read_text() == stop and json.loads(stop)["slots"]["0"]["key"] == A
+    assert [p.name for p in tmp_path.iterdir()] == ["held.json"]  # no temporary left

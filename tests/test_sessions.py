@@ -420,3 +420,49 @@ async def test_a_request_waiting_behind_another_warms_its_conversations_file(tmp
     assert len(advised) == len(range(0, st.st_size, 100)) and s.counters.warm_skipped_memory == 1
     t.release()
     (await waiting).release()
+
+
+async def test_a_bug_in_a_waiting_hook_never_leaves_a_request_stuck_in_the_fifo(tmp_path):
+    """Placement.on_wait hooks (warm.py) run as a request starts to wait: one that raises is
+    logged, and the request still gets the slot when it frees."""
+    s = make(tmp_path)
+
+    def broken(key):
+        raise RuntimeError("hook bug")
+
+    s.placement.on_wait.insert(0, broken)
+    t = await s.place(B)
+    waiting = asyncio.ensure_future(s.place(A))
+    await asyncio.sleep(0.01)
+    t.release()
+    (await asyncio.wait_for(waiting, 2)).release()
+
+
+async def test_the_stop_decides_on_the_files_as_they_landed_not_on_a_finalize_that_failed(tmp_path):
+    """A save while idle whose finalize then fails (EIO, a full disk at the fsync): the stop,
+    which waits for every finalize anyway, sees the file missing and saves again, instead of
+    taking the failed one's Pending for an up-to-date file."""
+    import threading
+
+    s = make(tmp_path, min_tokens=10)
+    await request(s, A, 50)
+    gate, real, calls = threading.Event(), s.store.finalize, []
+
+    def failing_once(key, meta):
+        calls.append(key)
+        if len(calls) > 1:
+            return real(key, meta)
+        gate.wait(10)
+        raise OSError(5, "Input/output error")
+
+    s.store.finalize = failing_once
+    [saved] = await s.idle.save_now()
+    assert saved["saved"] and s.saver.writing() == {f"auto-{A}.bin"}
+    saves = len(s.engine.saves)
+    stop = asyncio.ensure_future(s.save_at_stop(0, "stop"))
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert await asyncio.wait_for(stop, 10)
+    assert len(s.engine.saves) == saves + 1 and s.counters.save_failures == 1
+    await s.drain()
+    assert file_tokens(tmp_path, A) == conv(A, 50)
