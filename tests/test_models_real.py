@@ -113,6 +113,17 @@ def test_two_conversations_on_one_model_and_one_on_another_over_five_model_switc
         d.stop()
 
 
+def asleep_within(base, seconds):
+    """Waits until the engine's /props says it sleeps (asking neither wakes it nor moves its timer)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with urllib.request.urlopen(base + "/props", timeout=10) as r:
+            if json.load(r).get("is_sleeping"):
+                return
+        assert time.monotonic() < deadline, f"the engine did not sleep within {seconds} s"
+        time.sleep(0.25)
+
+
 def test_a_sleeping_engine_wakes_to_its_conversation(engines, session_dir, tmp_path):
     """--sleep-idle-seconds 5 on one slot: no switch saves the conversation; the sleep would
     drop it. autosessd reads the timer from the engine's command line."""
@@ -121,7 +132,9 @@ def test_a_sleeping_engine_wakes_to_its_conversation(engines, session_dir, tmp_p
     try:
         c = Chat(None, long_text(60) + "\nWhich box is green?")
         c.send(d.gate_url)
-        time.sleep(8)
+        # autosessd's save is a task to the engine and starts its timer again: the engine
+        # sleeps 5 s after the save, not after the request (server-queue.cpp).
+        asleep_within(eng.url, 30)
         r, _ = c.send(d.gate_url)
         assert Chat.reused(r) >= 0.9, r["timings"]
         counters = d.status()["counters"]
@@ -132,6 +145,6 @@ def test_a_sleeping_engine_wakes_to_its_conversation(engines, session_dir, tmp_p
     # The engine alone: the same sleep, and the conversation is read again.
     c2 = Chat(None, long_text(60, "jar") + "\nWhich jar is green?")
     c2.send(eng.url)
-    time.sleep(8)
+    asleep_within(eng.url, 30)
     r, _ = c2.send(eng.url)
     assert r["timings"]["cache_n"] == 0
