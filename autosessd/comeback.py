@@ -18,8 +18,10 @@ path as the tails' restore after an engine restart (Sessions.restore_behind):
                        one this engine can load (restore_behind's rules: this model, min tokens)
     said               every slot's outcome in the log and in status (inputs.start_restore)
 
-`restore_at_start = false` turns it off. Behind a router nothing is restored at start (which
-model a slot's conversation was of is not recorded per model yet).
+`restore_at_start = false` turns it off. Behind a router (the turn hook its only input then)
+each model keeps its own record (held.file_name), and the models loaded at the start are put
+back one after another; a model the router loads later is loaded for a request, which runs at
+once: there is no idle engine to restore into before it.
 """
 
 from __future__ import annotations
@@ -40,22 +42,24 @@ log = logging.getLogger("autosessd")
 class StartRestore:
     name = "start_restore"
 
-    def __init__(self, sessions: Sessions):
-        self.sessions = sessions
+    def __init__(self, held: list[tuple[str | None, Sessions]]):
+        """held: (model, its Sessions) for each model to put back; model None: a plain engine."""
+        self.held = held
         self.outcomes: list[dict[str, Any]] = []
         self.done = False
 
     def describe(self) -> dict[str, Any]:
         return {"done": self.done, "restored": sum(o["restored"] for o in self.outcomes), "slots": list(self.outcomes)}
 
-    def plan(self) -> list[tuple[int, str, str]]:
+    @staticmethod
+    def plan(sessions: Sessions) -> list[tuple[int, str, str]]:
         """(slot, key, file) from what each slot held last, the most recently used first, each
         file once, slots the engine has."""
         out, seen = [], set()
-        for slot, entry in self.sessions.last.last():
+        for slot, entry in sessions.last.last():
             name = entry.get("file")
             key = entry.get("key")
-            if slot in self.sessions.slots and isinstance(name, str) and AUTO_BIN.match(name) and \
+            if slot in sessions.slots and isinstance(name, str) and AUTO_BIN.match(name) and \
                     isinstance(key, str) and name not in seen:
                 seen.add(name)
                 out.append((slot, key, name))
@@ -63,26 +67,31 @@ class StartRestore:
 
     async def run(self) -> None:
         try:
-            plan = self.plan()
-            if plan:
-                log.info("auto sessions: at start: %d slot(s) had a conversation before; putting them back while the "
-                         "engine is idle", len(plan))
-            for slot, key, name in plan:
-                t0 = time.monotonic()
-                why = await self._one(slot, key, name)
-                self.outcomes.append({"slot": slot, "file": name, "restored": why is None,
-                                      "why": why, "ms": round((time.monotonic() - t0) * 1000, 1)})
-                if why is None:
-                    log.info("auto sessions: at start: slot %d has %s back (its last conversation)", slot, name)
-                else:
-                    log.info("auto sessions: at start: slot %d: %s not restored: %s", slot, name, why)
+            for model, sessions in self.held:
+                await self._model(model, sessions)
         except Exception as e:  # a bug must not stop the daemon's other work
             log.exception("auto sessions: restore at start: %s", e)
         finally:
             self.done = True
 
-    async def _one(self, slot: int, key: str, name: str) -> str | None:
-        s = self.sessions
+    async def _model(self, model: str | None, sessions: Sessions) -> None:
+        of = f"model {model}: " if model is not None else ""
+        plan = self.plan(sessions)
+        if plan:
+            log.info("auto sessions: at start: %s%d slot(s) had a conversation before; putting them back while the "
+                     "engine is idle", of, len(plan))
+        for slot, key, name in plan:
+            t0 = time.monotonic()
+            why = await self._one(sessions, slot, key, name)
+            outcome = {"slot": slot, "file": name, "restored": why is None, "why": why,
+                       "ms": round((time.monotonic() - t0) * 1000, 1)}
+            self.outcomes.append(outcome if model is None else {"model": model, **outcome})
+            if why is None:
+                log.info("auto sessions: at start: %sslot %d has %s back (its last conversation)", of, slot, name)
+            else:
+                log.info("auto sessions: at start: %sslot %d: %s not restored: %s", of, slot, name, why)
+
+    async def _one(self, s: Sessions, slot: int, key: str, name: str) -> str | None:
         if not s.slot(slot).at_rest() or s.view(slot).file is not None:
             return "a request came first"
         st = await s.look(slot)
@@ -90,13 +99,14 @@ class StartRestore:
             return "the engine's slots cannot be read (GET /slots): whether it uses them is not known"
         if st.is_processing or st.n_tokens > 0:
             return f"the engine's slot is in use ({st.n_tokens:,} tokens)"
-        if not await s.restore_behind(slot, key, self._check(slot, st), file_key=name[5:21]):
+        if not await s.restore_behind(slot, key, self._check(s, slot, st), file_key=name[5:21]):
             return "not restored (the log says why)"
         return None
 
-    def _check(self, slot: int, before: SlotState) -> Callable[[], Awaitable[str | None]]:
+    @staticmethod
+    def _check(s: Sessions, slot: int, before: SlotState) -> Callable[[], Awaitable[str | None]]:
         async def check() -> str | None:
-            st = await self.sessions.look(slot)
+            st = await s.look(slot)
             if st is not None and (st.task_id != before.task_id or st.is_processing):
                 return "a request reached the slot while it was restored"
             return None

@@ -182,10 +182,14 @@ class Daemon:
             raise
         self._watcher = asyncio.get_running_loop().create_task(self.house.watch_engine())
         self.house.inputs.update({inp.name: inp.describe for inp in self.inputs})
-        if self.sessions is not None and self.cfg.restore_at_start and self.cfg.auto_sessions and \
-                not any(inp.name == "gate" for inp in self.inputs):
-            # No input restores before a request: each slot's last conversation, back now.
-            back = StartRestore(self.sessions)
+        if self.cfg.restore_at_start and self.cfg.auto_sessions and not any(inp.name == "gate" for inp in self.inputs):
+            # No input restores before a request: each slot's last conversation, back now
+            # (behind a router: of each model loaded now).
+            if self.router is not None:
+                held = [(m.id, m.sessions) for m in self.router.loaded() if m.sessions is not None]
+            else:
+                held = [(None, self.sessions)] if self.sessions is not None else []
+            back = StartRestore(held)
             self.house.inputs[back.name] = back.describe
             self._comeback = asyncio.get_running_loop().create_task(back.run())
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
@@ -473,8 +477,8 @@ class Daemon:
                           self.cfg.stop_timeout_s, f" (less {reserve:g} s for the engine's exit)" if reserve else "")
             except Exception as e:
                 log.error("auto sessions: stop save: %s", e)
-            if self.sessions is not None:
-                await self.sessions.last.record_stop(self.sessions.slots.values())
+            for s in filter(None, every):
+                await s.last.record_stop(s.slots.values())
         await self._stop_child(left())
         if self.shared is not None:
             await self._stop_shared(left)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -22,6 +23,12 @@ from .files import read_small
 from .slot import Phase, Slot
 
 log = logging.getLogger("autosessd")
+
+
+def file_name(model: str | None = None) -> str:
+    """held.json; behind a router, held-<digest of the model>.json: one per model, so that a
+    model's record never overwrites another's."""
+    return "held.json" if model is None else f"held-{hashlib.sha256(model.encode()).hexdigest()[:16]}.json"
 
 
 def record(path: Path, model: str, slots: Iterable[Slot], kept: dict[int, dict[str, Any]] | None = None) -> None:
@@ -70,8 +77,7 @@ class Recorder:
     FLUSH_S = 0.05
 
     def __init__(self, path: Path, model: str, slots: dict[int, Slot] | None = None, live: bool = True):
-        """slots: told to call changed() (live); live=False: written at stops only (behind a
-        router every model's Sessions would write the one file)."""
+        """slots: told to call changed() (live); live=False: written at stops only."""
         self.path = path
         self.model = model
         self.entries: dict[int, dict[str, Any]] = {}

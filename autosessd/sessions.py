@@ -159,8 +159,9 @@ class Sessions:
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
-        # What each slot held last (held.json), kept as it changes; behind a router, at stops only.
-        self.last = held.Recorder(cfg.effective_state_dir() / "held.json", model, self.placement.slots, house is None)
+        # What each slot held last (held.json; behind a router, one file per model), kept as it changes.
+        self.last = held.Recorder(cfg.effective_state_dir() / held.file_name(model if house is not None else None),
+                                  model, self.placement.slots)
         ctx.facts.n_slots, ctx.facts.check_template = n_slots, self.check_template  # facts.py
         self.listing = report.Listing()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()

@@ -274,14 +274,16 @@ class Daemon:
         return log_text(self.log)
 
 
-def hook_turn(d: "Daemon", body: dict) -> dict:
-    """The turn hook as a serving layer calls it: `turn` with the request's messages on the
-    daemon's control socket; returns the turn's result (its `slot` is where to pin the request)."""
+def hook_turn(d: "Daemon", body: dict, model: str | None = None) -> dict:
+    """The turn hook as a serving layer calls it: `turn` with the request's messages (behind a
+    router, and its model) on the daemon's control socket; returns the turn's result (its
+    `slot` is where to pin the request)."""
     import socket as so
 
     s = so.socket(so.AF_UNIX)
     s.connect(str(d.socket))
-    s.sendall(json.dumps({"v": 1, "cmd": "turn", "args": {"messages": body["messages"]}}).encode() + b"\n")
+    args = {"messages": body["messages"], **({"model": model} if model else {})}
+    s.sendall(json.dumps({"v": 1, "cmd": "turn", "args": args}).encode() + b"\n")
     reply = json.loads(s.makefile().readline())
     s.close()
     assert reply["ok"], reply

@@ -155,3 +155,36 @@ def test_a_request_of_another_conversation_during_the_start_restore_wins_and_not
         assert r2["timings"]["cache_n"] in range(0, 20) or r2["timings"]["cache_n"] >= 0.9 * r2["usage"]["prompt_tokens"]
     finally:
         p.d.stop()
+
+
+def test_behind_a_router_each_loaded_models_last_conversation_is_back(engines, session_dir, tmp_path):
+    """A router (two aliases of the test model, --models-max 1) and the turn hook alone: each
+    model keeps its own record of what its slots held, so ga's conversation is back after a
+    reboot of the pair even though gb ran after it, for the model loaded before autosessd
+    starts; gb, not loaded, is left for its own load."""
+    eng = engines(session_dir, ctx=8192, slots=1, router=(tmp_path / "models", ["ga", "gb"], 1))
+    d = Daemon(tmp_path, session_dir, eng.url, gate=False).start()
+
+    def serve(model, body):
+        slot = hook_turn(d, body, model)["slot"]
+        return eng.post("/v1/chat/completions", {**body, "model": model, "id_slot": slot})
+
+    try:
+        r1 = serve("ga", C)
+        serve("gb", D)  # autosessd saves ga's conversation, then has the router put ga away
+        assert d.stop() == 0
+        eng.stop()
+        eng.start()
+        eng.post("/models/load", {"model": "ga"})
+        wait_until(lambda: any(m["id"] == "ga" and m["status"]["value"] == "loaded"
+                               for m in eng.get("/models")["data"]), 120, 0.2, "ga loaded")
+        d = Daemon(tmp_path, session_dir, eng.url, gate=False).start()
+        wait_until(lambda: status(d)["inputs"]["start_restore"]["done"], 60, 0.1, "the restore at start")
+        back = status(d)["inputs"]["start_restore"]
+        assert back["restored"] == 1 and [o["model"] for o in back["slots"]] == ["ga"], back
+        assert "model ga: slot 0 has auto-" in d.logtext()
+        r2 = eng.post("/v1/chat/completions", {**going_on(C, r1), "model": "ga"})
+        assert r2["timings"]["cache_n"] >= 0.9 * r2["usage"]["prompt_tokens"], r2["timings"]
+    finally:
+        d.stop()
+

@@ -96,3 +96,17 @@ async def test_the_stop_record_lands_last(tmp_path):
     await asyncio.sleep(r.FLUSH_S * 4)
     assert path.read_text() == stop and json.loads(stop)["slots"]["0"]["key"] == A
     assert [p.name for p in tmp_path.iterdir()] == ["held.json"]  # no temporary left
+
+
+async def test_behind_a_router_each_model_keeps_its_own_record(tmp_path):
+    """Two models' Sessions in one state directory: one file each, neither overwrites the other."""
+    names = {held.file_name("model-a"), held.file_name("model-b")}
+    assert len(names) == 2 and "held.json" not in names and held.file_name() == "held.json"
+    recorders = {}
+    for model, key in (("model-a", A), ("model-b", B)):
+        slots = {0: slot(0, Phase.HELD, key, f"auto-{key}.bin")}
+        recorders[model] = r = held.Recorder(tmp_path / held.file_name(model), model, slots)
+        r.changed(slots[0])
+        await settled(r)
+    for model, key in (("model-a", A), ("model-b", B)):
+        assert held.Recorder(tmp_path / held.file_name(model), model, {}).keys() == {0: key}
