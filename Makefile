@@ -32,7 +32,10 @@ prometheus-packages:
 	@scripts/prometheus-tools install || echo "make: the promtool/Prometheus tests will be skipped (why: above)"
 
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
+# First the layers (pyproject.toml's import-linter contracts) and the import graph's circles.
 test: $(BIN)/.installed engine s3-packages prometheus-packages
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/import_cycles.py
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some. Scenario 1

@@ -22,7 +22,7 @@ from .report import fmt_bytes
 from .engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
 from .slotfile import KVLayout
 from .store import TEMP_PREFIX, Store
-from .watch import engine_command
+from .engines.process import engine_command
 
 log = logging.getLogger("autosessd")
 

@@ -6,11 +6,10 @@ constructor and keeps no copy of anything in it (a reload replaces `cfg`, a save
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from .config import Config
 from .engines.base import ChatEngine, Engine
-from .facts import EngineFacts
 from .phases import TurnTimes
 from .report import Counters, Events, Histograms, RestoreLog
 from .savings import Savings
@@ -19,9 +18,45 @@ from .store import Store
 MAX_TOKENS = 1 << 24
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .index import TokenIndex
-    from .remote import Remote
+    from .names import Meta
     from .slotfile import KVLayout
+
+
+class Bucket(Protocol):
+    """The shared bucket ([shared]; remote.Remote) as the rooms below it use it."""
+
+    def saw_prefill(self, n_tokens: int | None, ms: float | None) -> None: ...
+
+    def engine_changed(self, model: str, max_tokens: int | None) -> None: ...
+
+    def upload_later(self, path: Path, meta: Meta) -> None: ...
+
+
+class Facts(Protocol):
+    """Whether the facts above are the engine's since its last restart: facts.EngineFacts,
+    which reads them again (and is set by whoever builds the Context: it reads and writes the
+    Context itself)."""
+
+    n_slots: int | None
+    check_template: Callable[[], Awaitable[object]] | None
+    generation: int
+    off: str | None
+
+    @property
+    def usable(self) -> bool: ...
+
+    async def ready(self, slot_id: int, probe: bool = True, patient: bool = False) -> bool: ...
+
+    async def fresh(self, slot_id: int, probe: bool = True, patient: bool = False) -> bool: ...
+
+    def restarted(self, why: str) -> None: ...
+
+    def saved_here(self, generation: int) -> None: ...
+
+    def saves_elsewhere(self, why: str, generation: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -39,7 +74,7 @@ class Context:
     # and every restore follows the key rule. swa_window: the model's sliding window.
     index: TokenIndex | None = None
     swa_window: int | None = None
-    remote: Remote | None = None  # the shared bucket ([shared]), when configured
+    remote: Bucket | None = None  # the shared bucket ([shared]), when configured
     n_ctx: int | None = None  # tokens one slot can hold: a file of more is never handed to the engine
     # The engine's chat template identity (EngineInfo.template): the seed of every keys.chain,
     # so a file's messages stand for its tokens only under the template that made them.
@@ -49,16 +84,13 @@ class Context:
     # (llama.cpp #27068). {"at", "file", "error"}; cleared when the engine restarts.
     suspect: dict | None = None
     # Whether the facts above are the engine's since its last restart (facts.py).
-    facts: EngineFacts = field(init=False)
+    facts: Facts = field(init=False)
     counters: Counters = field(default_factory=Counters)
     events: Events = field(default_factory=Events)
     restore_log: RestoreLog = field(default_factory=RestoreLog)
     histograms: Histograms = field(default_factory=Histograms)
     turn_times: TurnTimes = field(default_factory=TurnTimes)  # where turns' time went (report.PHASES)
     savings: Savings = field(default_factory=Savings)  # the engine's rates; what was spared
-
-    def __post_init__(self) -> None:
-        self.facts = EngineFacts(self)
 
     @property
     def chat(self) -> ChatEngine | None:

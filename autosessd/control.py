@@ -28,7 +28,7 @@ import struct
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from . import protocol
+from . import doctor, protocol
 from .config import Config
 from .keys import is_key, messages_key
 from .protocol import Code, ProtocolError
@@ -231,7 +231,7 @@ class ControlServer:
         return await asyncio.get_running_loop().run_in_executor(None, self.sessions.status)
 
     async def cmd_doctor(self, args: dict[str, Any]) -> Any:
-        return await self.sessions.doctor()
+        return await doctor.run(self.sessions)
 
     async def cmd_ls(self, args: dict[str, Any]) -> Any:
         if self.router is not None:

@@ -52,8 +52,8 @@ from .sessions import Sessions
 from . import sleep
 from .models import UP, Model, Router
 from .sleep import SleepWatch
-from .watch import engine_command
-from .upkeep import Upkeep
+from . import facts
+from .engines.process import engine_command
 from .control import SocketInUse
 from .store import Store
 from .upstream import Upstream
@@ -269,7 +269,7 @@ class Daemon:
         s = Sessions(self.cfg, adapter, self.store, info.model, info.model_name, slots_visible=visible,
                      n_slots=info.total_slots, layout=layout, empties_idle_slots=clears, engine_healthy=True,
                      n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep, template=info.template)
-        s.ctx.swa_window = await Upkeep.swa_window(s.ctx)
+        s.ctx.swa_window = await facts.swa_window(s.ctx)
         await s.check_template()
         if self._stop.is_set():
             s.idle.close()  # loaded during the stop's grace: no save while idle after the stop save

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import gguf, slotfile
-from .watch import engine_command
+from .engines.process import engine_command
 from .engines.base import EngineError
 from .index import common_prefix, encode
 

@@ -35,19 +35,46 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
+from . import gguf
 from .checks import SavesElsewhere, StartupError, probe_save
+from .context import Context
 from .engines.base import EngineError, EngineInfo, EngineRefused, SlotSavingOff
-
-if TYPE_CHECKING:
-    from .context import Context
+from .report import fmt_tokens
 
 log = logging.getLogger("autosessd")
 
 RETRY_S = 1.0  # an engine that does not answer yet (loading its model) is asked again after this
 REFUSED_S = 30.0  # one that refused the probe (a full disk, a 5xx) or cut it short: again after this
 LOCK_WAIT_S = 1.0  # a turn waits this long at most for another slot's read of the facts
+
+
+def facts_of(ctx: Context) -> Context:
+    """ctx with its EngineFacts (the one place a Context gets them)."""
+    ctx.facts = EngineFacts(ctx)
+    return ctx
+
+
+async def swa_window(ctx: Context) -> int | None:
+    """engine.swa_window when set (0: none), else the model file's sliding window."""
+    if ctx.cfg.engine.swa_window is not None:
+        return ctx.cfg.engine.swa_window or None
+    if ctx.engine.kind != "llama-server":
+        return None
+    try:
+        path = (await ctx.engine.info()).model_path
+        if not path:
+            raise ValueError("the engine does not say where its model file is (/props model_path)")
+        n = await asyncio.get_running_loop().run_in_executor(None, gguf.sliding_window, path)
+    except (EngineError, OSError, ValueError) as e:
+        log.info("auto sessions: the model's sliding window is not known (%s); set engine.swa_window if it has "
+                 "one (Gemma 2/3, ...), or restores of long files may not be reused", e)
+        return None
+    if n:
+        log.info("auto sessions: the model has a sliding window of %s tokens: a file is restored only when it "
+                 "holds fewer than that past what it shares with the request", fmt_tokens(n))
+    return n or None
 
 
 class ProbeRefused(Exception):
@@ -181,9 +208,7 @@ class EngineFacts:
                     said)
         ctx.events.emit("engine_changed", engine=ctx.engine.address, **{k: [a, b] for k, (a, b) in changed.items()})
         if "model" in changed:
-            from .upkeep import Upkeep
-
-            ctx.swa_window = await Upkeep.swa_window(ctx)
+            ctx.swa_window = await swa_window(ctx)
         if self.check_template is not None and ("model" in changed or "template" in changed):
             await self.check_template()
         return None

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .config import Config, parse_hostport
-from . import report
+from . import views
 from .guard import Guard
 from .keepalive import Keepalive
 from .keys import conversation_id_key, conversation_key
@@ -499,8 +499,8 @@ class Gate:
 
     # -- metrics ---------------------------------------------------------------
     def metrics(self) -> str:
-        """Every counter of Sessions (report.py), and the gate's own."""
-        return report.metrics(self.house, [
+        """Every counter of Sessions (report.py, through views.py), and the gate's own."""
+        return views.metrics(self.house, [
             ("gate_requests_total", "counter", "Requests through the gate", self.requests),
             ("gate_upstream_errors_total", "counter", "Requests answered 502: engine unreachable",
              self.pool.errors_502),

@@ -62,19 +62,17 @@ import json
 import logging
 import os
 import struct
-import sys
 import threading
 import time
 import zlib
-from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from .files import read_small, regular_ident
 from .names import Mark, marks_from
-from .slotfile import TOKEN_NULL, BadSlotFile, read_header
-from .store import AUTO_BIN
+from .names import AUTO_BIN
+from .slotfile import BadSlotFile, comparable, encode, read_header  # noqa: F401 (slotfile's; imported from here too)
 
 log = logging.getLogger("autosessd")
 
@@ -85,23 +83,6 @@ CACHE_VERSION = 2  # 2: each entry carries its file's marks (issue 23)
 CACHE_MAX = 1 << 30  # the cache holds every file's comparable tokens: 1 GiB is ~250 M tokens
 
 Ident = tuple[int, int, int]  # (inode, mtime_ns, size)
-
-
-def encode(tokens: Sequence[int]) -> bytes:
-    """A token list as the header stores it: little-endian int32. ValueError naming what was wrong."""
-    if isinstance(tokens, (bytes, bytearray, str)):
-        raise ValueError(f"tokens must be a list of integers, got {type(tokens).__name__}")
-    try:
-        a = array("i", tokens)
-    except (TypeError, OverflowError) as e:
-        bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
-                    or not -2**31 <= t < 2**31), None)
-        raise ValueError(f"tokens must be 32-bit integers, got {bad!r}: {e}") from None
-    if a.itemsize != 4:  # pragma: no cover - every platform CPython runs on has a 4-byte int
-        a = array("l", tokens)
-    if sys.byteorder == "big":  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
 
 
 def decode(data: bytes) -> list[int]:
@@ -128,13 +109,6 @@ def common_prefix(a: bytes, b: bytes) -> int:
         else:
             hi = mid
     return lo
-
-
-def comparable(tokens: Sequence[int]) -> Sequence[int]:
-    """The part of a file's token list a text prompt can share: up to the first media
-    placeholder (the engine marks an image's positions with -1 and compares media by
-    their own ids, which a header does not tell us)."""
-    return tokens[:tokens.index(TOKEN_NULL)] if TOKEN_NULL in tokens else tokens
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import report
+from . import views
 from .context import Context
+from .facts import facts_of
 from .engines.base import EngineError
 from .observe import SLEPT, UNLOADED
 from .report import Counters, Events
@@ -94,7 +95,7 @@ class Router:
         self.max_loaded = max_loaded
         self._make_sessions = make_sessions
         # The house: what every model's Sessions shares.
-        self.house = Context(cfg, engine, store, "router", "router")
+        self.house = facts_of(Context(cfg, engine, store, "router", "router"))
         self.house.counters, self.house.events = Counters(), Events()
         self.house.savings = Savings("", cfg.effective_state_dir() / "savings.json")
         self.upkeep = Upkeep(self.house)
@@ -284,10 +285,10 @@ class Router:
 
     def status(self) -> dict[str, Any]:
         """Blocking (scans the directory): as Sessions.status, with the models."""
-        st = report.status(self)  # type: ignore[arg-type]
+        st = views.status(self)  # type: ignore[arg-type]
         st["engine"]["slots"] = sum(len(s.slots) for s in self.all_sessions())
         st["slots"] = [{**sl, "model": m.id} for m in sorted(self.loaded(), key=lambda x: x.id)
-                       if m.sessions is not None for sl in report.slot_entries(m.sessions)]
+                       if m.sessions is not None for sl in views.slot_entries(m.sessions)]
         nots = [s.restore_log.not_reused for s in self.all_sessions() if s.restore_log.not_reused]
         st["last_not_reused"] = max(nots, key=lambda n: n["at"]) if nots else None
         st["router"] = {"max_loaded": self.max_loaded, "models": self.describe_models()}

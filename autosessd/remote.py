@@ -329,6 +329,12 @@ class Claim:
         self.store.release(self.name)
 
 
+def bucket(ctx: Context) -> Remote:
+    """ctx.remote, which is a Remote wherever a bucket is configured (the daemon sets it)."""
+    assert isinstance(ctx.remote, Remote), "no shared bucket"
+    return ctx.remote
+
+
 class Fetcher:
     """The bucket as the turn sees it: a download before a restore (the module docstring)."""
 
@@ -344,8 +350,8 @@ class Fetcher:
         its download beats re-reading: downloaded and indexed. → (what to restore, the claim
         on it), or (found, None): the local choice stands."""
         ctx = self.ctx
-        remote, index = ctx.remote, ctx.index
-        assert remote is not None and index is not None
+        remote, index = bucket(ctx), ctx.index
+        assert index is not None
         min_tokens = ctx.min_tokens
         have = max(shared, found[1] if found is not None else 0)
         writing = self.saver.writing()
@@ -371,8 +377,7 @@ class Fetcher:
         local one is missing, unusable, or older and shorter (policy.plan_fetch_by_key) and
         the download beats re-reading. → the claim on the file, or None."""
         ctx = self.ctx
-        assert ctx.remote is not None
-        save = ctx.remote.newest(auto_name(key))
+        save = bucket(ctx).newest(auto_name(key))
         meta = ctx.store.read_meta(key) if file is not None else None
         fetch = policy.plan_fetch_by_key(held, key, outcome, file, meta.saved_at if meta else None,
                                          save.n_tokens if save else None, save.saved_at if save else None,
@@ -385,8 +390,7 @@ class Fetcher:
         """Does the bucket hold a save sharing at least n tokens with `tokens` (encoded) that the
         local index has not weighed already (a save newer than the local file of its name)?
         recall.py asks before it restores a file without the request's tokens."""
-        remote = self.ctx.remote
-        assert remote is not None
+        remote = bucket(self.ctx)
         writing = self.saver.writing()
         return remote.best(tokens, n, None, skip=lambda r: r.name in writing or remote.shared.is_bad(r.key)
                            or self._have_locally(r)) is not None
@@ -410,8 +414,7 @@ class Fetcher:
         read it: no prune removes it, no other download replaces it), or None: the turn goes
         on without it, as if there were no bucket."""
         ctx = self.ctx
-        remote = ctx.remote
-        assert remote is not None
+        remote = bucket(ctx)
         est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate(),
                                    unreachable=remote.unreachable())
         if not est.worth:

@@ -10,7 +10,7 @@ input's call protocol, and the lock order.
     turn.py       the turn: save held → restore best → prefix (prefix.py), never raises
     remote.py     the shared bucket as the turn sees it (Fetcher) and its catalog
     commands.py   autosessctl's park/restore/forget; the stop save; the tail's save/restore behind
-    upkeep.py     the token index's life, prune;  report.py  counters, events, status, ls, metrics
+    upkeep.py     the token index's life, prune;  report.py  counters, events; views.py status, ls, metrics
     watch.py      engine restarts;  facts.py  what the engine runs since (model, template, ...)
     held.py       what was held at the stop;  context.py  shared facts
 
@@ -91,12 +91,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
-from . import held, observe, report
+from . import held, observe, views
 from .commands import Commands
 from .config import Config
 from .context import Context
+from .facts import facts_of
 from .engines.base import Engine, EngineError, SlotState
 from .idle import IdleSaver
 from .launch import Launch
@@ -108,7 +109,6 @@ from .remote import Fetcher
 from .report import Counters, Events, TurnResult
 from .restores import Restorer
 from .saves import Saver
-from .sleep import SleepWatch
 from .savings import Savings
 from .slot import Slot, View
 from .store import Store
@@ -124,6 +124,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("autosessd")
 
 
+class Sleep(Protocol):
+    """The engine's sleep, as the facade drives it (sleep.SleepWatch, which drives the facade)."""
+
+    async def before_turn(self, s: Slot) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 class Sessions:
     def __init__(self, cfg: Config, engine: Engine, store: Store, model: str, model_name: str = "",
                  slots_visible: bool = True, n_slots: int = 1, layout: KVLayout | None = None,
@@ -135,8 +145,8 @@ class Sessions:
         of its slots holds; template, its chat template's identity. house, upkeep: one model's
         Sessions behind a router (models.py) shares the house's counters, events and token
         index, and its one prune."""
-        self.ctx = ctx = Context(cfg, engine, store, model, model_name, slots_visible, layout, n_ctx=n_ctx,
-                                 template=template)
+        self.ctx = ctx = facts_of(Context(cfg, engine, store, model, model_name, slots_visible, layout,
+                                          n_ctx=n_ctx, template=template))
         if house is not None:
             ctx.counters, ctx.events, ctx.index = house.counters, house.events, house.index
         self.started_at = time.time()
@@ -163,9 +173,9 @@ class Sessions:
         self.last = held.Recorder(cfg.effective_state_dir() / held.file_name(model if house is not None else None),
                                   model, self.placement.slots)
         ctx.facts.n_slots, ctx.facts.check_template = n_slots, self.check_template  # facts.py
-        self.listing = report.Listing()
+        self.listing = views.Listing()
         self.inputs: dict[str, Callable[[], Any]] = {}  # filled by the daemon: name → describe()
-        self.sleep: SleepWatch | None = None  # the engine sleeps when idle (sleep.py; the daemon starts it)
+        self.sleep: Sleep | None = None  # the engine sleeps when idle (sleep.SleepWatch; the daemon starts it)
         # Called (awaited) after the engine came back from a restart; the tail restores then.
         self.on_engine_restart: list[Callable[[], Awaitable[None]]] = []
         self._flush: asyncio.TimerHandle | None = None
@@ -371,7 +381,7 @@ class Sessions:
 
     # -- reports (status and ls block: run them in a thread) ----------------------------------------
     def status(self) -> dict[str, Any]:
-        return report.status(self)
+        return views.status(self)
 
     def ls(self) -> list[dict[str, Any]]:
         return self.listing.ls(self)
@@ -379,14 +389,8 @@ class Sessions:
     async def ls_words(self) -> list[dict[str, Any]]:
         return await self.listing.ls_words(self)
 
-    async def doctor(self) -> dict[str, Any]:
-        """The engine settings that cost reuse, and where the last unreused restores departed."""
-        from . import doctor
-
-        return await doctor.run(self)
-
     def metrics(self, extra: list[tuple[str, str, str, int | float]] = ()) -> str:
-        return report.metrics(self, extra)
+        return views.metrics(self, extra)
 
     # -- life ---------------------------------------------------------------------------------------
     async def prepare(self) -> None:

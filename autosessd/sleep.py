@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .engines.base import EngineError
 from .observe import SLEPT
-from .watch import engine_command
+from .engines.process import engine_command
 
 if TYPE_CHECKING:
     from .config import Config

@@ -52,9 +52,6 @@ from .policy import Held
 if TYPE_CHECKING:
     import asyncio
 
-    from .launch import Hold
-    from .placement import Ticket
-
 log = logging.getLogger("autosessd")
 
 
@@ -176,14 +173,14 @@ class Slot:
         self.watcher: asyncio.Task | None = None
         # placement.py: who has the slot's FIFO now, the conversation it placed here before its
         # turn names it, and when a ticket was last handed out (least recently used first).
-        self.owner: Ticket | None = None
+        self.owner: Any = None  # a placement.Ticket: the slot keeps it for placement.py, never reads it
         self.placing: str | None = None
         self.last_used = 0.0
         self.keyless_prompt: str | bytes | None = None  # the last request's, when it had no key
         # launch.py: the owner's hold on the engine's starts; its request sent and not yet seen
         # placed; the turn's look (starts before it, another start pending, what it saw); what
         # looks for the placement after the hold ended.
-        self.launch_hold: Hold | None = None
+        self.launch_hold: Any = None  # a launch.Hold, kept for launch.py
         self.start_pending = False
         self.looked: tuple[int, bool, SlotState | None] | None = None
         self.place_watch: asyncio.Task | None = None

@@ -24,8 +24,10 @@ from __future__ import annotations
 import functools
 import struct
 import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from .files import open_regular
 
@@ -59,8 +61,6 @@ class SlotHeader:
         cost ~1.2 ms on a switch's path."""
         raw = self.raw
         if raw is None or sys.byteorder != "little":
-            from .index import comparable, encode
-
             return encode(comparable(self.tokens))
         at = raw.find(_NULL_WORD)
         while at >= 0 and at % 4:  # inside two tokens' bytes, not a token of its own
@@ -293,3 +293,28 @@ def state_end(path: str | Path, n_blocks: int) -> int | None:
 @functools.lru_cache(maxsize=256)
 def _layout_of(cls: type, text: str) -> KVLayout | None:
     return cls._parse(text)
+
+
+# -- a header's tokens as the token index keeps them (index.py) ---------------------------
+def encode(tokens: Sequence[int]) -> bytes:
+    """A token list as the header stores it: little-endian int32. ValueError naming what was wrong."""
+    if isinstance(tokens, (bytes, bytearray, str)):
+        raise ValueError(f"tokens must be a list of integers, got {type(tokens).__name__}")
+    try:
+        a = array("i", tokens)
+    except (TypeError, OverflowError) as e:
+        bad = next((t for t in tokens if not isinstance(t, int) or isinstance(t, bool)
+                    or not -2**31 <= t < 2**31), None)
+        raise ValueError(f"tokens must be 32-bit integers, got {bad!r}: {e}") from None
+    if a.itemsize != 4:  # pragma: no cover - every platform CPython runs on has a 4-byte int
+        a = array("l", tokens)
+    if sys.byteorder == "big":  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def comparable(tokens: Sequence[int]) -> Sequence[int]:
+    """The part of a file's token list a text prompt can share: up to the first media
+    placeholder (the engine marks an image's positions with -1 and compares media by
+    their own ids, which a header does not tell us)."""
+    return tokens[:tokens.index(TOKEN_NULL)] if TOKEN_NULL in tokens else tokens

@@ -12,10 +12,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import gguf
-from .engines.base import EngineError
+from . import facts
 from .index import TokenIndex
-from .report import fmt_bytes, fmt_tokens
+from .report import fmt_bytes
 
 if TYPE_CHECKING:
     from .context import Context
@@ -50,28 +49,7 @@ class Upkeep:
         for name, why in sorted(rep.skipped.items()):
             log.warning("auto sessions: not indexed: %s: %s", name, why)
         if swa:  # behind a router each model learns its own as it loads
-            ctx.swa_window = await self.swa_window(ctx)
-
-    @staticmethod
-    async def swa_window(ctx: Context) -> int | None:
-        """engine.swa_window when set (0: none), else the model file's sliding window."""
-        if ctx.cfg.engine.swa_window is not None:
-            return ctx.cfg.engine.swa_window or None
-        if ctx.engine.kind != "llama-server":
-            return None
-        try:
-            path = (await ctx.engine.info()).model_path
-            if not path:
-                raise ValueError("the engine does not say where its model file is (/props model_path)")
-            n = await asyncio.get_running_loop().run_in_executor(None, gguf.sliding_window, path)
-        except (EngineError, OSError, ValueError) as e:
-            log.info("auto sessions: the model's sliding window is not known (%s); set engine.swa_window if it has "
-                     "one (Gemma 2/3, ...), or restores of long files may not be reused", e)
-            return None
-        if n:
-            log.info("auto sessions: the model has a sliding window of %s tokens: a file is restored only when it "
-                     "holds fewer than that past what it shares with the request", fmt_tokens(n))
-        return n or None
+            ctx.swa_window = await facts.swa_window(ctx)
 
     async def save_index(self) -> None:
         index = self.ctx.index

@@ -96,7 +96,7 @@ async def test_doctor_names_the_edited_message_of_an_unreused_restore(tmp_path):
     s.restore_log.departed.append({"file": "auto-0123456789abcdef.bin", "key": "0123456789abcdef",
                                    "n_restored": 300, "cache_n": 0, "at": time.time(), "body": new,
                                    "likely_cause": "x"})
-    r = await s.doctor()
+    r = await doctor.run(s)
     where = r["not_reused"][0]["where"]
     at = len(tokenize(template(new)[:template(new).index("SURE")]))
     assert where.startswith(f"message 3 (assistant) differs from the file at token {at:,}")

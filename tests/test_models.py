@@ -284,5 +284,5 @@ async def test_sleep_saves_first_and_marks_the_slots_empty_once_asleep(tmp_path)
 
 @pytest.mark.parametrize("labels", [{"model": 'a"b\\c\nd'}])
 def test_metrics_label_values_are_escaped(labels):
-    from autosessd.report import _escape
+    from autosessd.views import _escape
     assert _escape(labels["model"]) == 'a\\"b\\\\c\\nd'

@@ -21,12 +21,10 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .bucket import LEASE, SESSIONS, SharedError, _http_date, _why, parse_key, plan_bucket_prune
 
-if TYPE_CHECKING:
-    from .tier import SharedStore
 
 log = logging.getLogger("autosessd.shared")
 
@@ -35,12 +33,21 @@ log = logging.getLogger("autosessd.shared")
 STALE_MULTIPART_S = 24 * 3600
 
 
+class Holder(Protocol):
+    """What a lease uses of the bucket's client (tier.SharedStore, which prunes under it)."""
+
+    _client: Any  # boto3's S3 client
+    _ClientError: Any  # botocore's ClientError
+    bucket: str
+    host: str
+
+
 class Lease:
     """The bucket prune's lease: one object, changed only by conditional PUTs (see the module
     docstring). held() is true from a successful acquire or renew until lease_s minus a margin
     later by this host's monotonic clock, so a holder stops acting before anyone may take over."""
 
-    def __init__(self, shared: "SharedStore", key: str, ttl_s: float):
+    def __init__(self, shared: Holder, key: str, ttl_s: float):
         self.shared, self.key, self.ttl_s = shared, key, ttl_s
         self.etag: str | None = None
         self.token = uuid.uuid4().hex
