@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "bench"), str(ROOT)]
 
 import demo  # noqa: E402
-from run import Run, answer, blocking_call, conv, restore_request  # noqa: E402
+from run_common import Run, conv  # noqa: E402
+from run_costs import answer, blocking_call, restore_request  # noqa: E402  (scenario 4's plain client)
 
 from autosessd.engines import http1  # noqa: E402
 from autosessd.engines.llama_server import LlamaServer  # noqa: E402
