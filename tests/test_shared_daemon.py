@@ -3,11 +3,12 @@
 Gateway, scripts/s3-gateway), never a mock.
 
 Two "hosts" are two engine + autosessd pairs with their own session directories and host
-names on one bucket. The start checks need no gateway at all.
+names on one bucket (the two_hosts fixture). The start checks need no gateway at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -16,13 +17,14 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from autosessd import slotfile
 from autosessd.keys import conversation_key
 from autosessd.store import auto_name
-from harness import Daemon, FakeEngine, chat_body, free_port, going_on, long_text, wait_until
+from harness import Daemon, Engine, FakeEngine, chat_body, free_port, going_on, long_text, wait_until
 
 
 def shared_toml(endpoint: str, bucket: str, host: str, **kw) -> str:
@@ -95,6 +97,49 @@ def stopping():
         t.stop()
 
 
+class Host(NamedTuple):
+    """One of two_hosts: its session directory, the engine saving there, its daemon."""
+
+    sessions: Path
+    engine: Engine | FakeEngine
+    daemon: Daemon
+
+
+def fake_engines(bytes_per_token: int):
+    """An engine factory for two_hosts: the fake engine (no model), its saves bytes_per_token a token."""
+    return lambda save_dir: FakeEngine(save_dir, bytes_per_token=bytes_per_token).start()
+
+
+@pytest.fixture
+def two_hosts(s3_gateway, s3_bucket, aws_env, tmp_path):
+    """two_hosts(engine, start=True, host2=None, **shared) → (host 1, host 2): two hosts on the
+    test's bucket, as two machines behind a load balancer. Host n has its session directory
+    tmp_path/sn, an engine on it (engine(directory) starts one: the `engines` fixture, or
+    fake_engines(...)) and `autosessd run` in tmp_path/hn with a [shared] table naming it hostn
+    (shared_toml with **shared; host 2's also with host2's keys). Both daemons are started
+    unless start=False, which leaves that to the test. Every daemon, then every engine, is
+    stopped after the test, whatever happened (a failing stop does not skip the others)."""
+    with contextlib.ExitStack() as stops:
+        def make(engine, start: bool = True, host2: dict | None = None, **shared) -> tuple[Host, Host]:
+            hosts = []
+            for n, own in ((1, {}), (2, host2 or {})):
+                s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
+                s.mkdir()
+                e = engine(s)
+                stops.callback(e.stop)  # an `engines` engine's own stop at its teardown is then a no-op
+                h.mkdir()
+                d = Daemon(h, s, e.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}",
+                                                               **{**shared, **own}))
+                stops.callback(d.stop)
+                hosts.append(Host(s, e, d))
+            if start:
+                for host in hosts:
+                    host.daemon.start()
+            return hosts[0], hosts[1]
+
+        yield make
+
+
 # -- the start ----------------------------------------------------------------------------
 def test_shared_without_credentials_refuses_the_start_saying_what_is_missing(tmp_path, monkeypatch):
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
@@ -138,20 +183,9 @@ def test_a_bucket_that_does_not_answer_is_a_warning_and_the_host_works_alone(tmp
 # -- two hosts, one bucket ----------------------------------------------------------------
 @pytest.mark.s3
 @pytest.mark.engine
-def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines, s3_gateway, s3_bucket, aws_env,
-                                                                         tmp_path, stopping, model):
-    s1, s2 = tmp_path / "s1", tmp_path / "s2"
-    s1.mkdir()
-    s2.mkdir()
-    e1, e2 = engines(s1), engines(s2)
-    (tmp_path / "h1").mkdir()
-    (tmp_path / "h2").mkdir()
-    d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1"))
-    d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2"))
-    stopping(d1)
-    stopping(d2)
-    d1.start()
-    d2.start()
+def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines, s3_gateway, s3_bucket,
+                                                                         two_hosts, model):
+    (_, _, d1), (s2, _, d2) = two_hosts(engines)
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")  # ~1,250 tokens
     b = chat_body(long_text(20, "jar") + "\nWhich jar is red?")
     first = post(d1.gate_url, a)
@@ -192,25 +226,10 @@ def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines
 
 @pytest.mark.s3
 def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothing_is_torn(
-        s3_gateway, s3_bucket, aws_env, tmp_path, stopping):
+        s3_gateway, s3_bucket, two_hosts):
     """The fake engine makes a ~300 MB save (it holds no model): big enough that the gateway
     can be killed while the daemon's upload, and then its download, is under way."""
-    s1, s2 = tmp_path / "s1", tmp_path / "s2"
-    s1.mkdir()
-    s2.mkdir()
-    e1 = FakeEngine(s1, bytes_per_token=250_000).start()
-    e2 = FakeEngine(s2, bytes_per_token=250_000).start()
-    stopping(e1)
-    stopping(e2)
-    (tmp_path / "h1").mkdir()
-    (tmp_path / "h2").mkdir()
-    kw = {"part_mb": 8, "prune_every_s": 10}
-    d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1", **kw))
-    d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2", **kw))
-    stopping(d1)
-    stopping(d2)
-    d1.start()
-    d2.start()
+    (s1, _, d1), (s2, _, d2) = two_hosts(fake_engines(250_000), part_mb=8, prune_every_s=10)
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")
     b = chat_body("a short other conversation " * 40)
     post(d1.gate_url, a)
@@ -263,24 +282,9 @@ def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothi
 
 
 @pytest.mark.s3
-def test_a_download_past_download_timeout_s_is_given_up_and_the_request_re_reads(s3_gateway, s3_bucket, aws_env,
-                                                                                tmp_path, stopping):
-    s1, s2 = tmp_path / "s1", tmp_path / "s2"
-    s1.mkdir()
-    s2.mkdir()
-    e1, e2 = FakeEngine(s1, bytes_per_token=20_000).start(), FakeEngine(s2, bytes_per_token=20_000).start()
-    stopping(e1)
-    stopping(e2)
-    (tmp_path / "h1").mkdir()
-    (tmp_path / "h2").mkdir()
-    d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1"))
-    # A link that cannot bring ~25 MB in a millisecond: every download runs past its limit.
-    d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2",
-                                                                     download_timeout_s=0.001))
-    stopping(d1)
-    stopping(d2)
-    d1.start()
-    d2.start()
+def test_a_download_past_download_timeout_s_is_given_up_and_the_request_re_reads(two_hosts):
+    # Host 2's link cannot bring ~25 MB in a millisecond: every download runs past its limit.
+    (_, _, d1), (s2, _, d2) = two_hosts(fake_engines(20_000), host2={"download_timeout_s": 0.001})
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")
     post(d1.gate_url, a)
     post(d1.gate_url, chat_body("a short other conversation " * 40))
@@ -330,23 +334,14 @@ def test_sigterm_gives_an_upload_waiting_out_its_backoff_its_try_before_the_exit
 
 @pytest.mark.s3
 @pytest.mark.engine
-def test_a_torn_save_in_the_bucket_ends_in_a_re_read_never_an_engine_abort(engines, s3_gateway, s3_bucket, aws_env,
-                                                                            tmp_path, stopping):
+def test_a_torn_save_in_the_bucket_ends_in_a_re_read_never_an_engine_abort(engines, s3_gateway, s3_bucket,
+                                                                            two_hosts):
     """19.1: a newer object for conversation A, one byte short, with its host's metadata (a
     torn upload of a broken peer). Host 2's turn for A's next request used to download it,
     keep it and restore it: the engine aborted (GGML_ASSERT), and again after every restart.
     Now it is refused as it arrives and remembered; the request re-reads, the engine lives on,
     and A's next request there gets A's whole, older save."""
-    s1, s2 = tmp_path / "s1", tmp_path / "s2"
-    s1.mkdir()
-    s2.mkdir()
-    e1, e2 = engines(s1), engines(s2)
-    (tmp_path / "h1").mkdir()
-    (tmp_path / "h2").mkdir()
-    d1 = Daemon(tmp_path / "h1", s1, e1.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host1"))
-    d2 = Daemon(tmp_path / "h2", s2, e2.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, "host2"))
-    stopping(d1)
-    stopping(d2)
+    (_, _, d1), (s2, e2, d2) = two_hosts(engines, start=False)  # host 2 starts once the torn object is up
     d1.start()
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")
     b = chat_body(long_text(20, "jar") + "\nWhich jar is red?")
