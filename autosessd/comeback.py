@@ -44,7 +44,7 @@ class StartRestore:
 
     def __init__(self, held: list[tuple[str | None, Sessions]]):
         """held: (model, its Sessions) for each model to put back; model None: a plain engine."""
-        self.held = held
+        self.records = held
         self.outcomes: list[dict[str, Any]] = []
         self.done = False
 
@@ -67,7 +67,7 @@ class StartRestore:
 
     async def run(self) -> None:
         try:
-            for model, sessions in self.held:
+            for model, sessions in self.records:
                 await self._model(model, sessions)
         except Exception as e:  # a bug must not stop the daemon's other work
             log.exception("auto sessions: restore at start: %s", e)
