@@ -76,12 +76,11 @@ class Recorder:
 
     FLUSH_S = 0.05
 
-    def __init__(self, path: Path, model: str, slots: dict[int, Slot] | None = None, live: bool = True):
-        """slots: told to call changed() (live); live=False: written at stops only."""
+    def __init__(self, path: Path, model: str, slots: dict[int, Slot] | None = None):
+        """slots: told to call changed() on every transition."""
         self.path = path
         self.model = model
         self.entries: dict[int, dict[str, Any]] = {}
-        self.live = live
         self._timer: asyncio.TimerHandle | None = None
         self._writing: asyncio.Future | None = None
         self._dirty = False
@@ -92,7 +91,7 @@ class Recorder:
         except (OSError, ValueError, TypeError, AttributeError):
             pass
         for sl in (slots or {}).values():
-            sl.on_change = self.changed if live else None
+            sl.on_change = self.changed
 
     # -- what the inputs ask ------------------------------------------------------------------
     async def record_stop(self, slots: Iterable[Slot]) -> None:
@@ -105,7 +104,7 @@ class Recorder:
         if self._writing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._writing)
-        record(self.path, self.model, slots, self.entries if self.live else None)
+        record(self.path, self.model, slots, self.entries)
 
     def keys(self) -> dict[int, str]:
         """slot → the conversation it held last (the tail's restore, by key)."""
