@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 import click
 
 from . import __version__
-from . import config as config_mod
-from .config import ConfigError
+from .base import config as config_mod
+from .base.config import ConfigError
 
 # flag name → config key it overrides
 RUN_FLAGS = {
@@ -84,7 +84,8 @@ def autosessd_main() -> None:
 def run(config_path: str | None, log_level: str, log_format: str, exec_: bool, exec_log: str | None,
         command: tuple[str, ...], **flags: Any) -> None:
     """Run the daemon in the foreground."""
-    from . import daemon, logs
+    from . import daemon
+    from .base import logs
 
     overrides = {RUN_FLAGS[k]: v for k, v in flags.items() if v is not None}
     child = None
@@ -101,7 +102,7 @@ def _exec_plan(exec_: bool, exec_log: str | None, command: tuple[str, ...], over
                ) -> tuple[dict[str, Any], Any]:
     """--exec: the config keys the engine command decides (the gate's address, the engine's
     URL, slot_save_path, the api key), and the command read. A usage error exits 2."""
-    from .child import ExecError, parse_command, private_port
+    from .engines.child import ExecError, parse_command, private_port
 
     def usage(msg: str) -> NoReturn:
         click.echo(f"autosessd: {msg}", err=True)
@@ -135,7 +136,7 @@ def _exec_child(cfg: config_mod.Config, cmd: Any, exec_log: str | None) -> Any:
     """The child to start, once the config is whole; a command that cannot run exits 2."""
     from urllib.parse import urlsplit
 
-    from .child import EngineChild, ExecError, find_executable
+    from .engines.child import EngineChild, ExecError, find_executable
 
     if cfg.engine.kind != "llama-server":
         click.echo(f"autosessd: --exec runs llama-server, but {cfg.source} sets engine.kind = {cfg.engine.kind!r}",
@@ -161,8 +162,8 @@ def exit_after_stop(code: int) -> NoReturn:
     stop already spent. By now the saves are finalized and the uploads drained or left to the
     next start (the bucket lacks them): nothing of ours is left to write. So the logs are
     flushed and the process leaves with os._exit, without that join."""
-    from . import logs
-    from .remote import bucket_threads_alive
+    from .base import logs
+    from .sessions.remote import bucket_threads_alive
 
     alive = bucket_threads_alive()
     if alive:

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from . import protocol
-from .config import ConfigError, default_socket_path
-from .protocol import Code, ProtocolError
+from .front import protocol
+from .base.config import ConfigError, default_socket_path
+from .front.protocol import Code, ProtocolError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_PERMISSION = 0, 1, 2, 3, 4
 
@@ -35,7 +35,7 @@ def socket_path(explicit: str | None) -> Path:
     """--socket, else the configured control.socket, else the default path."""
     if explicit:
         return Path(explicit)
-    from . import config
+    from .base import config
 
     try:
         return config.load(None, {"slot_save_path": "/"}).effective_socket()

@@ -34,29 +34,29 @@ import socket
 import time
 from typing import Any, Protocol
 
-from . import config as config_mod
-from .logs import stop_logging
-from .checks import (Checked, StartupError, check_engine, check_store, empties_idle_slots, probe_save,
+from .base import config as config_mod
+from .base.logs import stop_logging
+from .sessions.checks import (Checked, StartupError, check_engine, check_store, empties_idle_slots, probe_save,
                      router_refusals, warn_empties_idle)
-from .child import EngineChild, ExecError, check_free, describe_exit
-from .comeback import StartRestore
-from .slotfile import KVLayout
-from .config import Config, ConfigError
+from .engines.child import EngineChild, ExecError, check_free, describe_exit
+from .modes.comeback import StartRestore
+from .store.slotfile import KVLayout
+from .base.config import Config, ConfigError
 from .engines import make_engine
-from .guard import raise_nofile
+from .front.guard import raise_nofile
 from .engines.base import Engine, EngineError, SlotsHidden
 from .engines.llama_server import LlamaServer
-from .remote import Remote
-from .requestlog import RequestLogError
-from .sessions import Sessions
-from . import sleep
-from .models import UP, Model, Router
-from .sleep import SleepWatch
-from . import facts
+from .sessions.remote import Remote
+from .follow.requestlog import RequestLogError
+from .sessions.facade import Sessions
+from .modes import sleep
+from .modes.models import UP, Model, Router
+from .modes.sleep import SleepWatch
+from .sessions import facts
 from .engines.process import engine_command
-from .control import SocketInUse
-from .store import Store
-from .upstream import Upstream
+from .front.control import SocketInUse
+from .store.directory import Store
+from .engines.upstream import Upstream
 
 log = logging.getLogger("autosessd")
 
@@ -124,19 +124,19 @@ class Daemon:
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
         assert self.house is not None
-        from .control import ControlServer
+        from .front.control import ControlServer
 
         inputs: list[Input] = [ControlServer(self.cfg, self.house)]
         if self.cfg.gate.listen:
-            from .gate import Gate
+            from .front.gate import Gate
 
             inputs.append(Gate(self.cfg, self.sessions, self.pool, self.router))
         if self.cfg.tail.request_log:
-            from .tail import Tail
+            from .follow.tail import Tail
 
             inputs.append(Tail(self.cfg, self.sessions, self.cfg.tail.request_log))
         if self.cfg.engine.log:
-            from .enginetail import EngineTail
+            from .follow.enginetail import EngineTail
 
             inputs.append(EngineTail(self.cfg, self.sessions, self.cfg.engine.log))
         return inputs

@@ -85,7 +85,7 @@ def check_whole(path: str) -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from autosessd.store import Meta, Store
+    from autosessd.store.directory import Meta, Store
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("DIGEST_DIR")) as d:
         store = Store(d)

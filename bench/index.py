@@ -6,7 +6,7 @@
     BENCH_INDEX_FILES=10,100 BENCH_INDEX_TOKENS=1000,4000   a smaller grid
 
   lookup  the prefix lookup at 1k/4k/16k/32k tokens × 10/100/1,000 files, three ways:
-          autosessd.index (token lists sorted per model: bisect + neighbours), a scan of
+          autosessd.store.index (token lists sorted per model: bisect + neighbours), a scan of
           every file's token list, and a hash chain per 64-token block (exact in the last
           block by reading the file's header there); time of one lookup and memory held
   start   building the index at start: reading every header vs the cache, cache size

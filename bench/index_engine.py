@@ -15,8 +15,8 @@ from typing import Any
 from index_common import FILES, MODEL, VOCAB, chat, engine, facts, med, timed
 
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.index import TokenIndex, common_prefix, encode
-from autosessd.slotfile import build, read_header
+from autosessd.store.index import TokenIndex, common_prefix, encode
+from autosessd.store.slotfile import build, read_header
 
 
 def part_tokens(work: Path) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def part_turn(work: Path) -> dict[str, Any]:
     rng = random.Random(12)
 
     async def go():
-        from autosessd.prefix import SPLIT_MARK
+        from autosessd.sessions.prefix import SPLIT_MARK
 
         eng = LlamaServer(e.url, timeout_s=120)
         try:

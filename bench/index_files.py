@@ -15,8 +15,8 @@ from typing import Any
 # First: it puts this checkout and tests/ on sys.path, so the autosessd measured is this one.
 from index_common import FILES, MODEL, TOKENS, VOCAB, timed
 
-from autosessd.index import TokenIndex, common_prefix, encode
-from autosessd.slotfile import build
+from autosessd.store.index import TokenIndex, common_prefix, encode
+from autosessd.store.slotfile import build
 
 
 # -- the two alternatives the index was measured against ----------------------------------

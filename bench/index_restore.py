@@ -15,8 +15,8 @@ from typing import Any
 from index_common import chat, engine, facts, med
 
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.index import common_prefix, encode
-from autosessd.slotfile import read_header
+from autosessd.store.index import common_prefix, encode
+from autosessd.store.slotfile import read_header
 
 
 def part_reuse(work: Path) -> dict[str, Any]:

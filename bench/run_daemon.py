@@ -18,7 +18,7 @@ from run_common import Run, ctl, med, pct
 
 # -- 6. tail reaction ------------------------------------------------------------------------
 def s6_tail(run: Run) -> dict[str, Any]:
-    from autosessd import protocol
+    from autosessd.front import protocol
 
     fake = run.fake_engine()
     log = run.work / "tail-requests.jsonl"
@@ -60,9 +60,9 @@ def t6(r: dict[str, Any]) -> str:
 
 # -- 7. scale of the session directory ---------------------------------------------------------
 def s7_scale(run: Run) -> dict[str, Any]:
-    from autosessd.config import parse
-    from autosessd.sessions import Sessions
-    from autosessd.store import Meta, Store, plan_prune
+    from autosessd.base.config import parse
+    from autosessd.sessions.facade import Sessions
+    from autosessd.store.directory import Meta, Store, plan_prune
 
     class Nothing:
         kind, address, magic = "llama-server", "none", b"qsgg"

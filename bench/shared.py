@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from autosessd import slotfile  # noqa: E402
-from autosessd.config import parse  # noqa: E402
+from autosessd.store import slotfile
+from autosessd.base.config import parse  # noqa: E402
 from autosessd.shared import SharedStore, estimate  # noqa: E402
-from autosessd.store import Meta, Store, temp_name  # noqa: E402
+from autosessd.store.directory import Meta, Store, temp_name  # noqa: E402
 
 MODEL = "benchbenchbench0"
 
@@ -101,7 +101,7 @@ def engine_rows(env, bucket, tmp: Path, n_facts_list):
     from harness import Engine, chat_body, long_text  # noqa: I001 - tests/ on sys.path above
 
     from autosessd.engines.llama_server import LlamaServer
-    from autosessd.keys import conversation_key
+    from autosessd.base.keys import conversation_key
 
     a, b = store_for(env, bucket, "host-a"), store_for(env, bucket, "host-b")
     rows = []

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The circles in autosessd's import graph: every strongly connected component of more than
 one module, typing-only imports (`if TYPE_CHECKING:`) and imports inside functions included,
-as grimp reads them. Prints each circle's modules and the imports that close it; exit 1 when
-there is one, 0 (and nothing printed) when the graph has none.
+as grimp reads them, and then the same among the packages (each subpackage's modules taken as
+one: a.x -> b.y and b.z -> a.w is a circle of packages a and b with no circle of modules).
+Prints each circle and the imports that close it; exit 1 when there is one, 0 (and nothing
+printed) when the graph has none.
 
     python scripts/import_cycles.py [package]
 
@@ -69,7 +71,20 @@ def main(package: str = "autosessd") -> int:
             for d in sorted(edges[m] & inside):
                 for detail in graph.get_import_details(importer=m, imported=d):
                     print(f"  {m} -> {d}  (line {detail['line_number']}: {detail['line_contents']})")
-    return 1 if circles else 0
+    top = {m: ".".join(m.split(".")[:2]) for m in graph.modules}
+    packages = {top[m] for m in graph.modules if graph.find_children(top[m])}
+    squashed: dict[str, set[str]] = {top[m]: set() for m in graph.modules}
+    for m, ds in edges.items():
+        squashed[top[m]] |= {top[d] for d in ds if top[d] != top[m]}
+    rings = [c for c in components(squashed) if set(c) & packages]
+    for comp in rings:
+        print(f"a circle of {len(comp)} packages: {', '.join(comp)}")
+        for m in sorted(edges):
+            for d in sorted(edges[m]):
+                if top[m] != top[d] and top[m] in comp and top[d] in comp:
+                    for detail in graph.get_import_details(importer=m, imported=d):
+                        print(f"  {m} -> {d}  (line {detail['line_number']}: {detail['line_contents']})")
+    return 1 if circles or rings else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ autosessd, and misbehaves when asked to:
 
 A chat answer echoes the request (answer_for): a digest of its messages and the start of
 its last user message. Faults apply to session files, not to autosessd's start probe. State
-files have llama-server's header (autosessd/slotfile.py: magic "qsgg", the token list), then
+files have llama-server's header (autosessd/store/slotfile.py: magic "qsgg", the token list), then
 the prompt text (its "KV state"), padded to --bytes-per-token per token. Saves write and
 restores read every byte, in 8 MiB chunks, and report the time they took (as the engine's
 save_ms / restore_ms): with a real model's size per token (an 8B model: 131072) the files are
@@ -41,7 +41,7 @@ import time
 
 from aiohttp import web
 
-from autosessd import slotfile
+from autosessd.store import slotfile
 
 CHUNK = 8 << 20  # bytes a save writes, or a restore reads, at a time
 FILL = b"\x01" * CHUNK

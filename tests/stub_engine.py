@@ -1,5 +1,5 @@
 """An in-process engine for tests that need sessions but not a process: writes real files
-in llama-server's layout (autosessd/slotfile.py), the token ids standing for a conversation.
+in llama-server's layout (autosessd/store/slotfile.py), the token ids standing for a conversation.
 
 Like llama-server: GET /slots shows each slot's token count and the id of the last task that
 ran on it (ids from one counter across slots); a failed restore clears the slot; with
@@ -11,7 +11,7 @@ restores fail for lack of KV room until a slot is erased; the template is a toy
 (`<role>text<end>` per message) and a token is one character (BOS = 2), so a test can say
 how many tokens a text is; there is no sliding window."""
 
-from autosessd import slotfile
+from autosessd.store import slotfile
 from autosessd.engines.base import (EngineInfo, EngineRefused, PrefillResult, RestoreResult, SaveResult, SlotState,
                                     SlotsHidden)
 

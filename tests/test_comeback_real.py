@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
 from harness import Daemon, chat_body, going_on, hook_turn, long_text, wait_until
 
 pytestmark = pytest.mark.engine

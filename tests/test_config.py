@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from autosessd import config
-from autosessd.config import ConfigError, parse
+from autosessd.base import config
+from autosessd.base.config import ConfigError, parse
 
 BASE = b'slot_save_path = "/srv/sessions"\n'
 

@@ -7,11 +7,11 @@ import stat
 
 import pytest
 
-from autosessd import protocol
-from autosessd.config import parse
-from autosessd.control import ControlServer, SocketInUse
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.front import protocol
+from autosessd.base.config import parse
+from autosessd.front.control import ControlServer, SocketInUse
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from stub_engine import StubEngine
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.engines.base import RestoreResult, SaveResult, SlotState
-from autosessd.policy import Held
-from autosessd.sessions import Sessions
-from autosessd.store import AUTO_BIN, TEMP_PREFIX, Store
+from autosessd.sessions.policy import Held
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import AUTO_BIN, TEMP_PREFIX, Store
 from harness import Daemon, chat_body, long_text, wait_until
 
 BYTES_PER_TOKEN = 997

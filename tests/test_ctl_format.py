@@ -2,10 +2,10 @@
 (what autosessd did for the user) and `events` one line per event, aligned, with units."""
 
 from autosessd import ctl
-from autosessd.config import parse
-from autosessd.report import Counters
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.base.config import parse
+from autosessd.sessions.report import Counters
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from stub_engine import StubEngine
 
 

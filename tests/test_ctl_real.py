@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autosessd.keys import conversation_key
+from autosessd.base.keys import conversation_key
 from harness import Daemon, answer, chat_body, going_on, hook_turn, long_text, wait_until
 
 pytestmark = pytest.mark.engine

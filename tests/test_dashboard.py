@@ -3,9 +3,9 @@
 import json
 import re
 
-from autosessd.config import parse
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.base.config import parse
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from harness import ROOT
 from stub_engine import StubEngine
 
@@ -15,7 +15,7 @@ NAME = re.compile(r"\bautosessd_[a-z0-9_]+")
 
 def served_names(tmp_path) -> set[str]:
     """Every metric family the gate's endpoint serves (its # TYPE lines), with a histogram's series."""
-    from autosessd.gate import Gate
+    from autosessd.front.gate import Gate
 
     cfg = parse(f'slot_save_path = "{tmp_path}"\nstate_dir = "{tmp_path / "state"}"\n'
                 f'[gate]\nlisten = "127.0.0.1:1"\n'.encode())

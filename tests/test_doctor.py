@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from autosessd import doctor, slotfile
-from autosessd.config import parse
-from autosessd.doctor import Facts, checks, departure, parse_flags
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.front import doctor
+from autosessd.store import slotfile
+from autosessd.base.config import parse
+from autosessd.front.doctor import Facts, checks, departure, parse_flags
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from stub_engine import StubEngine, template, tokenize
 
 GOOD = Facts(flags={"--swa-full": True, "--slot-save-path": "/srv/s"}, swa_window=512, empties_idle=False,

@@ -6,13 +6,13 @@ import logging
 import aiohttp
 import pytest
 
-from autosessd.config import parse
+from autosessd.base.config import parse
 from autosessd.daemon import check_engine
 from autosessd.engines.base import EngineRefused, SlotSavingOff
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.keys import conversation_key
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.base.keys import conversation_key
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from harness import chat_body, long_text
 
 pytestmark = pytest.mark.engine

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autosessd.enginelog import (Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing, parse,
+from autosessd.follow.enginelog import (Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing, parse,
                                  prompt_counts)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine-log"

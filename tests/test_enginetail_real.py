@@ -13,13 +13,13 @@ import time
 import aiohttp
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.daemon import check_engine
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.enginetail import LINE, EngineTail
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.follow.enginetail import LINE, EngineTail
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from harness import Daemon, chat_body, long_text, wait_until
 
 pytestmark = pytest.mark.engine

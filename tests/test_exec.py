@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from autosessd.child import ExecError, parse_command
-from autosessd.keys import conversation_key
+from autosessd.engines.child import ExecError, parse_command
+from autosessd.base.keys import conversation_key
 from fake_engine import answer_for
 from harness import ROOT, chat_body, free_port, log_text, wait_until
 

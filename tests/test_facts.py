@@ -8,16 +8,17 @@ import logging
 
 import pytest
 
-from autosessd import facts, slotfile
-from autosessd.config import parse
+from autosessd.sessions import facts
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.engines.base import SaveResult
-from autosessd.sessions import Sessions
-from autosessd.slotfile import KVLayout
-from autosessd.store import Store
+from autosessd.sessions.facade import Sessions
+from autosessd.store.slotfile import KVLayout
+from autosessd.store.directory import Store
 from stub_engine import StubEngine
 from autosessd.ctl import show_status
 from autosessd.engines.base import EngineRefused, EngineUnreachable
-from autosessd.store import StoreError
+from autosessd.store.directory import StoreError
 from test_recall import OTHER, grown
 from test_sessions import A, B, C, conv, file_tokens, make, request
 import test_sessions_tokens as tokens

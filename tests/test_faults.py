@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from autosessd.keys import conversation_key
-from autosessd.store import AUTO_BIN, TEMP_PREFIX
+from autosessd.base.keys import conversation_key
+from autosessd.store.directory import AUTO_BIN, TEMP_PREFIX
 from fake_engine import answer_for
 from harness import Daemon, FakeEngine, chat_body, wait_until
 
@@ -93,7 +93,7 @@ def test_enospc_during_the_engines_write_is_cleaned_up(small_fs, tmp_path):
 
 @pytest.mark.parametrize("fault", ["die-save", "die-restore"])
 def test_engine_dies_mid_action(session_dir, tmp_path, fault):
-    from autosessd.store import Store
+    from autosessd.store.directory import Store
 
     eng = FakeEngine(session_dir, faults=[fault]).start()
     d = Daemon(tmp_path, session_dir, eng.url, timeout_s=5).start()

@@ -17,11 +17,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from autosessd.config import parse
-from autosessd.gate import Gate
-from autosessd.keys import conversation_id_key, conversation_key
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.base.config import parse
+from autosessd.front.gate import Gate
+from autosessd.base.keys import conversation_id_key, conversation_key
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from harness import free_port
 from stub_engine import StubEngine
 

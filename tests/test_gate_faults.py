@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from autosessd.keys import conversation_key
+from autosessd.base.keys import conversation_key
 from fake_engine import answer_for
 from harness import Daemon, FakeEngine, chat_body, wait_until
 

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from autosessd.keys import conversation_key
+from autosessd.base.keys import conversation_key
 from harness import Daemon, answer, chat_body, going_on, long_text, stream_chat, wait_until
 
 pytestmark = pytest.mark.engine
@@ -191,7 +191,7 @@ def test_sigterm_with_a_request_in_flight_through_the_gate(engines, session_dir,
     import http.client
     import threading
 
-    from autosessd.slotfile import read_header
+    from autosessd.store.slotfile import read_header
 
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url, extra_toml="stop_timeout_s = 10").start()

@@ -5,10 +5,10 @@ import threading
 import aiohttp
 import pytest
 
-from autosessd.config import parse
-from autosessd.gate import Gate
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.base.config import parse
+from autosessd.front.gate import Gate
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from harness import free_port
 from stub_engine import StubEngine
 
@@ -43,7 +43,7 @@ async def test_every_counter_reaches_status_and_metrics(gate, tmp_path):
     (saves_missed among them: the one README's Limits tells people to watch)."""
     import dataclasses
 
-    from autosessd.report import Counters
+    from autosessd.sessions.report import Counters
 
     g, url = gate
     fields = dataclasses.fields(Counters)

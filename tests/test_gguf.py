@@ -4,8 +4,8 @@ import struct
 
 import pytest
 
-from autosessd import gguf
-from autosessd.config import ConfigError, parse
+from autosessd.engines import gguf
+from autosessd.base.config import ConfigError, parse
 
 
 def s(text: str) -> bytes:

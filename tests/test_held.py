@@ -6,8 +6,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from autosessd import held
-from autosessd.slot import Phase, View
+from autosessd.sessions import held
+from autosessd.sessions.slot import Phase, View
 
 A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
 

@@ -8,10 +8,10 @@ import time
 import pytest
 
 import test_sessions_tokens as t
-from autosessd.config import ConfigError, parse
-from autosessd.keys import conversation_key
-from autosessd.sessions import Sessions
-from autosessd.store import Store
+from autosessd.base.config import ConfigError, parse
+from autosessd.base.keys import conversation_key
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
 from stub_engine import StubEngine
 
 A = t.body(("user", "Tell me of the sea. " + t.LONG_1))

@@ -8,10 +8,10 @@ import stat
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from autosessd import index as index_mod
-from autosessd.branches import SavedFile, SaveTarget, branch_key, save_key
-from autosessd.index import Match, TokenIndex, common_prefix, encode
-from autosessd.slotfile import build
+from autosessd.store import index as index_mod
+from autosessd.store.branches import SavedFile, SaveTarget, branch_key, save_key
+from autosessd.store.index import Match, TokenIndex, common_prefix, encode
+from autosessd.store.slotfile import build
 from stub_engine import lcp as brute_lcp  # the naive reference the index must agree with
 
 M, OTHER = "model-a", "model-b"

@@ -6,8 +6,8 @@ import pytest
 
 from autosessd.engines.base import EngineRefused
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.index import TokenIndex
-from autosessd.slotfile import read_header
+from autosessd.store.index import TokenIndex
+from autosessd.store.slotfile import read_header
 from harness import long_text
 
 pytestmark = pytest.mark.engine

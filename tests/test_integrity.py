@@ -12,12 +12,13 @@ import time
 
 import pytest
 
-from autosessd import files, slotfile
-from autosessd.config import parse
+from autosessd.base import files
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.engines.base import EngineRefused
-from autosessd.index import TokenIndex
-from autosessd.sessions import Sessions
-from autosessd.store import QUARANTINE, Store
+from autosessd.store.index import TokenIndex
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import QUARANTINE, Store
 from stub_engine import StubEngine
 
 A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
@@ -244,8 +245,8 @@ async def test_an_events_follower_that_sends_data_is_not_buffered(tmp_path):
     daemon by 321 MB). It is read and dropped."""
     import resource
 
-    from autosessd import protocol
-    from autosessd.control import ControlServer
+    from autosessd.front import protocol
+    from autosessd.front.control import ControlServer
 
     s, d = make(tmp_path)
     cfg = parse(f'slot_save_path = "{d}"\nstate_dir = "{tmp_path / "state"}"\n[control]\nsocket = '
@@ -279,7 +280,7 @@ async def test_a_file_chosen_by_its_tokens_is_checked_as_one_chosen_by_name(tmp_
 
     async def chat(text):
         b = {"messages": [{"role": "user", "content": text}]}
-        from autosessd.keys import conversation_key
+        from autosessd.base.keys import conversation_key
         key = conversation_key(b)
         async with await s.admit() as t:
             turn = await s.turn(t, key, body=b)

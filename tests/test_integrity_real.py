@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
 from harness import Daemon, FakeEngine, chat_body, long_text, wait_until
 
 A = chat_body(long_text(70) + "\nHow many marbles are in box 5?")  # ~1,250 tokens

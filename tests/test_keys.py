@@ -2,7 +2,7 @@
 
 import pytest
 
-from autosessd.keys import chat_signature, continues, conversation_key, messages_key
+from autosessd.base.keys import chat_signature, continues, conversation_key, messages_key
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_a_message_sent_again_gets_the_same_digest_from_the_cache_as_computed_af
     """Issue 23: the earlier messages of a conversation come again with every request; their
     digests are remembered (the signature of a 20k-token body cost ~0.4 ms a turn), and what
     is remembered is exactly what would be computed."""
-    from autosessd import keys
+    from autosessd.base import keys
 
     def body():
         return {"messages": [{"role": "user", "content": "x " * 42000}, {"role": "assistant", "content": "ok"},
@@ -110,7 +110,7 @@ def test_a_message_sent_again_gets_the_same_digest_from_the_cache_as_computed_af
 def test_messages_that_differ_only_in_where_their_text_lies_never_share_a_digest(n):
     """The cache's keys (keys._seen_key) tell apart what a careless key would merge: text moved
     from one field to the other, the same values under other fields, another field added."""
-    from autosessd import keys
+    from autosessd.base import keys
 
     t = "y" * n
     lookalikes = [{"role": "user", "content": t + "z"}, {"role": "user" + t[:1], "content": t[1:] + "z"},

@@ -42,7 +42,7 @@ def test_the_wrapper_runs_autosessd_exec_in_front_of_the_server(tmp_path):
     assert text.startswith("#!/bin/sh\n") and " -m autosessd run --config " in text
     assert text.rstrip().endswith('--exec -- /opt/llama-server "$@"')
     toml = (tmp_path / "autosessd.toml").read_text()
-    from autosessd.config import parse
+    from autosessd.base.config import parse
 
     cfg = parse(toml.encode())
     assert cfg.slot_save_path == str(tmp_path / "sessions") and cfg.stop_timeout_s < 5  # the tests wait 5 s

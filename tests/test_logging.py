@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from autosessd import logs
+from autosessd.base import logs
 
 
 class Stuck:
@@ -98,14 +98,14 @@ def test_a_turns_line_is_built_after_the_turn_in_its_place_with_its_own_time(stu
     built = []
     make = logging.Logger.makeRecord
     monkeypatch.setattr(logging.Logger, "makeRecord", lambda self, *a, **k: built.append(a[4]) or make(self, *a, **k))
-    log = logging.getLogger("autosessd.restores")
+    log = logging.getLogger("autosessd.sessions.restores")
     monkeypatch.setattr(logs, "LATER_S", 0.15)  # wide enough to tell on a loaded machine
 
     async def turn():
         logs.soon(log, logging.INFO, "auto sessions: restored %s tokens", "21k")
         assert built == []  # nothing built on the request's path
         time.sleep(0.2)  # the loop busy: the line waits
-        logging.getLogger("autosessd.gate").warning("auto sessions: later")
+        logging.getLogger("autosessd.front.gate").warning("auto sessions: later")
         logs.soon(log, logging.INFO, "auto sessions: restored %s tokens", "5k")
         await asyncio.sleep(0.05)
         assert len(built) == 2  # a line said after a flush waits its own LATER_S, not the first's
@@ -123,7 +123,7 @@ def test_a_turns_line_is_built_after_the_turn_in_its_place_with_its_own_time(stu
 
 def test_without_the_daemons_log_a_line_said_soon_is_logged_at_once(caplog):
     caplog.set_level(logging.INFO, "autosessd")
-    logs.soon(logging.getLogger("autosessd.saves"), logging.INFO, "auto sessions: saved %s", "it")
+    logs.soon(logging.getLogger("autosessd.sessions.saves"), logging.INFO, "auto sessions: saved %s", "it")
     assert "auto sessions: saved it" in caplog.text
 
 
@@ -132,7 +132,7 @@ def test_a_line_said_soon_stays_first_while_another_thread_writes_it(stuck, monk
     logged while that thread is still building the waiting one, comes after it."""
     setup(stuck, "json", monkeypatch)
     stuck.go.set()
-    log = logging.getLogger("autosessd.saves")
+    log = logging.getLogger("autosessd.sessions.saves")
     inside, go_on = threading.Event(), threading.Event()
     make = logging.Logger.makeRecord
 

@@ -1,4 +1,4 @@
-"""A router's model switches (autosessd/models.py) on a stub router: the switch is taken in
+"""A router's model switches (autosessd/modes/models.py) on a stub router: the switch is taken in
 hand (saves first, then an explicit unload), a model's files are its own, and every way the
 router can fail leaves the request to go on as it would without autosessd.
 
@@ -15,15 +15,15 @@ import json
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.engines.base import EngineBadAnswer, EngineRefused
-from autosessd.keys import conversation_key
-from autosessd.models import Router, model_key
-from autosessd.observe import SLEPT
-from autosessd.sessions import Sessions
-from autosessd.sleep import SleepWatch, sleep_seconds
-from autosessd.store import Store
+from autosessd.base.keys import conversation_key
+from autosessd.modes.models import Router, model_key
+from autosessd.sessions.observe import SLEPT
+from autosessd.sessions.facade import Sessions
+from autosessd.modes.sleep import SleepWatch, sleep_seconds
+from autosessd.store.directory import Store
 from stub_engine import StubEngine, template, tokenize
 
 
@@ -284,5 +284,5 @@ async def test_sleep_saves_first_and_marks_the_slots_empty_once_asleep(tmp_path)
 
 @pytest.mark.parametrize("labels", [{"model": 'a"b\\c\nd'}])
 def test_metrics_label_values_are_escaped(labels):
-    from autosessd.views import _escape
+    from autosessd.sessions.views import _escape
     assert _escape(labels["model"]) == 'a\\"b\\\\c\\nd'

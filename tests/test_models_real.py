@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
-from autosessd.models import model_key
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
+from autosessd.modes.models import model_key
 from harness import Daemon, long_text
 
 pytestmark = pytest.mark.engine

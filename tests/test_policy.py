@@ -2,11 +2,11 @@
 
 import pytest
 
-from autosessd.policy import (BELOW_MIN, LAYOUT_MISMATCH, MODEL_MISMATCH, NO_FILE, NO_MATCH, PROVISIONAL,
+from autosessd.sessions.policy import (BELOW_MIN, LAYOUT_MISMATCH, MODEL_MISMATCH, NO_FILE, NO_MATCH, PROVISIONAL,
                               SAVE_FAILED_DURABLE, UP_TO_DATE, FileInfo, Held, Occasion, Restore, RestoreFile, Save,
                               SaveOutcome, Skip, plan_restore, plan_restore_by_tokens, plan_save, restore_reused,
                               Fetch, plan_fetch_by_key, plan_fetch_by_tokens)
-from autosessd.slotfile import KVLayout
+from autosessd.store.slotfile import KVLayout
 
 MIN = 1000
 M = "model-a"
@@ -196,8 +196,8 @@ def test_plan_fetch_by_key(name, held, outcome, local, local_at, remote_n, remot
 
 
 # -- auto_sessions_min_tokens = "auto" (issue 22) ------------------------------------------
-from autosessd.policy import AUTO_CEILING, AUTO_FLOOR, auto_min_tokens  # noqa: E402
-from autosessd.savings import Prefill  # noqa: E402
+from autosessd.sessions.policy import AUTO_CEILING, AUTO_FLOOR, auto_min_tokens  # noqa: E402
+from autosessd.sessions.savings import Prefill  # noqa: E402
 
 NFAST = 14_072
 CPU = Prefill(a=1.8, b=0.0, reads=5)  # this machine: ~550 tokens/s

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from autosessd import protocol
-from autosessd.keys import conversation_key, is_key, messages_key
-from autosessd.protocol import ProtocolError
-from autosessd.store import AUTO_BIN, Meta, Store, StoreError, manual_name
-from autosessd.requestlog import BadLine, parse_line
+from autosessd.front import protocol
+from autosessd.base.keys import conversation_key, is_key, messages_key
+from autosessd.front.protocol import ProtocolError
+from autosessd.store.directory import AUTO_BIN, Meta, Store, StoreError, manual_name
+from autosessd.follow.requestlog import BadLine, parse_line
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

@@ -7,8 +7,8 @@ the engine's tokens would have chosen; where the messages cannot say that, the e
 import json
 
 import test_sessions_tokens as t
-from autosessd.keys import chain, chat_signature, conversation_key
-from autosessd.names import Mark, Meta, marks_from
+from autosessd.base.keys import chain, chat_signature, conversation_key
+from autosessd.store.names import Mark, Meta, marks_from
 from stub_engine import StubEngine
 
 X, Y, K, body, chat, make, prompt = t.X, t.Y, t.K, t.body, t.chat, t.make, t.prompt

@@ -1,11 +1,11 @@
-"""What a turn asks of the shared bucket's catalog (autosessd/remote.py), without the bucket:
+"""What a turn asks of the shared bucket's catalog (autosessd/sessions/remote.py), without the bucket:
 the catalog is one reading of it, built here by hand."""
 
 import pytest
 
-from autosessd.config import parse
-from autosessd.index import TokenRun, encode
-from autosessd.remote import PREFILL_MIN, Catalog, Remote
+from autosessd.base.config import parse
+from autosessd.store.index import TokenRun, encode
+from autosessd.sessions.remote import PREFILL_MIN, Catalog, Remote
 from autosessd.shared import RemoteSession
 
 CFG = parse(b'slot_save_path = "/x"\n[shared]\nendpoint_url = "http://s3"\nbucket = "b01"\n', "t.toml").shared

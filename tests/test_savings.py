@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from autosessd.report import Counters
-from autosessd.savings import MIN_READ, Savings, fit2
+from autosessd.sessions.report import Counters
+from autosessd.sessions.savings import MIN_READ, Savings, fit2
 
 
 def test_fit_recovers_a_rate_that_grows_with_the_context():

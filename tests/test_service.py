@@ -62,7 +62,7 @@ def test_the_pair_stops_autosessd_first_so_its_stop_save_finds_the_engine_up():
     engine = unit_lines("llama-server.service")
     assert not [line for line in engine if "autosessd" in line and not line.startswith("#")]
     # The stop save's deadline lies inside the stop systemd allows (and autosessd asks for more).
-    from autosessd.config import Config
+    from autosessd.base.config import Config
 
     assert "TimeoutStopSec=15min" in ours and Config().stop_timeout_s < 15 * 60
 
@@ -85,7 +85,7 @@ def test_the_engine_unit_writes_the_log_autosessd_is_told_to_follow():
     (LogsDirectory), and autosessd's unit, ordered after it, names that path for [engine] log."""
     import re
 
-    from autosessd.config import parse
+    from autosessd.base.config import parse
 
     engine_unit = (UNITS / "llama-server.service").read_text()
     path = re.search(r"--log-file (\S+)", engine_unit).group(1)

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
-from autosessd.sessions import Sessions
-from autosessd.saves import Pending
-from autosessd.slot import Phase
-from autosessd.store import Store
+from autosessd.store import slotfile
+from autosessd.base.config import parse
+from autosessd.sessions.facade import Sessions
+from autosessd.sessions.saves import Pending
+from autosessd.sessions.slot import Phase
+from autosessd.store.directory import Store
 from stub_engine import StubEngine
 
 A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
@@ -282,7 +282,7 @@ async def test_a_bug_anywhere_in_the_turn_never_fails_the_request(tmp_path, monk
     """The turn never fails a request: a bug before its first decision (the body's signature,
     here) is logged and named in the turn's result; the request goes on, and the slot is taken
     to hold the request's conversation, not what it held."""
-    from autosessd import turn as turn_mod
+    from autosessd.sessions import turn as turn_mod
 
     s = make(tmp_path)
     await request(s, A, 50)
@@ -307,7 +307,7 @@ def test_a_turns_event_is_a_copy_of_what_the_turn_did():
     the gate's headers read later does not change an event already emitted."""
     from dataclasses import asdict
 
-    from autosessd.report import TurnResult
+    from autosessd.sessions.report import TurnResult
 
     r = TurnResult(key=A, slot=1, saved={"file": "auto-a.bin", "n_tokens": 5}, restored={"file": "auto-b.bin"},
                    prefix={"file": "auto-p.bin"}, tokens_from="messages", skipped=["s"], errors=["e"], ms=1.5)
@@ -323,7 +323,7 @@ async def test_what_a_turn_says_comes_after_it_in_order_and_no_reader_misses_it(
     on its way then), not before the request is forwarded. A reader of the events, or an
     event emitted at once, publishes what waits first: nothing out of order, nothing missed,
     each with the time it happened."""
-    from autosessd import report
+    from autosessd.sessions import report
 
     s = make(tmp_path)
     await request(s, A, 50)
@@ -366,7 +366,7 @@ async def test_what_a_turn_says_comes_after_it_in_order_and_no_reader_misses_it(
 
 async def test_what_the_last_turn_left_to_say_is_said_at_the_stop(tmp_path, monkeypatch):
     """A stop within LATER_S of a turn: its events are published by close()."""
-    from autosessd import report
+    from autosessd.sessions import report
 
     monkeypatch.setattr(report, "LATER_S", 3600.0)  # only the stop can publish them
     s = make(tmp_path)
@@ -384,7 +384,7 @@ async def test_a_request_waiting_behind_another_warms_its_conversations_file(tmp
     larger than half the memory available is not, and is counted as such."""
     import os
 
-    from autosessd import warm
+    from autosessd.sessions import warm
 
     advised = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append((os.fstat(fd).st_ino, advice,

@@ -12,13 +12,13 @@ import json
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
-from autosessd.branches import branch_key, prefix_key
-from autosessd.keys import conversation_key
-from autosessd.sessions import Sessions
-from autosessd.slot import Phase
-from autosessd.store import Store
+from autosessd.store import slotfile
+from autosessd.base.config import parse
+from autosessd.store.branches import branch_key, prefix_key
+from autosessd.base.keys import conversation_key
+from autosessd.sessions.facade import Sessions
+from autosessd.sessions.slot import Phase
+from autosessd.store.directory import Store
 from stub_engine import StubEngine, template, tokenize
 
 MIN = 60

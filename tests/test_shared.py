@@ -111,11 +111,11 @@ def test_credentials_file(tmp_path):
 import struct  # noqa: E402
 import types  # noqa: E402
 
-from autosessd import shared as shared_mod  # noqa: E402
+from autosessd import shared as shared_mod
 from autosessd.shared import downloads as downloads_mod  # noqa: E402
-from autosessd.config import parse  # noqa: E402
+from autosessd.base.config import parse  # noqa: E402
 from autosessd.shared import SharedStore  # noqa: E402
-from autosessd.store import Store  # noqa: E402
+from autosessd.store.directory import Store  # noqa: E402
 
 SHARED_CFG = parse(b'slot_save_path = "/x"\n[shared]\nendpoint_url = "http://127.0.0.1:9"\nbucket = "b01"\n'
                    b'host = "here"\n', "t.toml").shared
@@ -186,7 +186,7 @@ def remote_save(data, saved=100.0, host="there", key=KEY):
 
 
 def slotfile_tokens(data):
-    from autosessd.slotfile import parse_header
+    from autosessd.store.slotfile import parse_header
     return len(parse_header(data).tokens)
 
 
@@ -218,7 +218,7 @@ def test_a_failed_download_teaches_the_rate_and_pauses_downloads(tier, monkeypat
 
 
 def put_local(store, data, saved_at, key=KEY, layout=None):
-    from autosessd.store import Meta
+    from autosessd.store.directory import Meta
     (store.path / f"auto-{key}.bin").write_bytes(data)
     store.write_meta(Meta(key=key, n_tokens=slotfile_tokens(data), bytes=len(data), saved_at=saved_at, model="m1",
                           save_ms=1.0, layout=layout))
@@ -293,7 +293,7 @@ def test_a_download_s_fsyncs_never_hold_up_the_store_for_the_event_loop(tier, mo
 
 
 def test_a_save_of_a_kv_layout_this_engine_cannot_load_never_replaces_the_local_file(tier):
-    from autosessd.slotfile import KVLayout
+    from autosessd.store.slotfile import KVLayout
     sh, store = tier
     local = slot_bytes(3, n_stream=4)
     put_local(store, local, saved_at=100.0, layout="s4")
@@ -348,7 +348,7 @@ def test_the_process_exits_after_a_stop_while_a_bucket_thread_still_waits():
 def test_a_restart_uploads_only_this_host_s_saves_that_the_bucket_prune_would_keep(tier):
     import dataclasses
 
-    from autosessd.store import Meta
+    from autosessd.store.directory import Meta
     sh, store = tier
     sh.cfg = dataclasses.replace(sh.cfg, keep=2)
     keys = [f"{i:016x}" for i in range(1, 5)]

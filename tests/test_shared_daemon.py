@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
-from autosessd.store import auto_name
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
+from autosessd.store.directory import auto_name
 from harness import Daemon, Engine, FakeEngine, chat_body, free_port, going_on, long_text, wait_until
 
 

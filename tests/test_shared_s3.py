@@ -14,14 +14,14 @@ import time
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.index import encode
-from autosessd.keys import conversation_key
-from autosessd.remote import Remote
+from autosessd.store.index import encode
+from autosessd.base.keys import conversation_key
+from autosessd.sessions.remote import Remote
 from autosessd.shared import AlreadyHere, Lease, SharedError, SharedStore, Unavailable
-from autosessd.store import Meta, Store, temp_name
+from autosessd.store.directory import Meta, Store, temp_name
 from harness import chat_body, long_text, wait_until
 
 pytestmark = pytest.mark.s3

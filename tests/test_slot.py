@@ -1,4 +1,4 @@
-"""One slot's state machine (autosessd/slot.py): every event from every phase is either a
+"""One slot's state machine (autosessd/sessions/slot.py): every event from every phase is either a
 transition the table allows or refused, and the fields that belong to one phase do not leak
 into another. The table below is written out by hand: it is what DESIGN §9 and slot.py's
 docstring promise, so a change to slot.TRANSITIONS that breaks it fails here."""
@@ -6,7 +6,7 @@ docstring promise, so a change to slot.TRANSITIONS that breaks it fails here."""
 import pytest
 
 from autosessd.engines.base import SlotState
-from autosessd.slot import Event, InvalidTransition, Phase, Slot, View, allowed
+from autosessd.sessions.slot import Event, InvalidTransition, Phase, Slot, View, allowed
 
 E, S, H, R, U = Phase.EMPTY, Phase.SWITCHED, Phase.HELD, Phase.RESTORED, Phase.UNKNOWN
 K = "aaaaaaaaaaaaaaaa"

@@ -16,8 +16,8 @@ import urllib.request
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
 from harness import Daemon, chat_body, going_on, long_text, wait_until
 
 pytestmark = pytest.mark.engine

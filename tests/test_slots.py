@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.config import parse
+from autosessd.store import slotfile
+from autosessd.base.config import parse
 from autosessd.engines.base import EngineRefused
-from autosessd.launch import Hold, LaunchGate
-from autosessd.sessions import Sessions
-from autosessd.slot import Phase
-from autosessd.store import Store
+from autosessd.sessions.launch import Hold, LaunchGate
+from autosessd.sessions.facade import Sessions
+from autosessd.sessions.slot import Phase
+from autosessd.store.directory import Store
 from stub_engine import StubEngine
 
 KEYS = [f"{c}" * 16 for c in "abcdef"]
@@ -603,7 +603,7 @@ async def test_make_room_on_a_slot_where_a_request_starts_meanwhile_leaves_it_un
 
 # -- whether the engine empties idle slots, known at start without a request of our own --------
 def test_the_mode_is_read_from_the_kv_layout_and_the_engines_command_line():
-    from autosessd.checks import empties_idle_slots
+    from autosessd.sessions.checks import empties_idle_slots
     unified, streams = slotfile.KVLayout(1), slotfile.KVLayout(4)
     exe = ["llama-server", "-m", "m.gguf"]
     assert empties_idle_slots(4, unified, (exe, {}))[0] is True  # -np auto's defaults
@@ -630,7 +630,7 @@ async def test_a_growing_keyless_prompt_goes_back_to_the_slot_that_holds_its_sta
     conversation key: placed on the least recently used slot, every other turn landed on the
     slot that did not hold it and read it all again. Like llama-server's own choice by prompt
     similarity, it goes to the slot whose last keyless prompt shares more than a tenth of it."""
-    from autosessd.placement import keyless_prompt, shared_length
+    from autosessd.sessions.placement import keyless_prompt, shared_length
 
     s = make(tmp_path, n_slots=3)
     chat = "A long story about a knight. " * 50

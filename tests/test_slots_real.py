@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
 from harness import Daemon, chat_body, going_on, long_text
 
 pytestmark = pytest.mark.engine

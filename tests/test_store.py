@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autosessd.store import (Entry, Meta, Store, StoreError, auto_name, manual_name, plan_prune, temp_name)
+from autosessd.store.directory import (Entry, Meta, Store, StoreError, auto_name, manual_name, plan_prune, temp_name)
 
 K = [f"{i:016x}" for i in range(1, 30)]
 MODEL = "m1"
@@ -278,7 +278,7 @@ def test_space_check_does_not_scan_the_directory_at_every_save(tmp_path, monkeyp
 def test_a_file_taken_into_use_while_prune_runs_is_kept(tmp_path, monkeypatch):
     """Prune runs in a worker thread while the loop marks files in use: one taken into use
     after the plan chose it is still not removed, nor reported as removed."""
-    import autosessd.store as store_mod
+    import autosessd.store.directory as store_mod
 
     s = Store(tmp_path)
     for i in range(3):
@@ -327,7 +327,7 @@ def test_install_puts_the_file_and_its_metadata_in_place(tmp_path):
 
 
 def test_install_never_replaces_a_name_held_here_nor_a_local_save_as_new(tmp_path):
-    from autosessd.store import InUse, NewerHere
+    from autosessd.store.directory import InUse, NewerHere
 
     s = Store(tmp_path)
     save(s, K[0], size=100, saved_at=5.0)
@@ -418,7 +418,7 @@ def test_a_file_unchanged_since_its_save_is_checked_by_stats_alone_and_a_changed
     """Issue 23: the restore's check runs on the event loop when a few lstats decide it (a
     thread's round trip cost more than the check); a file whose identity changed needs its
     digest, read in a thread, and a flipped byte is still caught there."""
-    from autosessd.store import NEEDS_READ
+    from autosessd.store.directory import NEEDS_READ
 
     s = Store(tmp_path)
     save(s, "a" * 16)
@@ -442,7 +442,7 @@ def test_the_metadata_written_is_read_back_without_reading_its_file(tmp_path, mo
     (the writer left it cached under the identity it has after its rename), not a read and a
     parse. What is cached is what a reader of the file would get; a metadata file replaced
     by other means is read again."""
-    from autosessd import files
+    from autosessd.base import files
 
     s = Store(tmp_path)
     reads = []

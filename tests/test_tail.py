@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from autosessd.tail import MAX_LINE, BadLine, Follower, LogEvent, parse_line
+from autosessd.follow.tail import MAX_LINE, BadLine, Follower, LogEvent, parse_line
 
 
 def line(**d) -> bytes:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from autosessd.keys import conversation_key
+from autosessd.base.keys import conversation_key
 from harness import Daemon, chat_body, long_text, wait_until
 
 pytestmark = pytest.mark.engine

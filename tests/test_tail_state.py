@@ -5,12 +5,12 @@ ends without counts, the restore after an engine restart, the first start on a l
 import asyncio
 import json
 
-from autosessd import slotfile
-from autosessd.config import parse
-from autosessd.sessions import Sessions
-from autosessd.slot import Phase
-from autosessd.store import Store
-from autosessd.tail import IN_FLIGHT_TTL_S, MAX_IN_FLIGHT, Tail
+from autosessd.store import slotfile
+from autosessd.base.config import parse
+from autosessd.sessions.facade import Sessions
+from autosessd.sessions.slot import Phase
+from autosessd.store.directory import Store
+from autosessd.follow.tail import IN_FLIGHT_TTL_S, MAX_IN_FLIGHT, Tail
 from stub_engine import StubEngine
 
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"

@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from autosessd import slotfile
-from autosessd.keys import conversation_key
+from autosessd.store import slotfile
+from autosessd.base.keys import conversation_key
 from harness import Daemon, long_text, wait_until
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,4 @@
-"""The one HTTP pool to the engine (autosessd/upstream.py), against small in-process servers:
+"""The one HTTP pool to the engine (autosessd/engines/upstream.py), against small in-process servers:
 the gate and the adapter share connections, a connection the engine closed under us is
 retried once, and a retired pool is closed once its last stream has ended."""
 
@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from autosessd.config import parse
+from autosessd.base.config import parse
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.gate import Gate
-from autosessd.sessions import Sessions
-from autosessd.store import Store
-from autosessd.upstream import Upstream
+from autosessd.front.gate import Gate
+from autosessd.sessions.facade import Sessions
+from autosessd.store.directory import Store
+from autosessd.engines.upstream import Upstream
 from harness import free_port
 from stub_engine import StubEngine
 

@@ -5,8 +5,8 @@ log (enginetail.py) saw it first. A scripted engine: health answers and port own
 import asyncio
 from types import SimpleNamespace
 
-from autosessd.config import parse
-from autosessd.watch import EngineWatch
+from autosessd.base.config import parse
+from autosessd.sessions.watch import EngineWatch
 
 
 class Scripted:

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from ..config import parse_address
+from ..base.config import parse_address
 from .base import (EngineBadAnswer, EngineInfo, EngineRefused, EngineTimeout, EngineUnreachable, RestoreResult,
                    SaveResult, SlotState)
 

@@ -15,7 +15,7 @@ running request: every call has engine.timeout_s.
 Router mode (llama-server --models-dir / --models-preset): one adapter per model
 (LlamaServer(url, model=ID)); it names the model in every call ("model" in a POST body,
 ?model= on a GET) and adds autoload=false, so that nothing autosessd asks of a model loads
-it again behind the router's back: only Router.load does that (autosessd/models.py). The
+it again behind the router's back: only Router.load does that (autosessd/modes/models.py). The
 router itself answers GET /models, POST /models/load and /models/unload.
 """
 
@@ -31,7 +31,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from ..upstream import Upstream
+from .upstream import Upstream
 from . import http1
 from .base import (EngineBadAnswer, EngineInfo, EngineLacks, EngineRefused, EngineTimeout, EngineUnreachable, PrefillResult,
                    RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)

@@ -20,6 +20,8 @@ Threads: boto3 is synchronous. The upload worker is one thread of its own; find(
 download() and prune_bucket() block, and the daemon calls them with asyncio.to_thread (the
 client is thread-safe). Nothing here raises into a request for a tier failure except as
 SharedError, which the caller logs and answers by running the turn as if there were no bucket.
+
+May import: base and store (it installs downloads through the store; the sessions call it).
 """
 
 from .bucket import (FORMAT, LEASE, SESSIONS, AlreadyHere, BadObject, BucketPrunePlan, Estimate, Incompatible,

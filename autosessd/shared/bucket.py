@@ -28,7 +28,7 @@ between two saves of one conversation may pick the other's save; NTP keeps that 
 
 Object metadata (x-amz-meta-*) repeats the local store.Meta (key, model, n_tokens, saved_at,
 save_ms, bytes, host). The token list is not copied anywhere: it is the slot file's own header
-(autosessd/slotfile.py), read with one ranged GET by tokens().
+(autosessd/store/slotfile.py), read with one ranged GET by tokens().
 
 Here too: the tier's errors (SharedError and its kinds), the download estimate, the bucket
 prune's plan, and the credentials file. Pure: tested alone (tests/test_shared.py).
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ..store import AUTO_BIN, MANUAL_NAME
+from ..store.directory import AUTO_BIN, MANUAL_NAME
 
 FORMAT = "1"  # x-amz-meta-autosessd-format: the layout above
 SESSIONS = "sessions/"

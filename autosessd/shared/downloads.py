@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from .. import files, slotfile
-from ..names import marks_from
-from ..store import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
+from ..base import files
+from ..store import slotfile
+from ..store.names import marks_from
+from ..store.directory import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
 from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate,
                      stem_of)
 

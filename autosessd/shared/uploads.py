@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from .. import slotfile
-from ..store import Meta, Store
+from ..store import slotfile
+from ..store.directory import Meta, Store
 from .bucket import FORMAT, SESSIONS, SharedError, _why, model_id, parse_key, plan_bucket_prune, stem_of
 
 log = logging.getLogger("autosessd.shared")

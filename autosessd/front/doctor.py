@@ -1,0 +1,326 @@
+"""`autosessctl doctor`: the engine settings that cost reuse, each with the flag that fixes it,
+and for the last restores the engine did not reuse, where the prompt departed from the file, in
+the client's terms ("message 3 (user) differs", "system prompt differs at token 812").
+
+What is read, from the engine itself wherever it can say:
+
+    its flags        the command line (and LLAMA_ARG_* environment) of the process listening on
+                     the engine's port, when it runs on this host and we may read it (psutil);
+                     otherwise what the engine showed: the start's probes, restores reused or not
+    /props           the model file (its GGUF: sliding window, recurrent layers), a slot's n_ctx
+    the directory    the largest file of this model against that context
+
+checks() is pure (a table test covers it): facts in, one Finding per setting out. The departure
+of a restore the engine did not reuse is found from the request's tokens (the engine's template
+and tokenizer, with each token's text) against the file's: the first token where they differ,
+and the message whose text holds it. Bodies of the last few such requests are kept in memory only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..engines import gguf
+from ..store import slotfile
+from ..engines.process import engine_command
+from ..engines.base import EngineError
+from ..store.index import common_prefix, encode
+
+if TYPE_CHECKING:
+    from ..sessions.facade import Sessions
+
+log = logging.getLogger("autosessd")
+
+# Architectures whose state has recurrent layers (llama.cpp's RS memory: Mamba, RWKV, hybrids):
+# the engine cannot roll it back to a prefix, so a restored file is not reused by a prompt that
+# departs from it anywhere. GGUF keys say it for architectures not listed here.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "jamba", "falcon-h1",
+                             "granitehybrid", "nemotron_h", "plamo2", "lfm2", "qwen3next", "bamba"})
+RECURRENT_KEYS = ("ssm.conv_kernel", "ssm.state_size", "wkv.head_size", "shortconv.l_cache")
+
+
+@dataclass(frozen=True)
+class Finding:
+    status: str  # "ok", "problem", "unknown"
+    setting: str  # the engine setting, as its flag
+    says: str  # what was seen
+    fix: str = ""  # the flag (or key) that fixes it
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What doctor knows of the engine. flags: its command-line options as parsed (None: not
+    readable from here)."""
+
+    flags: dict[str, str | bool] | None
+    swa_window: int | None  # the model's sliding window (None: unknown)
+    empties_idle: bool  # the start's probe: a start on one slot empties the idle ones
+    n_slots: int
+    slots_visible: bool
+    save_path: str  # the directory autosessd manages
+    n_ctx: int | None  # a slot's context
+    largest_file: int | None  # tokens of the largest auto file of this model
+    files_over_ctx: int
+    arch: str | None
+    recurrent: bool
+    reused: int  # restores the engine reused since the start
+    not_reused: int
+    not_reused_cause: str | None  # the last one's likely cause
+    swa_retries: int = 0  # requests that ended inside a file on a sliding-window model (retries)
+
+
+def _flag(flags: dict[str, str | bool] | None, *names: str) -> str | bool | None:
+    if flags is None:
+        return None
+    for n in names:
+        if n in flags:
+            return flags[n]
+    return None
+
+
+def checks(f: Facts) -> list[Finding]:
+    """One Finding per engine setting that costs reuse (pure)."""
+    out: list[Finding] = []
+    # --swa-full on a sliding-window model
+    if f.swa_window is None:
+        out.append(Finding("unknown", "--swa-full", "the model's sliding window is not known (its file is not "
+                           "readable here)", "set engine.swa_window; run llama-server with --swa-full if it has one"))
+    elif f.swa_window == 0:
+        out.append(Finding("ok", "--swa-full", "the model has no sliding window: not needed"))
+    else:
+        full = _flag(f.flags, "--swa-full")
+        if full is True:
+            out.append(Finding("ok", "--swa-full", f"on (the model's sliding window is {f.swa_window:,} tokens)"))
+        elif f.flags is not None:
+            out.append(Finding("problem", "--swa-full", f"off, and the model has a {f.swa_window:,}-token sliding "
+                               "window: the engine accepts a restore, then reads the prompt again",
+                               "start llama-server with --swa-full"))
+        elif f.not_reused and not f.reused:
+            out.append(Finding("problem", "--swa-full", f"no restore was reused ({f.not_reused:,} not) on a model "
+                               f"with a {f.swa_window:,}-token sliding window", "start llama-server with --swa-full"))
+        elif f.reused:
+            out.append(Finding("ok", "--swa-full", f"restores were reused ({f.reused:,}): on"))
+        else:
+            out.append(Finding("unknown", "--swa-full", f"the model has a {f.swa_window:,}-token sliding window; its "
+                               "flags are not readable from here and no restore has been verified yet",
+                               "start llama-server with --swa-full"))
+    if f.swa_window and f.swa_retries:
+        out.append(Finding("problem", "sliding window", f"{f.swa_retries:,} request(s) ended inside a saved file (a "
+                           f"retry, a regenerate): with a {f.swa_window:,}-token sliding window, llama-server's file "
+                           "keeps only the window's last cells, so such a prompt is read again (a restore made "
+                           "without its tokens, after a restart through a tail, is even reused with the window's "
+                           "oldest cells missing); a client's next message is restored as always",
+                           "no flag fixes it in llama-server b11434 (README: Limits); a model without a "
+                           "sliding window restores retries too"))
+    # --cache-idle-slots with a unified KV cache
+    if f.n_slots > 1 and f.empties_idle:
+        out.append(Finding("problem", "--cache-idle-slots", "the engine empties every idle slot whenever a request "
+                           "starts on another (a unified KV cache with --cache-idle-slots, the defaults of -np "
+                           "auto): each conversation is saved at its end, and one can miss its save",
+                           "start llama-server with --no-cache-idle-slots"))
+    elif f.n_slots > 1:
+        out.append(Finding("ok", "--cache-idle-slots", "idle slots keep what they hold"))
+    # the slot save path
+    path = _flag(f.flags, "--slot-save-path")
+    if isinstance(path, str) and os.path.realpath(path) != os.path.realpath(f.save_path):
+        out.append(Finding("problem", "--slot-save-path", f"the engine saves into {path}, autosessd manages "
+                           f"{f.save_path}", f"start llama-server with --slot-save-path {f.save_path}"))
+    else:
+        out.append(Finding("ok", "--slot-save-path", f"{f.save_path}" + (
+            " (checked at start by a probe save)" if path is None else "")))
+    # --no-slots
+    if not f.slots_visible or _flag(f.flags, "--no-slots") is True:
+        out.append(Finding("problem", "--no-slots", "GET /slots is off: autosessd cannot see requests that "
+                           "bypass the gate, nor a restore verified outside it",
+                           "start llama-server without --no-slots"))
+    else:
+        out.append(Finding("ok", "--no-slots", "GET /slots answers"))
+    # the context against the saved files
+    if f.n_ctx is not None and f.files_over_ctx:
+        need = (f.largest_file or 0) + 1024
+        total = need * f.n_slots if f.n_slots > 1 and _flag(f.flags, "--kv-unified", "-kvu") is not True else need
+        out.append(Finding("problem", "-c", f"{f.files_over_ctx:,} saved file(s) hold more tokens than a slot's "
+                           f"context ({f.n_ctx:,}; the largest {f.largest_file:,}): the engine refuses them",
+                           f"start llama-server with -c {total:,} or more"))
+    elif f.n_ctx is not None:
+        out.append(Finding("ok", "-c", f"a slot holds {f.n_ctx:,} tokens" + (
+            f"; the largest file {f.largest_file:,}" if f.largest_file else "")))
+    # recurrent / hybrid models
+    if f.recurrent:
+        out.append(Finding("problem", "model", f"{f.arch}: a recurrent or hybrid model; llama-server cannot cut "
+                           "its recurrent state back to a shared prefix, so a restore is reused only by a prompt "
+                           "that continues the file exactly", "no flag fixes it: auto_sessions = false saves the "
+                           "disk, or serve a transformer model"))
+    elif f.arch:
+        out.append(Finding("ok", "model", f"{f.arch}: attention layers only (restores can be reused)"))
+    return out
+
+
+# -- reading the facts -------------------------------------------------------------------------
+_BOOL_ENV = {"LLAMA_ARG_SWA_FULL": "--swa-full", "LLAMA_ARG_NO_SLOTS": "--no-slots",
+             "LLAMA_ARG_KV_UNIFIED": "--kv-unified"}
+_VALUE_ENV = {"LLAMA_ARG_SLOT_SAVE_PATH": "--slot-save-path", "LLAMA_ARG_CTX_SIZE": "-c",
+              "LLAMA_ARG_N_PARALLEL": "-np"}
+_VALUED = {"--slot-save-path", "-c", "--ctx-size", "-np", "--parallel", "--cache-ram", "-cram", "-m", "--model",
+           "--port", "--host"}
+
+
+def parse_flags(argv: list[str], env: dict[str, str] | None = None) -> dict[str, str | bool]:
+    """llama-server's options that matter here, from its argv (and LLAMA_ARG_* environment)."""
+    flags: dict[str, str | bool] = {}
+    for k, flag in _BOOL_ENV.items():
+        if env and env.get(k, "").lower() in ("1", "true", "on", "enabled"):
+            flags[flag] = True
+    for k, flag in _VALUE_ENV.items():
+        if env and env.get(k):
+            flags[flag] = env[k]
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        if name in _VALUED:
+            if not eq and i + 1 < len(argv):
+                val, i = argv[i + 1], i + 1
+            flags[{"--ctx-size": "-c", "--parallel": "-np", "-cram": "--cache-ram"}.get(name, name)] = val
+        elif a.startswith("-"):
+            flags[{"-kvu": "--kv-unified"}.get(a, a)] = True
+        i += 1
+    return flags
+
+
+def _model_facts(path: str) -> tuple[str | None, bool]:
+    if not path:
+        return None, False
+    try:
+        arch = gguf.read_keys(path, {"general.architecture"}, stop_after=1).get("general.architecture")
+        if not isinstance(arch, str):
+            return None, False
+        keys = gguf.read_keys(path, {f"{arch}.{k}" for k in RECURRENT_KEYS})
+        return arch, arch in RECURRENT_ARCHS or bool(keys)
+    except (gguf.BadGGUF, OSError) as e:
+        log.debug("doctor: %s: %s", path, e)
+        return None, False
+
+
+async def facts(s: Sessions) -> Facts:
+    ctx, loop = s.ctx, asyncio.get_running_loop()
+    try:
+        info = await s.engine.info()
+    except EngineError:
+        info = None
+    proc = await loop.run_in_executor(None, engine_command, s.engine.kind, getattr(s.engine, "url", ""))
+    flags = parse_flags(*proc) if proc is not None else None
+    arch, recurrent = await loop.run_in_executor(None, _model_facts, info.model_path if info else "")
+    entries = await loop.run_in_executor(None, lambda: s.store.scan())
+    sizes = [e.meta.n_tokens for e in entries if e.meta is not None and e.meta.model == s.model]
+    n_ctx = info.n_ctx if info is not None else None
+    c, nr = s.counters, s.restore_log.not_reused
+    return Facts(flags=flags, swa_window=ctx.swa_window if ctx.swa_window is not None else (
+                     0 if ctx.cfg.engine.swa_window == 0 else None),
+                 empties_idle=s.launch.empties_idle, n_slots=len(s.slots), slots_visible=ctx.slots_visible,
+                 save_path=str(s.store.path), n_ctx=n_ctx, largest_file=max(sizes) if sizes else None,
+                 files_over_ctx=sum(1 for n in sizes if n_ctx is not None and n >= n_ctx), arch=arch,
+                 recurrent=recurrent, reused=c.restores_reused, not_reused=c.restores_not_reused,
+                 not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries)
+
+
+# -- where a prompt departed from the file ---------------------------------------------------------
+def message_spans(rendered: bytes, messages: list[Any]) -> list[tuple[int, int, int, str]]:
+    """(start byte, end byte, message number from 1, role) of each message's text in the prompt the
+    template rendered, found in order; a message whose text is not found verbatim is left out."""
+    from ..base.keys import _content_text
+
+    spans, pos = [], 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        text = _content_text(m.get("content"))
+        if not text:
+            continue
+        b = text.encode("utf-8", "surrogatepass")
+        at = rendered.find(b, pos)
+        if at < 0:
+            at = rendered.find(b.strip(), pos)
+            b = b.strip()
+        if at < 0:
+            continue
+        spans.append((at, at + len(b), i + 1, str(m.get("role") or "?")))
+        pos = at + len(b)
+    return spans
+
+
+def token_offsets(rendered: bytes, pieces: list[bytes]) -> list[int]:
+    """The byte offset in the rendered prompt where each token starts. A token the tokenizer added
+    that is not in the text (a BOS before a template that writes none) takes no bytes."""
+    out, pos = [], 0
+    for p in pieces:
+        out.append(pos)
+        if p and rendered.startswith(p, pos):
+            pos += len(p)
+    return out
+
+
+def departure(at: int, n_file: int, n_prompt: int, offsets: list[int], spans: list[tuple[int, int, int, str]],
+              window: int | None) -> str:
+    """Where a prompt of n_prompt tokens departed (at token `at`) from a restored file of n_file,
+    worded in the client's terms (pure)."""
+    if at >= n_file:
+        return (f"the prompt continues the whole file ({n_file:,} tokens): the engine itself did not reuse it "
+                "(its flags, above)")
+    if at >= n_prompt:
+        return (f"the prompt ({n_prompt:,} tokens) is shorter than the file ({n_file:,}): the client cut the "
+                "conversation, and the engine reads a prompt again rather than cut its state back")
+    where = f"at token {at:,}"
+    byte = offsets[at] if at < len(offsets) else None
+    msg = None
+    if byte is not None:
+        msg = next((sp for sp in spans if sp[0] <= byte < sp[1]), None)
+        if msg is None:
+            # Between two messages' texts: the template's own markers of the next one.
+            msg = next((sp for sp in spans if byte < sp[0]), None)
+    if msg is None:
+        what = f"the prompt differs from the file {where} (in the template's own text: tools or options?)"
+    elif msg[3] == "system" or msg[3] == "developer":
+        what = f"system prompt differs {where}"
+    else:
+        what = f"message {msg[2]} ({msg[3]}) differs from the file {where}: edited, or another conversation"
+    if window and n_file - at > window:
+        what += (f"; {n_file - at:,} tokens before the file's end, more than the model's sliding window "
+                 f"({window:,}): the engine cannot reuse the part before it")
+    return what
+
+
+async def departures(s: Sessions) -> list[dict[str, Any]]:
+    """For the last restores the engine did not reuse whose request autosessd kept (OpenAI chat
+    bodies), where the prompt departed from the file."""
+    chat, out = s.ctx.chat, []
+    for d in list(s.restore_log.departed)[::-1]:
+        row = {k: d[k] for k in ("file", "key", "n_restored", "cache_n", "at")}
+        body = d.get("body")
+        try:
+            if chat is None or body is None:
+                raise EngineError("no request body kept for it (another API, or the turn hook)")
+            header = await asyncio.get_running_loop().run_in_executor(
+                None, slotfile.read_header, s.store.path / d["file"])
+            rendered = await chat.apply_template(body)
+            toks = await chat.tokenize_pieces(rendered)
+            ids = [t for t, _ in toks]
+            at = common_prefix(encode(ids), header.encoded())
+            text = rendered.encode("utf-8", "surrogatepass")
+            row["where"] = departure(at, header.n_tokens, len(ids), token_offsets(text, [p for _, p in toks]),
+                                     message_spans(text, body.get("messages") or []), s.ctx.swa_window)
+            row["token"] = at
+        except (EngineError, OSError, slotfile.BadSlotFile, AttributeError) as e:
+            row["where"] = f"not known: {e}"
+        out.append(row)
+    return out
+
+
+async def run(s: Sessions) -> dict[str, Any]:
+    f = await facts(s)
+    return {"engine": s.engine.address, "flags_read": f.flags is not None,
+            "findings": [asdict(x) for x in checks(f)], "not_reused": await departures(s)}

@@ -1,0 +1,189 @@
+"""What each slot held last (held.json in the state directory), for the restore after a
+restart (the tail's by key, the engine log's by file) and at a start (issue 33: after a
+reboot of the engine and autosessd, each slot's last conversation is back before its first
+request). Kept as the slots change (Recorder: a slot that holds a conversation in a file, its
+key, its file and when), and at every stop; written whole to a temporary, fsynced, renamed,
+the directory fsynced: a crash leaves the old record or the new one. A file of another model,
+or one that cannot be read, is as good as none."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..base.files import read_small
+from .slot import Phase, Slot
+
+log = logging.getLogger("autosessd")
+
+
+def file_name(model: str | None = None) -> str:
+    """held.json; behind a router, held-<digest of the model>.json: one per model, so that a
+    model's record never overwrites another's."""
+    return "held.json" if model is None else f"held-{hashlib.sha256(model.encode()).hexdigest()[:16]}.json"
+
+
+def record(path: Path, model: str, slots: Iterable[Slot], kept: dict[int, dict[str, Any]] | None = None) -> None:
+    """Remember the held conversations at a stop (logged, never raised, when it cannot); kept:
+    the Recorder's entries, for the slots that hold nothing to name now."""
+    now = round(time.time(), 3)
+    entries = {k: dict(v) for k, v in (kept or {}).items()}
+    entries.update({s.id: {"key": s.view.key, "n_tokens": s.view.n_tokens, "file": s.view.file, "at": now}
+                    for s in slots if s.view.key and s.view.phase is not Phase.UNKNOWN})
+    _write(path, {"model": model, "slots": {str(k): v for k, v in sorted(entries.items())}})
+
+
+def _write(path: Path, data: dict[str, Any]) -> bool:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)  # 0600, its own
+        tmp = Path(name)
+        try:
+            try:
+                os.write(fd, json.dumps(data).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return True
+    except OSError as e:
+        log.warning("auto sessions: could not record the held conversations in %s: %s", path, e)
+        return False
+
+
+class Recorder:
+    """held.json kept as the slots change: slot.py's one writer calls changed() on every
+    transition, and a slot that holds a conversation in a file (held or restored, its file
+    known) replaces its entry; a slot that runs a request, lost its state or is empty keeps
+    its last one (what it held last is what a restart restores). Written off the loop, at most
+    once per FLUSH_S, only when an entry changed."""
+
+    FLUSH_S = 0.05
+
+    def __init__(self, path: Path, model: str, slots: dict[int, Slot] | None = None):
+        """slots: told to call changed() on every transition."""
+        self.path = path
+        self.model = model
+        self.entries: dict[int, dict[str, Any]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._writing: asyncio.Future | None = None
+        self._dirty = False
+        try:
+            data = json.loads(read_small(path))
+            if data.get("model") == model:
+                self.entries = {int(k): dict(v) for k, v in data.get("slots", {}).items() if isinstance(v, dict)}
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+        for sl in (slots or {}).values():
+            sl.on_change = self.changed
+
+    # -- what the inputs ask ------------------------------------------------------------------
+    async def record_stop(self, slots: Iterable[Slot]) -> None:
+        """At a stop: the slots as they are now, over what each held last; after the write in
+        flight, if any, and instead of the one waiting (an older record never lands after it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._dirty = False
+        if self._writing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._writing)
+        record(self.path, self.model, slots, self.entries)
+
+    def keys(self) -> dict[int, str]:
+        """slot → the conversation it held last (the tail's restore, by key)."""
+        return recorded(self.path, self.model)
+
+    def files(self) -> tuple[dict[int, str], float]:
+        """slot → the file holding what it held last, and when that was recorded."""
+        return recorded_files(self.path, self.model)
+
+    def files_at(self) -> dict[int, tuple[str, float]]:
+        """slot → (the file holding what it held last, when that slot's entry was made)."""
+        files, mtime = self.files()
+        return {slot: (name, float(self.entries.get(slot, {}).get("at") or mtime)) for slot, name in files.items()}
+
+    # -- keeping it ----------------------------------------------------------------------------
+    def changed(self, s: Slot) -> None:
+        v = s.view
+        if v.phase not in (Phase.HELD, Phase.RESTORED) or not v.key:
+            return
+        old = self.entries.get(s.id)
+        if not v.file:
+            # A conversation in no file of its own (a new one; one that went on from another's
+            # file or a prefix, which its view does not call its own): nothing to put back.
+            if old is not None:
+                del self.entries[s.id]
+                self._schedule()
+            return
+        if old is not None and (old.get("key"), old.get("file")) == (v.key, v.file):
+            if old.get("n_tokens") == v.n_tokens:
+                return
+        self.entries[s.id] = {"key": v.key, "n_tokens": v.n_tokens, "file": v.file, "at": round(time.time(), 3)}
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._dirty = True
+        if self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(self.FLUSH_S, self._flush)
+            except RuntimeError:  # no loop (a test calling it directly): now
+                self._write_now()
+
+    def _flush(self) -> None:
+        self._timer = None
+        if not self._dirty or (self._writing is not None and not self._writing.done()):
+            if self._dirty:  # a write is under way: once more after it
+                self._timer = asyncio.get_running_loop().call_later(self.FLUSH_S, self._flush)
+            return
+        self._dirty = False
+        data = {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}}
+        self._writing = asyncio.get_running_loop().run_in_executor(None, _write, self.path, data)
+
+    def _write_now(self) -> None:
+        self._dirty = False
+        _write(self.path, {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}})
+
+    def last(self) -> list[tuple[int, dict[str, Any]]]:
+        """(slot, entry) of every slot's last conversation, the most recently used first."""
+        return sorted(self.entries.items(), key=lambda kv: -float(kv[1].get("at") or 0))
+
+
+def recorded(path: Path, model: str) -> dict[int, str]:
+    """slot → the conversation it held at the last stop, for this model."""
+    try:
+        data = json.loads(read_small(path))
+        if data.get("model") != model:
+            return {}
+        return {int(k): str(v["key"]) for k, v in data.get("slots", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def recorded_files(path: Path, model: str) -> tuple[dict[int, str], float]:
+    """slot → the session file that held its conversation at the last stop (the engine log's
+    restore, by file), for this model; and when that was recorded (0: never)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("model") != model:
+            return {}, 0.0
+        files = {int(k): v["file"] for k, v in data.get("slots", {}).items() if isinstance(v.get("file"), str)}
+        return files, path.stat().st_mtime
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}, 0.0

@@ -1,0 +1,511 @@
+"""One save path: what a slot holds, written to a session file, and the files' facts.
+
+Every save goes through `save()`; every occasion that may or may not save (a switch, a
+keyless request, a request's end on an engine that empties idle slots, the stop, the tail's
+save behind, make-room, a command's restore) asks `save_if_worth()`, which decides with
+policy.plan_save on the files as they will be once the finalizes in flight have landed (a
+save of the same conversation may still be finalizing: deciding on the file as it was would
+save the same state twice, at a stop a second multi-GB save inside stop_timeout_s).
+
+    engine writes   .autosessd-<key>.partial        (one save per temporary name at a time:
+                                                     two slots saving one prefix, or one key)
+    checked         size against the engine's answer (Store.verify_temp), header tokens against
+                    its count (_check_header), the KV layout learned from the file
+    named           by its header's tokens (branches.save_key): the conversation's own file, a
+                    branch, or none when a file holds it all already ("covered")
+    finalize        fsync → rename → metadata, in a worker thread off the request's path;
+                    the name is held in Store.in_use until then, and the slot's view says
+                    which file holds its conversation now (Slot.saved)
+
+A save returns to its caller as soon as the temporary checked out, and nothing on a
+request's path waits for a finalize's fsync (issue 31: at 128 KiB a token, the fsync of a
+2 GB save takes seconds, and a switch back used to wait for it). What a finalize in flight
+will make is known already (Pending: its metadata less the digest, its header's tokens), so
+
+    decisions       the up-to-date check (held_info), the naming by tokens (saved_file) and the
+                    restore choice (pending_best) read a pending file's facts as they will be
+    a restore       of a pending file reads its temporary through a hard link of its own
+                    (Restorer, Store.link_temp): the bytes are whole (verified), only not yet
+                    durable, and the link does not care when the rename comes
+    waits           only where bytes are at stake: a save whose temporary name is still a
+                    pending finalize's (the engine would write into the file being fsynced), and a
+                    finalize of a file another finalize of it still runs (in order, newest last)
+
+A crash before a finalize ends loses that save, never a file (no auto-* name until the fsync);
+a finalize that fails drops its Pending, and decisions read the directory again. Commands
+and the stop wait for every finalize (settled, wait_file). Lock order: the slot's ticket, the
+launch gate, then the temporary's lock here, then finalize futures; Store and TokenIndex
+locks are taken only inside their own calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+
+from ..base import logs
+from . import policy
+from ..store import slotfile
+from ..engines.base import EngineError
+from ..store.branches import SavedFile, save_key
+from ..store.index import common_prefix, swa_usable
+from ..base.keys import chain
+from .phases import timed
+from .policy import FileInfo, Held, Occasion, Save, SaveOutcome, Skip
+from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
+from .slot import Phase, Slot, View
+from ..store.directory import AUTO_BIN, Mark, Meta, StoreError, auto_name, temp_name
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .observe import Observer
+
+log = logging.getLogger("autosessd")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A save whose finalize (fsync, rename, metadata) runs in a thread: what it will make."""
+
+    temp: str  # the temporary's key: the bytes are at .autosessd-<temp>.partial until the rename
+    final: str  # the name it becomes
+    meta: Meta | None  # an auto file's metadata as finalize writes it, less its digest; None: a person's name
+    tokens: bytes | None  # its header's tokens (None: an engine whose files do not show them)
+    ino: int  # the temporary's inode, as verified: a link is made only to that file
+    fut: asyncio.Future
+
+
+class Saver:
+    def __init__(self, ctx: Context, observer: Observer):
+        self.ctx = ctx
+        self.observer = observer
+        self._finalizing: dict[str, Pending] = {}  # by the final file's key
+        self._temps: dict[str, list] = {}  # temporary's key → [asyncio.Lock, users]
+        self._free_target = 0  # bytes a refused save needed free; the next prune makes room
+        # Called on the loop once a conversation's save is final: (its name, its metadata, the
+        # tokens its header holds, the slot's view that was saved). recall.py checks its reply.
+        self.after_final: list[Callable[[str, Meta, bytes, View], None]] = []
+
+    # -- the files' facts --------------------------------------------------------------------
+    def meta_of(self, name: str) -> Meta | None:
+        """An auto file's metadata: a pending finalize's as it will be written, else the disk's."""
+        m = AUTO_BIN.match(name)
+        return self.read_meta(m.group(1)) if m else None
+
+    def read_meta(self, key: str) -> Meta | None:
+        """store.read_meta, or the metadata a finalize in flight will write for auto-<key>.bin."""
+        p = self._finalizing.get(key)
+        if p is not None and p.meta is not None and p.final == auto_name(key):
+            return p.meta
+        return self.ctx.store.read_meta(key)
+
+    def pending(self, name: str) -> Pending | None:
+        """The finalize in flight that will make `name`, if any."""
+        m = AUTO_BIN.match(name)
+        p = self._finalizing.get(m.group(1)) if m else None
+        return p if p is not None and p.final == name else None
+
+    def tokens_of(self, name: str) -> bytes | None:
+        """The tokens a file holds (a pending one's as it will be), when known."""
+        p = self.pending(name)
+        if p is not None:
+            return p.tokens
+        e = self.ctx.index.get(name) if self.ctx.index is not None else None
+        return e.tokens if e is not None else None
+
+    def pending_best(self, tokens: bytes, model: str | None, found: tuple[str, int] | None, min_lcp: int,
+                     window: int | None, prefer: str | None = None) -> tuple[str, int] | None:
+        """index.best over the files being finalized too (the index learns a file once it is
+        final): `found` (the index's choice among final files), or a pending file of `model`
+        sharing more with `tokens` (min_lcp at least; on a tie, `prefer`), by the same rules."""
+        for p in list(self._finalizing.values()):
+            if p.meta is None or p.tokens is None or p.meta.model != model:
+                continue
+            n = common_prefix(p.tokens, tokens)
+            if n < max(1, min_lcp) or not swa_usable(p.meta.n_tokens, n, window):
+                continue
+            if found is None or n > found[1] or (n == found[1] and p.final == prefer):
+                found = (p.final, n)
+        return found
+
+    def file_info(self, key: str) -> FileInfo | None:
+        meta = self.read_meta(key)
+        if meta is None:
+            return None
+        return FileInfo(meta.n_tokens, meta.model, slotfile.KVLayout.from_fingerprint(meta.layout) if meta.layout
+                        else None)
+
+    def loadable(self, name: str, meta: Meta | None = None) -> bool:
+        """Whether this engine can load the file, by the KV layout its metadata records (meta:
+        the file's, when the caller read it already)."""
+        meta = meta or self.meta_of(name)
+        layout = slotfile.KVLayout.from_fingerprint(meta.layout) if meta is not None and meta.layout else None
+        return layout is None or self.ctx.engine_layout is None or layout.compatible(self.ctx.engine_layout)
+
+    def held_info(self, v: View) -> FileInfo | None:
+        """The file holding the slot's conversation as last saved or restored (View.file), for
+        plan_save's up-to-date check; None when it has none (yet): it is saved, and the
+        file's tokens then decide its name."""
+        meta = self.meta_of(v.file) if v.file is not None else None
+        return FileInfo(meta.n_tokens, meta.model) if meta else None
+
+    def saved_file(self, key: str) -> SavedFile | None:
+        """auto-<key>.bin as branches.save_key needs it: its tokens (the index's, else its header)
+        and the prompt count its metadata recorded."""
+        store, index = self.ctx.store, self.ctx.index
+        p = self.pending(auto_name(key))
+        if p is not None and p.meta is not None and p.tokens is not None:
+            return SavedFile(p.tokens, p.meta.n_prompt)  # as it will be once final
+        meta = store.read_meta(key)
+        e = index.get(auto_name(key)) if index is not None else None
+        if e is not None and meta is not None and e.n_tokens == meta.n_tokens:
+            return SavedFile(e.tokens, meta.n_prompt)
+        try:
+            header = slotfile.read_header(store.bin_path(key), self.ctx.max_tokens)
+        except FileNotFoundError:
+            return None
+        except (slotfile.BadSlotFile, OSError):
+            return SavedFile(b"")  # not a state this engine wrote: ours to replace
+        return SavedFile(header.encoded(), meta.n_prompt if meta else None)
+
+    def writing(self) -> set[str]:
+        """Files being finalized (the slot that saved them holds them live)."""
+        return {p.final for p in self._finalizing.values()}
+
+    def in_flight(self, key: str) -> bool:
+        """A save of temporary `key` is in flight, or its file is being finalized."""
+        return key in self._temps or key in self._finalizing
+
+    # -- waiting for finalizes ------------------------------------------------------------------
+    async def wait_file(self, key: str) -> FileInfo | None:
+        """auto-<key>.bin's facts once its finalize in flight (if any) has landed: for commands,
+        which hand people a file on disk. A turn reads file_info (pending ones as they will be)."""
+        pending = self._finalizing.get(key)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending.fut)
+        return self.file_info(key)
+
+    async def _wait(self, futs: list[asyncio.Future]) -> None:
+        for fut in futs:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+        if futs:
+            await asyncio.sleep(0)  # their done-callbacks (_finalized) run before the caller goes on
+
+    async def temp_free(self, temp: str) -> None:
+        """Until no finalize in flight holds .autosessd-<temp>.partial: the engine writes a
+        save into that name, over the bytes being fsynced."""
+        while futs := [p.fut for p in self._finalizing.values() if p.temp == temp]:
+            await self._wait(futs)
+
+    async def settled(self) -> None:
+        """Every finalize in flight: a save's temporary is named by its line's key while its
+        final name is chosen by comparing with the files of that line."""
+        while self._finalizing:
+            fut = next(iter(self._finalizing.values())).fut
+            if fut.done():
+                # Finished, and its done-callback (_finalized, which removes it) is queued on
+                # the loop: awaiting a done future does not yield, so yield once for it to run
+                # instead of spinning here for ever with the loop blocked.
+                await asyncio.sleep(0)
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+
+    def finalizing(self) -> list[asyncio.Future]:
+        return [p.fut for p in self._finalizing.values()]
+
+    def room_wanted(self) -> int:
+        """Bytes a refused save needed free (the prune makes room for them), once."""
+        target, self._free_target = self._free_target, 0
+        return target
+
+    # -- deciding ----------------------------------------------------------------------------
+    async def save_if_worth(self, s: Slot, occasion: Occasion, key: str | None = None,
+                            result: TurnResult | None = None,
+                            check: Callable[[], Awaitable[str | None]] | None = None
+                            ) -> tuple[Save | Skip | None, SaveOutcome]:
+        """Save the slot's conversation if policy.plan_save says so for this occasion (key:
+        the conversation that runs next, at a switch), deciding on its file as it will be once
+        the finalizes in flight have landed (held_info reads a pending one's metadata: no wait).
+        → (the plan's step, what came of it); None: the slot holds no conversation we can name."""
+        if not await self._facts_ok(s, result):
+            return None, SaveOutcome.NOT_TRIED
+        held = s.view.conversation()
+        step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
+        if isinstance(step, Save) and held is not None:
+            return step, await self.save(s, held, result, check=check)
+        return step, SaveOutcome.NOT_TRIED
+
+    async def _facts_ok(self, s: Slot, result: TurnResult | None) -> bool:
+        """Nothing is decided or saved under the facts of an engine that has restarted since
+        (facts.py; said where found). No probe save: this save teaches the layout."""
+        if self.ctx.facts.usable or await self.ctx.facts.fresh(s.id, probe=False):
+            return True
+        if result is not None:
+            result.skipped.append(f"save: {self.ctx.facts.off or 'the engine is not known since its restart'}")
+        return False
+
+    @contextlib.asynccontextmanager
+    async def _temporary(self, key: str) -> AsyncIterator[None]:
+        """One save per temporary name at a time (two slots reading one system prompt save
+        one prefix file; a client may pin one conversation to two slots): the engine would
+        write both into the same .partial, and one finalize would find it gone."""
+        entry = self._temps.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._temps[key]
+
+    # -- saving --------------------------------------------------------------------------------
+    async def save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None = None,
+                   check: Callable[[], Awaitable[str | None]] | None = None,
+                   prefix: bytes | None = None) -> SaveOutcome:
+        """Save what slot s holds: the conversation of first-message key held.key (or the
+        manual file `target`, or with `prefix` the shared prefix of key held.key, which must
+        hold exactly those tokens). Blocks on the temporary's lock, the finalizes in flight and
+        the engine (which waits for a busy slot).
+
+        `check`, when given, runs after the engine wrote the temporary: a reason it returns
+        means the state may not be the held conversation's, and the temporary is dropped."""
+        if not await self._facts_ok(s, result):
+            return SaveOutcome.NOT_TRIED
+        async with self._temporary(held.key):
+            with timed(result, "wait"):
+                await self.temp_free(held.key)
+            with timed(result, "save"):
+                return await self._save(s, held, result, target, check, prefix)
+
+    async def _save(self, s: Slot, held: Held, result: TurnResult | None, target: str | None,
+                    check: Callable[[], Awaitable[str | None]] | None, prefix: bytes | None) -> SaveOutcome:
+        ctx, store, c = self.ctx, self.ctx.store, self.ctx.counters
+        key = held.key
+        what = f"save to {target or auto_name(key)}"  # a conversation may then go to a branch name
+        short = store.check_space(held.n_tokens or 0)
+        if short:
+            # The prune after this turn evicts the oldest auto files until the next save fits.
+            self._free_target = max(self._free_target, store.space_needed(held.n_tokens or 0))
+            c.skipped_disk_full += 1
+            c.save_failures += 1
+            return self._failed(what, short, key, result)
+        t0 = time.monotonic()
+        # The engine's as the save starts: a restart's new facts may come meanwhile (facts.py).
+        model, generation = ctx.model, ctx.facts.generation
+        ctx.events.emit("saving", slot=s.id, key=key, file=target, n_tokens=held.n_tokens)
+        try:
+            res = await ctx.engine.save(s.id, temp_name(key))
+        except EngineError as e:
+            store.discard_temp(key)
+            c.save_failures += 1
+            return self._failed(what, str(e), key, result)
+        try:
+            ino = store.verify_temp(key, res.n_bytes, ctx.engine.magic)
+            header = self._check_header(key, res.n_tokens)
+        except StoreError as e:
+            if not store.temp_path(key).exists():  # the first save since a restart is the probe too
+                ctx.facts.saves_elsewhere(f"the engine saves its sessions somewhere other than {store.path}",
+                                          generation)
+            store.discard_temp(key)
+            c.save_failures += 1
+            return self._failed(what, str(e), key, result)
+        if res.n_tokens == 0:
+            # The slot holds nothing: not a failed save but a state that is gone (an engine that
+            # empties idle slots, a restart). Nothing held blocks the next restore.
+            store.discard_temp(key)
+            if result is not None:
+                result.skipped.append(f"{what}: the engine's slot was empty (0 tokens saved)")
+            log.info("auto sessions: %s: the engine's slot was empty (0 tokens saved)", what)
+            if target is None:
+                self.observer.lost(s, "the engine's slot was empty when it was saved")
+            return SaveOutcome.NOT_TRIED
+        if held.n_tokens is None and target is None and res.n_tokens < ctx.min_tokens:
+            # The count could not be read before (no GET /slots): the engine's answer decides.
+            store.discard_temp(key)
+            skipped(c, Skip("save", key, policy.BELOW_MIN), result)
+            return SaveOutcome.NOT_TRIED
+        why = await check() if check is not None else None
+        if why:
+            store.discard_temp(key)
+            c.saves_discarded += 1
+            log.warning("auto sessions: %s discarded: %s", what, why)
+            ctx.events.emit("save_discarded", slot=s.id, key=key, why=why)
+            return SaveOutcome.FAILED
+        tokens = header.encoded() if header is not None else None
+        # Where it goes: the header's tokens against the files of its line.
+        line: str | None = key
+        how = "key"  # an engine whose files do not show their tokens: by the key, as before
+        file_key = key
+        if prefix is not None:
+            if tokens != prefix:
+                store.discard_temp(key)
+                c.save_failures += 1
+                return self._failed(what, f"the engine saved {res.n_tokens:,} tokens, not the prefix's "
+                                          f"{len(prefix) // 4:,}", key, result)
+            line, how = None, "prefix"
+        elif target is None and tokens is not None:
+            to = save_key(key, tokens, self.saved_file)
+            file_key, how = to.key, to.why
+            if to.why == "covered":
+                store.discard_temp(key)
+                c.saves_covered += 1
+                msg = f"{what} not kept: {auto_name(to.key)} holds its {res.n_tokens:,} tokens and more"
+                log.info("auto sessions: %s", msg)
+                ctx.events.emit("save_covered", slot=s.id, key=key, file=auto_name(to.key), n_tokens=res.n_tokens)
+                if result is not None:
+                    result.skipped.append(msg)
+                return SaveOutcome.SAVED  # the conversation is in a file: as good as saved
+        final = target or auto_name(file_key)
+        ms = (time.monotonic() - t0) * 1000
+        v = s.view
+        mine = target is None and prefix is None and v.key == key and v.phase in (Phase.HELD, Phase.RESTORED)
+        n_prompt = v.n_prompt if mine and v.n_prompt is not None and v.n_prompt <= res.n_tokens else None
+        layout = self._learn_layout(key, generation)
+        meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=model,
+                    save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
+                    prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
+                    marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
+        earlier = self._finalizing.get(file_key)
+        if earlier is not None:
+            # Another temporary's finalize of the same file still runs (a branch or prefix name
+            # two lines reach): this one lands after it, so the newer state is the one kept.
+            await self._wait([earlier.fut])
+        store.acquire(final)
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
+        except BaseException:
+            store.release(final)
+            raise
+        self._finalizing[file_key] = Pending(key, final, meta if target is None else None, tokens, ino, fut)
+        saved = (v, tokens) if mine and tokens is not None and meta.marks else None
+        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None, saved))
+        if mine:
+            # The engine's count is the truth (a client's usage may differ by one), and the
+            # header says token for token what the slot holds.
+            s.saved(n_tokens=res.n_tokens, tokens=tokens, file=final)
+        c.saves += 1
+        if how == "branch":
+            c.saves_branched += 1
+        c.bytes_saved += res.n_bytes
+        c.ms_saved += res.ms
+        ctx.savings.saw_save(res.n_tokens, res.n_bytes, res.ms)
+        ctx.histograms.save.observe(res.ms / 1000)
+        logs.soon(log, logging.INFO, "auto sessions: saved %s tokens (%s) to %s in %.0f ms%s",
+                  fmt_tokens(res.n_tokens), fmt_bytes(res.n_bytes), final, ms,
+                  f" (conversation {key}: {how})" if how not in ("key", "new", "extends") else "")
+        info = {"key": key, "file": final, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
+                "engine_ms": round(res.ms, 2), "ms": round(ms, 2), "named": how}
+        ctx.events.emit("saved", slot=s.id, **info)
+        if result is not None:
+            result.saved = info
+        return SaveOutcome.SAVED
+
+    def _marks(self, v: View, n_prompt: int | None, tokens: bytes | None) -> tuple[Mark, ...]:
+        """Where the saved state's tokens came from, by messages (names.Mark): its first n_prompt
+        tokens are the prompt of the request that made it, whose chat signature the view holds.
+        None of it for a state a cancelled request left (how much of its prompt it holds is not
+        known), nor when what the turn learned of that prompt disagrees with the file."""
+        if v.messages is None or n_prompt is None or not v.durable or tokens is None or n_prompt > len(tokens) // 4:
+            return ()
+        if v.tokens is not None and len(v.tokens) // 4 == n_prompt and tokens[:4 * n_prompt] != v.tokens:
+            return ()  # the prompt's tokens as the turn asked for them are not the file's first ones
+        return (Mark(len(v.messages) - 1, n_prompt, chain(v.messages, self.ctx.template)[-1]),)
+
+    def _check_header(self, key: str, n_saved: int) -> slotfile.SlotHeader | None:
+        """The file's own header must agree with the engine's answer (llama-server files).
+        Returns it: the tokens the file holds (None for engines whose files we cannot read)."""
+        if self.ctx.engine.magic != slotfile.MAGIC_BYTES:
+            return None
+        path = self.ctx.store.temp_path(key)
+        try:
+            header = slotfile.read_header(path)
+        except (slotfile.BadSlotFile, OSError) as e:
+            raise StoreError(f"{path.name}: {e}") from None
+        if header.n_tokens != n_saved:
+            raise StoreError(f"{path.name} holds {header.n_tokens:,} tokens by its header, the engine reported "
+                             f"{n_saved:,}")
+        return header
+
+    def _learn_layout(self, key: str, generation: int) -> slotfile.KVLayout | None:
+        """The KV layout of a state file this engine just wrote: it is the engine's layout, the
+        first full one the engine's current process shows (facts.py resets it at a restart).
+        The save landed here with state in it: since a restart, the probe's answer too."""
+        if generation == self.ctx.facts.generation:
+            self.ctx.facts.saved_here(generation)
+        if self.ctx.engine.magic != slotfile.MAGIC_BYTES:
+            return None
+        try:
+            layout = slotfile.read_layout(self.ctx.store.temp_path(key))
+        except (slotfile.BadSlotFile, OSError) as e:
+            log.debug("auto sessions: KV layout of %s: %s", key, e)
+            return None
+        known = self.ctx.engine_layout
+        if generation == self.ctx.facts.generation and (known is None or known.v_trans is None):
+            self.ctx.engine_layout = layout
+        return layout
+
+    def _finalize(self, key: str, meta: Meta, target: str | None, header: slotfile.SlotHeader | None) -> Meta:
+        """In a worker thread: make the temporary of `key` final (its metadata with the file's
+        digest: what is returned), then index it."""
+        store, index = self.ctx.store, self.ctx.index
+        if target is None:
+            meta = store.finalize(key, meta)
+            name = auto_name(meta.key)
+        else:
+            store.finalize_manual(key, target)
+            name = target  # parked by us: its model is known
+        if index is not None and header is not None:
+            try:
+                # The model it was saved for (an engine may restart with another meanwhile).
+                index.add(name, header.tokens, meta.model, meta.marks if target is None else ())
+            except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
+                log.warning("auto sessions: indexing %s: %s", name, e)
+        return meta
+
+    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool,
+                   saved: tuple[View, bytes] | None = None) -> None:
+        """auto: a conversation's, a branch's or a prefix's file, uploaded to the shared bucket
+        once final (with the metadata finalize wrote). People's parked names stay local. saved:
+        the view saved and the file's tokens, for after_final."""
+        store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
+        p = self._finalizing.get(file_key)
+        if p is not None and p.fut is fut:
+            del self._finalizing[file_key]
+        store.release(final)
+        exc = fut.exception() if not fut.cancelled() else None
+        if exc is None and not fut.cancelled() and auto and remote is not None:
+            meta = fut.result()
+            remote.upload_later(store.bin_path(meta.key), meta)
+        if exc is None and not fut.cancelled():
+            self.ctx.events.emit("finalized", key=key, file=final)  # durable: fsynced, renamed, its metadata
+        if exc is None and not fut.cancelled() and saved is not None:
+            for hook in self.after_final:
+                try:
+                    hook(final, fut.result(), saved[1], saved[0])
+                except Exception as e:  # a hook's bug must not fail the save
+                    log.exception("auto sessions: after the save of %s: %s", final, e)
+        if exc is not None:
+            self.ctx.counters.save_failures += 1
+            store.discard_temp(key)
+            if final == auto_name(file_key) and store.read_meta(file_key) is None:
+                with contextlib.suppress(StoreError, OSError):
+                    store.remove(file_key)
+                if index is not None:
+                    index.remove(final)
+            log.error("auto sessions: finalize of %s: %s", final, exc)
+            self.ctx.events.emit("save_failed", key=key, file=final, error=str(exc))
+
+    def _failed(self, what: str, why: str, key: str, result: TurnResult | None) -> SaveOutcome:
+        log.warning("auto sessions: %s: %s", what, why)
+        self.ctx.events.emit("save_failed", key=key, error=why)
+        if result is not None:
+            result.errors.append(f"{what}: {why}")
+        return SaveOutcome.FAILED

@@ -1,0 +1,96 @@
+"""The session directory kept: the token index's life (built at start, cached at stop) and
+prune (after each turn, off the request's path; `autosessctl prune`).
+
+Prune keeps the newest auto_sessions_keep auto files and at most auto_sessions_max_gb of
+them, never one in use (Store.in_use), and after a save refused for space also frees what
+that save needed (Saver.room_wanted). It runs in a worker thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from . import facts
+from ..store.index import TokenIndex
+from .report import fmt_bytes
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .saves import Saver
+
+log = logging.getLogger("autosessd")
+
+
+class Upkeep:
+    def __init__(self, ctx: Context, saver: Saver | None = None):
+        """saver: whose refused saves the prune makes room for; behind a router each model's
+        Sessions adds its own (savers), and one Upkeep keeps the one directory."""
+        self.ctx = ctx
+        self.savers: list[Saver] = [saver] if saver is not None else []
+        self._prune_task: asyncio.Task | None = None
+
+    # -- the token index -----------------------------------------------------------------
+    async def prepare(self, swa: bool = True) -> None:
+        """At start, after store.cleanup(): index the session files (from the cache in the
+        state directory when their files did not change) and learn the model's sliding
+        window. Without an index every restore follows the key rule."""
+        ctx = self.ctx
+        index = TokenIndex(ctx.store.path, ctx.cfg.effective_state_dir() / "index.cache", ctx.max_tokens)
+        try:
+            rep = await asyncio.get_running_loop().run_in_executor(None, index.scan)
+        except OSError as e:
+            log.warning("auto sessions: cannot index %s (%s): files are restored by their key only", ctx.store.path, e)
+            return
+        ctx.index = index
+        log.info("auto sessions: indexed %d session files in %.0f ms (cache: %s, %d from it, %d headers read)",
+                 rep.files, rep.seconds * 1000, rep.cache, rep.from_cache, rep.read)
+        for name, why in sorted(rep.skipped.items()):
+            log.warning("auto sessions: not indexed: %s: %s", name, why)
+        if swa:  # behind a router each model learns its own as it loads
+            ctx.swa_window = await facts.swa_window(ctx)
+
+    async def save_index(self) -> None:
+        index = self.ctx.index
+        if index is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, index.save_cache)
+        except OSError as e:
+            log.warning("auto sessions: cannot write the index cache %s: %s", index.cache_path, e)
+
+    # -- prune -----------------------------------------------------------------------------
+    def schedule_prune(self) -> None:
+        if self._prune_task is None or self._prune_task.done():
+            self._prune_task = asyncio.get_running_loop().create_task(self._prune_quietly())
+
+    async def _prune_quietly(self) -> None:
+        try:
+            await self.prune()
+        except Exception as e:
+            log.warning("auto sessions: prune: %s", e)
+
+    async def prune(self, keep: int | None = None, max_gb: float | None = None,
+                    dry_run: bool = False) -> dict[str, Any]:
+        ctx = self.ctx
+        keep = ctx.cfg.auto_sessions_keep if keep is None else keep
+        max_bytes = int((ctx.cfg.auto_sessions_max_gb if max_gb is None else max_gb) * 1e9)
+        free_target = 0 if dry_run else max((s.room_wanted() for s in self.savers), default=0)
+        plan = await asyncio.get_running_loop().run_in_executor(None, ctx.store.prune, keep, max_bytes, dry_run,
+                                                                free_target)
+        removed = [{"key": e.key, "file": e.name, "bytes": e.bytes} for e in plan.remove]
+        if removed and not dry_run:
+            ctx.counters.pruned_files += len(removed)
+            ctx.counters.pruned_bytes += plan.freed
+            for r in removed:
+                log.info("auto sessions: pruned %s (%s)", r["file"], fmt_bytes(r["bytes"]))
+                if ctx.index is not None:
+                    ctx.index.remove(r["file"])
+            ctx.events.emit("pruned", files=[r["file"] for r in removed], bytes=plan.freed)
+            await self.save_index()
+        return {"removed": removed, "freed": plan.freed, "dry_run": dry_run, "kept": len(plan.keep)}
+
+    def pruning(self) -> asyncio.Task | None:
+        """The prune running now, if one is."""
+        return self._prune_task if self._prune_task is not None and not self._prune_task.done() else None

@@ -1,0 +1,690 @@
+"""The session directory (DESIGN §4): names, metadata, atomic finalize, scan, prune.
+
+The directory is shared with the engine. autosessd owns exactly `auto-<16 hex>.bin`
+and `auto-<16 hex>.json`, plus its temporaries `.autosessd-*`; every other file is a
+person's and is never touched.
+
+How a save becomes visible (no torn `auto-*.bin`, ever):
+
+    engine writes  .autosessd-<key>.partial           (a name no reader looks at)
+    verify_temp    size == engine's n_written, header magic if the engine has one
+    link_temp      (only while the finalize runs) a hard link for a restore that cannot wait
+                   for the fsync: the bytes are whole, and read from the page cache
+    finalize       chmod(temp) → fsync(temp) → digest (files.DIGEST, the file is in the page
+                   cache) → rename to auto-<target>.bin → fsync(dir) → metadata (with the
+                   digest and the file's identity) to .autosessd-<target>.json.partial →
+                   fsync → rename → fsync(dir)
+
+Before a restore, check_whole() says whether the file is still the one saved: a regular
+file (never a link), its size that of its metadata, always; and when its identity (inode,
+mtime, size) is not the one its digest was last checked at, its digest again (a file copied
+back from a backup, touched by a tool, or damaged in place). The engine aborts on a state
+file one byte short: no file reaches it unchecked.
+
+<key> is the conversation's first-message key; <target> is that key, or the branch key
+sessions.py chose from the file's tokens (branches.save_key) when another conversation of
+the same first message holds auto-<key>.bin.
+
+Both files hold a conversation (the state file its tokens, the metadata its key), so
+every file autosessd makes visible is 0600, or 0640 with its group set to
+control.group: the engine writes the state file under its own umask (often 0644), and
+the mode is fixed before the rename, so no reader ever sees it open to others.
+
+verify_temp runs before the turn goes on (it is a stat); finalize runs off the
+request's path. A crash between the two renames leaves a .bin whose metadata is
+missing or stale (its `bytes` differ from the file): `cleanup()` at start removes
+such pairs, together with leftover temporaries and metadata without a .bin.
+
+A download from the shared bucket (autosessd/shared/) comes in through install(): its
+temporary, already whole and fsynced, and its metadata (fsynced to a temporary of its own
+first) are renamed in place together under _lock, after a last look that nobody else holds
+the name and that no local save at least as new is there; the directory is fsynced after
+the lock is let go. See install() for what a crash leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+
+from ..base import files
+from . import slotfile
+from ..base.files import Ident
+from .names import (AUTO_BIN, AUTO_META, MANUAL_NAME, QUARANTINE, TEMP_PREFIX, InUse, Mark, Meta, NewerHere,  # noqa: F401
+                    StoreError, auto_name, manual_name, meta_name, temp_name)
+
+log = logging.getLogger("autosessd")
+
+NEEDS_READ = "the file must be read to be checked"  # Store.check_whole(stat_only=True): not decided
+
+# Headroom kept free on the disk beyond the estimated size of a save.
+FREE_MARGIN = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An auto file as the scan found it."""
+
+    key: str
+    bytes: int
+    mtime: float
+    meta: Meta | None
+
+    @property
+    def saved_at(self) -> float:
+        return self.meta.saved_at if self.meta else self.mtime
+
+    @property
+    def name(self) -> str:
+        return auto_name(self.key)
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    remove: list[Entry]
+    keep: list[Entry]
+
+    @property
+    def freed(self) -> int:
+        return sum(e.bytes for e in self.remove)
+
+
+def plan_prune(entries: list[Entry], keep: int, max_bytes: int, in_use: set[str] = frozenset(),
+               must_free: int = 0) -> PrunePlan:
+    """Keep the newest `keep` auto files and at most `max_bytes` of them; never one in use.
+    With must_free > 0 (a save was refused for space), also remove the oldest of the rest
+    until that many bytes are freed.
+
+    Pure: the caller scans and deletes. Files in use are kept and count toward the
+    budget (they are on the disk either way)."""
+    newest_first = sorted(entries, key=lambda e: (e.saved_at, e.key), reverse=True)
+    kept: list[Entry] = []
+    removed: list[Entry] = []
+    total = 0
+    for e in newest_first:
+        if e.name in in_use or (len(kept) < keep and total + e.bytes <= max_bytes):
+            kept.append(e)
+            total += e.bytes
+        else:
+            removed.append(e)
+    freed = sum(e.bytes for e in removed)
+    for e in reversed(list(kept)):  # oldest first
+        if freed >= must_free:
+            break
+        if e.name not in in_use:
+            kept.remove(e)
+            removed.append(e)
+            freed += e.bytes
+    return PrunePlan(remove=removed, keep=kept)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+FILE_MODE = 0o600
+GROUP_FILE_MODE = 0o640
+
+
+class Store:
+    """The session directory. Used from the event loop and from worker threads (finalize,
+    prune, status, ls and the shared tier's downloads run in threads).
+
+    Every method is safe from any thread. in_use and the metadata cache are read and
+    changed only under _lock; acquire, release, using and users take it for a counter
+    change. What else runs under _lock, and so bounds how long acquire() waits on the loop:
+      remove()    the in_use check, one stat and one rename away (the unlink comes after):
+                  once acquire(name) has returned, no prune or remove deletes that file
+      install()   the in_use check, one metadata read and two renames: no acquire() and no
+                  other install between the look and the renames
+      scan()      the metadata cache's updates (no I/O)
+    Nothing fsyncs under _lock. finalize takes no lock: a local save holds acquire(final)
+    from before its finalize to after it, which is what install() looks for.
+    """
+
+    def __init__(self, path: str | Path, group: int | None = None):
+        """group: the gid of control.group; files are then 0640 and belong to it."""
+        self.path = Path(path)
+        self.group = group
+        self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
+        self._mode_warned = False
+        # Bytes per token of the densest file seen (None: not looked yet). Set by the first
+        # scan with metadata, raised by every finalize: a save's space check reads it
+        # instead of scanning the directory on the event loop.
+        self._per_token: float | None = None
+        # Names being written or read right now; prune never removes them. Under _lock.
+        self.in_use: Counter[str] = Counter()
+        self._lock = threading.RLock()  # install() reads metadata (its cache) under it
+        # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
+        # of thousands of sessions stats them instead of reading every JSON again.
+        self._meta_cache: dict[str, tuple[Ident, Meta]] = {}
+        # Files whose identity changed since their metadata's digest check, checked again this
+        # run and found whole: name → (identity, digest).
+        self._checked: dict[str, tuple[Ident, str]] = {}
+
+    # -- names -------------------------------------------------------------
+    def bin_path(self, key: str) -> Path:
+        return self.path / auto_name(key)
+
+    def meta_path(self, key: str) -> Path:
+        return self.path / meta_name(key)
+
+    def temp_path(self, key: str) -> Path:
+        return self.path / temp_name(key)
+
+    def acquire(self, name: str) -> None:
+        """Mark a name as being written or read: prune, remove and install leave it alone.
+        Waits at most for one of the short sections under _lock (the class docstring)."""
+        with self._lock:
+            self.in_use[name] += 1
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self.in_use[name] -= 1
+            if self.in_use[name] <= 0:
+                del self.in_use[name]
+
+    def users(self, name: str) -> int:
+        """How many holders the name has right now (acquire() counts one each)."""
+        with self._lock:
+            return self.in_use.get(name, 0)
+
+    @contextlib.contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        self.acquire(name)
+        try:
+            yield
+        finally:
+            self.release(name)
+
+    # -- space -------------------------------------------------------------
+    def free_bytes(self) -> int:
+        return psutil.disk_usage(str(self.path)).free
+
+    def estimate_bytes(self, n_tokens: int) -> int | None:
+        """Bytes a save of n_tokens will take, from the densest file saved so far. Scans the
+        directory only the first time (when no scan has yet)."""
+        if self._per_token is None:
+            self.scan()
+        return int(self._per_token * n_tokens) if self._per_token else None
+
+    def _saw(self, meta: Meta) -> None:
+        if meta.n_tokens > 0:
+            # One float written whole: safe to read from the loop while a thread writes it.
+            self._per_token = max(self._per_token or 0.0, meta.bytes / meta.n_tokens)
+
+    def space_needed(self, n_tokens: int) -> int:
+        """Free bytes a save of n_tokens needs: its estimated size plus headroom (64 MiB,
+        or 5% of a smaller filesystem)."""
+        total = psutil.disk_usage(str(self.path)).total
+        return (self.estimate_bytes(n_tokens) or 0) + min(FREE_MARGIN, total // 20)
+
+    def check_space(self, n_tokens: int) -> str | None:
+        """None when a save of n_tokens fits; otherwise why not (the save is skipped)."""
+        free, need = self.free_bytes(), self.space_needed(n_tokens)
+        if free < need:
+            return f"disk full: {free / 1e6:,.1f} MB free in {self.path}, a save needs about {need / 1e6:,.1f} MB"
+        return None
+
+    # -- the save path -----------------------------------------------------
+    def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> int:
+        """The engine said it wrote n_written bytes to the temporary: check it did. Returns the
+        temporary's inode (what link_temp links, and only that file)."""
+        temp = self.temp_path(key)
+        try:
+            st = temp.stat()
+        except FileNotFoundError:
+            raise StoreError(f"the engine reported a save but {temp.name} is not in {self.path}") from None
+        size = st.st_size
+        if size != n_written:
+            raise StoreError(f"{temp.name} has {size:,} bytes, the engine reported {n_written:,}")
+        if magic:
+            with open(temp, "rb") as f:
+                head = f.read(len(magic))
+            if head != magic:
+                raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
+        return st.st_ino
+
+    def link_temp(self, key: str, ino: int, size: int) -> str | None:
+        """A name of its own for the verified temporary of `key` while its finalize runs (a
+        hard link, .autosessd-<key>.<8 hex>.reading.partial), so the engine can restore it
+        without waiting for the fsync: the link stays valid across the finalize's rename. None
+        when the temporary is no longer that file (its inode or size differ, or the rename has
+        come): the caller waits for the finalize and reads the final name instead. Any other
+        error (a file system without hard links) is raised. A crash leaves the link behind for
+        cleanup() at the next start."""
+        temp = self.temp_path(key)
+        name = f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.reading.partial"
+        try:
+            os.link(temp, self.path / name, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        st = os.lstat(self.path / name)
+        if st.st_ino != ino or st.st_size != size:
+            self.unlink_reading(name)
+            return None
+        return name
+
+    def unlink_reading(self, name: str) -> None:
+        """A link_temp name, once the engine has read it."""
+        if name.startswith(TEMP_PREFIX) and name.endswith(".reading.partial"):
+            self._unlink(self.path / name)
+
+    def finalize(self, key: str, meta: Meta) -> Meta:
+        """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
+        or the name branches.save_key chose for it), then its metadata, with the file's digest.
+        Returns the metadata written. Blocking."""
+        temp, final = self.temp_path(key), self.bin_path(meta.key)
+        self._seal(temp)
+        digest, _ = files.digest_file(temp)
+        os.replace(temp, final)
+        _fsync_dir(self.path)
+        ident = files.regular_ident(final)  # after the rename, which moves the ctime
+        meta = dataclasses.replace(meta, digest=digest, ident=ident)
+        self._write_meta(meta)
+        self._saw(meta)
+        return meta
+
+    def finalize_manual(self, key: str, name: str) -> None:
+        """A parked session under a person's name: the same atomic rename, no metadata."""
+        temp = self.temp_path(key)
+        self._seal(temp)
+        os.replace(temp, self.path / manual_name(name))
+        _fsync_dir(self.path)
+
+    def _seal(self, path: Path) -> None:
+        """The engine's file: our mode (and group), then fsync. An engine running as another
+        user keeps its file; a save is not failed for that, but it is said once."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._own(fd, path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _own(self, fd: int, path: Path) -> None:
+        try:
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            os.fchmod(fd, self.mode)
+        except PermissionError as e:
+            if not self._mode_warned:
+                self._mode_warned = True
+                log.warning("auto sessions: cannot set mode %o on %s (%s): it keeps the engine's mode %o; run "
+                            "the engine as autosessd's user, or with UMask=0077", self.mode, path.name,
+                            e.strerror, os.fstat(fd).st_mode & 0o777)
+
+    def _write_meta(self, meta: Meta) -> None:
+        tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
+        written = self._meta_temp(meta, tmp)
+        os.replace(tmp, self.meta_path(meta.key))
+        self._remember_meta(meta.key, written)
+        _fsync_dir(self.path)
+
+    def _meta_temp(self, meta: Meta, tmp: Path) -> tuple[int, bytes]:
+        """The metadata, whole and fsynced, under the temporary name tmp; (its inode, its bytes)."""
+        data = meta.to_json()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            self._own(fd, tmp)  # the umask may have taken more than we asked, or less
+            os.write(fd, data)
+            os.fsync(fd)
+            return os.fstat(fd).st_ino, data
+        finally:
+            os.close(fd)
+
+    def _remember_meta(self, key: str, written: tuple[int, bytes]) -> None:
+        """The metadata just renamed into place, cached under its identity after the rename
+        (which moves the ctime): the next turn's read_meta is two lstats, not a read and a
+        parse. Only if the file there is still the one written (its inode); cached as a
+        reader would parse it (the bytes written, parsed here in the writer's thread)."""
+        path = self.meta_path(key)
+        ino, data = written
+        with contextlib.suppress(OSError, ValueError):  # only a cache: the write is done
+            ident = files.regular_ident(path)
+            if ident is not None and ident.ino == ino:
+                read = Meta.from_json(data)
+                with self._lock:
+                    self._meta_cache[path.name] = (ident, read)
+
+    def write_meta(self, meta: Meta) -> None:
+        """Write auto-<key>.json atomically, for a .bin put in place by other means (tests,
+        tools); a local save writes it in finalize, a download in install."""
+        self._write_meta(meta)
+
+    def install(self, temp: Path, name: str, meta: Meta | None, *, claimed: bool) -> None:
+        """Put `temp` (in this directory, whole and fsynced: a download from the shared tier)
+        in place as `name`, with `meta` as its metadata, as finalize does for a local save.
+        name is auto-<meta.key>.bin, or a parked name with meta None. Blocking.
+
+        Refused, with nothing under the name changed (the caller removes temp):
+          InUse      someone else holds the name: in_use counts more than the caller's own
+                     (claimed: the caller holds one count itself, else none)
+          NewerHere  meta given, and auto-<meta.key>.bin has metadata at least as new
+                     (saved_at): a local save finalized meanwhile is kept
+        Both are judged under _lock, in the same section as the renames: no acquire() and
+        no other install comes between the look and the renames. A local save holds
+        acquire(final) from before its finalize, so one finalizing now is refused (InUse),
+        and one that acquires later finalizes after both renames are done.
+
+        Order: the metadata to a temporary of its own, fsynced (no lock); under _lock: the
+        look, rename temp → name, rename the metadata; then fsync the directory (no lock).
+        A crash before that fsync leaves the old pair, the new pair, or the new .bin with
+        the old metadata (a journaling filesystem keeps two renames in one directory in
+        order), as a crash inside finalize does: a .bin whose metadata is missing or
+        disagrees (key, bytes) is treated as absent by every reader and removed by
+        cleanup() at start, with the temporaries. No torn .bin: temp was whole before."""
+        if meta is not None and name != auto_name(meta.key):
+            raise ValueError(f"install: {name} is not the file of {meta.key}'s metadata")
+        if Path(name).name != name or name.startswith("."):
+            raise ValueError(f"install: {name!r} is not a bare file name")
+        final = self.path / name
+        meta_tmp = None
+        if meta is not None:
+            meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
+            written = self._meta_temp(meta, meta_tmp)
+        try:
+            with self._lock:
+                if self.in_use.get(name, 0) > (1 if claimed else 0):
+                    raise InUse(f"{name} is being written or read")
+                local = self.read_meta(meta.key) if meta is not None else None
+                if local is not None and local.saved_at >= meta.saved_at:
+                    raise NewerHere(f"{name}: the local save (saved_at {local.saved_at:.3f}) is as new")
+                os.replace(temp, final)
+                if meta_tmp is not None:
+                    os.replace(meta_tmp, self.meta_path(meta.key))
+                    meta_tmp = None
+                    self._remember_meta(meta.key, written)
+                    now = files.regular_ident(final)
+                    if meta.digest is not None and now is not None:
+                        # The rename moved the ctime the metadata recorded: checked as it arrived.
+                        self._checked[name] = (now, meta.digest)
+        finally:
+            if meta_tmp is not None:
+                self._unlink(meta_tmp)
+        _fsync_dir(self.path)
+
+    def discard_temp(self, key: str) -> None:
+        try:
+            self.temp_path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    # -- reading -----------------------------------------------------------
+    def read_meta(self, key: str) -> Meta | None:
+        """Metadata of auto-<key>.bin, or None when the pair is missing or disagrees (a .bin
+        that is not a regular file has none). Read as files.read_small reads (a FIFO, a link
+        or a huge file under the name is refused, never waited on), and cached by the
+        metadata file's identity: a turn on the loop costs two lstats."""
+        try:
+            ident = files.regular_ident(self.bin_path(key))
+            meta = self._meta_at(self.meta_path(key)) if ident is not None else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if meta is None or ident is None or meta.key != key or meta.bytes != ident.size:
+            return None
+        return meta
+
+    def _meta_at(self, path: Path) -> Meta | None:
+        ident = files.regular_ident(path)
+        if ident is None:
+            return None
+        with self._lock:
+            hit = self._meta_cache.get(path.name)
+        if hit is not None and hit[0] == ident:
+            return hit[1]
+        meta = Meta.from_json(files.read_small(path))
+        with self._lock:
+            self._meta_cache[path.name] = (ident, meta)
+        return meta
+
+    def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False,
+                    ident: Ident | None = None) -> str | None:
+        """None when `name` may be handed to the engine: the file it was when saved or
+        downloaded. Otherwise why not (the caller quarantines it). Auto files: a regular
+        file whose size is its metadata's, and whose digest is checked again when its
+        identity changed since the last check (blocking then: seconds for a multi-GB file,
+        run it in a thread). People's files, and auto files from before digests: a regular
+        file, not shorter than its own KV fields say (slotfile.state_end, with n_blocks KV
+        caches: 2 for a sliding-window model; None: not looked at).
+
+        stat_only: decide only what a few lstats and the cached metadata decide (the common
+        case: a file unchanged since it was saved or last checked), fast enough for the event
+        loop; → NEEDS_READ when the file itself must be read (a digest, a person's file).
+        ident: the file's lstat as the caller took it a moment ago (the restore's, whose
+        quarantine moves only that file); None: not given, taken here."""
+        path = self.path / name
+        if ident is None:
+            ident = files.regular_ident(path)
+        if ident is None:
+            return f"{name} is missing or not a regular file (a link, a FIFO?)"
+        m = AUTO_BIN.match(name)
+        if not m:
+            return NEEDS_READ if stat_only and n_blocks is not None else self._short(path, ident, n_blocks)
+        meta = self._meta_at(self.meta_path(m.group(1)))
+        if meta is None or meta.key != m.group(1):
+            return f"{name} has no valid metadata"
+        if ident.size != meta.bytes:
+            return f"{name} has {ident.size:,} bytes, {meta.bytes:,} were saved"
+        if meta.digest is None:
+            return NEEDS_READ if stat_only and n_blocks is not None else self._short(path, ident, n_blocks)
+        if meta.ident == ident or self._checked.get(name) == (ident, meta.digest):
+            return None
+        if stat_only:
+            return NEEDS_READ
+        digest, now = files.digest_file(path)
+        if digest != meta.digest:
+            return f"{name}'s digest is {digest}, {meta.digest} was saved: its bytes changed"
+        with self._lock:
+            self._checked[name] = (now, digest)  # the next restore of the same file needs a stat only
+        return None
+
+    @staticmethod
+    def _short(path: Path, ident: Ident, n_blocks: int | None) -> str | None:
+        if n_blocks is None:
+            return None
+        try:
+            end = slotfile.state_end(path, n_blocks)
+        except OSError as e:
+            return f"{path.name}: {e}"
+        if end is not None and end > ident.size:
+            return f"{path.name} has {ident.size:,} bytes, its own fields need {end:,}: it is cut short"
+        return None
+
+    # -- quarantine --------------------------------------------------------
+    def quarantine(self, name: str, why: str, seen: Ident | None = None) -> str | None:
+        """Move `name` (and an auto file's metadata) aside into QUARANTINE/, with a note of
+        why. seen: the identity of the file judged bad; a file that changed since (a save
+        finalized over it) is left in place. Returns the name it has there, or None when it
+        was not moved. Blocking."""
+        qdir = self.path / QUARANTINE
+        qdir.mkdir(mode=0o700, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dest = qdir / f"{name}.{stamp}.{uuid.uuid4().hex[:6]}"
+        m = AUTO_BIN.match(name)
+        with self._lock:
+            now = files.regular_ident(self.path / name)
+            if seen is not None and now != seen:
+                return None
+            try:
+                os.rename(self.path / name, dest)  # a link moves as a link
+            except FileNotFoundError:
+                return None
+            if m:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.meta_path(m.group(1)), dest.with_name(dest.name + ".json"))
+        note = json.dumps({"name": name, "why": why, "at": time.time(), "bytes": now.size if now else None})
+        fd = os.open(dest.with_name(dest.name + ".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "w") as f:
+            f.write(note + "\n")
+        _fsync_dir(self.path)
+        log.warning("auto sessions: %s moved aside to %s/%s: %s", name, QUARANTINE, dest.name, why)
+        return dest.name
+
+    def quarantined(self) -> list[dict]:
+        """What quarantine() moved aside, newest first: name, why, at, bytes, and its name there."""
+        out = []
+        try:
+            it = os.scandir(self.path / QUARANTINE)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        with it:
+            for d in it:
+                if d.name.endswith(".why"):
+                    try:
+                        note = json.loads(files.read_small(d.path, 64 * 1024))
+                        out.append({**note, "file": d.name[:-4]})
+                    except (OSError, ValueError):
+                        continue
+        return sorted(out, key=lambda r: r.get("at") or 0, reverse=True)
+
+    def scan(self, with_meta: bool = True) -> list[Entry]:
+        """The auto files. Without metadata (status, prune: sizes and ages are enough) a scan
+        of 10,000 sessions costs half as much; an entry's age is then its file's mtime."""
+        entries = []
+        metas: dict[str, Meta] = {}
+        bins: dict[str, os.stat_result] = {}
+        try:
+            it = os.scandir(self.path)
+        except FileNotFoundError:
+            return []
+        with it:
+            for d in it:
+                if m := AUTO_BIN.match(d.name):
+                    try:
+                        bins[m.group(1)] = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
+                elif with_meta and (m := AUTO_META.match(d.name)):
+                    try:
+                        metas[m.group(1)] = self._cached_meta(d)
+                    except (OSError, ValueError, KeyError, TypeError):
+                        pass
+        if with_meta and len(self._meta_cache) > len(metas):
+            live = {meta_name(k) for k in metas}
+            with self._lock:  # another thread's scan may be adding to it
+                self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
+        for key, st in bins.items():
+            meta = metas.get(key)
+            if meta is not None and (meta.bytes != st.st_size or meta.key != key):
+                meta = None
+            entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta))
+        if with_meta:
+            if self._per_token is None:
+                self._per_token = 0.0  # looked: nothing saved yet
+            for e in entries:
+                if e.meta is not None:
+                    self._saw(e.meta)
+        return entries
+
+    def _cached_meta(self, d: os.DirEntry) -> Meta:
+        meta = self._meta_at(Path(d.path))
+        if meta is None:
+            raise ValueError(f"{d.name} is not a regular file")
+        return meta
+
+    def manual_files(self) -> list[tuple[str, int, float]]:
+        """Other .bin files in the directory (parked by name, or saved by hand)."""
+        out = []
+        with os.scandir(self.path) as it:
+            for d in it:
+                if d.name.endswith(".bin") and not AUTO_BIN.match(d.name) and not d.name.startswith("."):
+                    try:
+                        st = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append((d.name, st.st_size, st.st_mtime))
+        return out
+
+    # -- cleanup and removal -----------------------------------------------
+    def cleanup(self) -> list[str]:
+        """At start: remove leftover temporaries, metadata without a .bin, and .bin files
+        whose metadata is missing or stale (an interrupted finalize). Returns what went."""
+        removed = []
+        self._per_token = self._per_token or 0.0
+        names = set(os.listdir(self.path))
+        for name in sorted(names):
+            why = None
+            if name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
+                why = "leftover temporary"
+            elif m := AUTO_META.match(name):
+                if auto_name(m.group(1)) not in names:
+                    why = "metadata without a session file"
+            elif m := AUTO_BIN.match(name):
+                meta = self.read_meta(m.group(1))
+                if meta is None:
+                    why = "no valid metadata (interrupted save)"
+                    self._unlink(self.meta_path(m.group(1)))
+                else:
+                    self._saw(meta)  # the start's look at every file primes the space estimate
+            if why and self._unlink(self.path / name):
+                removed.append(f"{name} ({why})")
+        if removed:
+            _fsync_dir(self.path)
+        return removed
+
+    def remove(self, key: str) -> int:
+        """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
+        is ever left for a reader). Returns the bytes freed. Refuses a file in use."""
+        path = self.bin_path(key)
+        doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
+        with self._lock:  # no acquire() between the check and the rename away
+            if auto_name(key) in self.in_use:
+                raise StoreError(f"{auto_name(key)} is being written or read")
+            try:
+                size = path.stat().st_size
+                os.rename(path, doomed)  # the name is gone at once; a multi-GB unlink is not held under the lock
+            except FileNotFoundError:
+                size = 0
+        self._unlink(doomed)
+        self._unlink(self.meta_path(key))
+        return size
+
+    def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
+        """Apply plan_prune (in a worker thread: see the class docstring); free_target: bytes
+        that should be free on the disk afterwards. Returns what was really removed."""
+        must_free = max(0, free_target - self.free_bytes()) if free_target else 0
+        with self._lock:
+            in_use = set(self.in_use)  # a snapshot: the loop changes in_use meanwhile
+        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, in_use, must_free)
+        if dry_run:
+            return plan
+        removed, kept = [], list(plan.keep)
+        for e in plan.remove:
+            try:
+                self.remove(e.key)
+                removed.append(e)
+            except StoreError:  # taken into use since the plan: kept
+                kept.append(e)
+        return PrunePlan(remove=removed, keep=kept)
+
+    @staticmethod
+    def _unlink(path: Path) -> bool:
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EISDIR, errno.EPERM):
+                return False
+            raise
+
+

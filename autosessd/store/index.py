@@ -1,0 +1,659 @@
+"""Token index over the session files (DESIGN §9: a file is known by its tokens).
+
+For every session file autosessd can see — its own `auto-<16 hex>.bin` and people's
+`*.bin` — the index keeps the model the file was written for, its token count and its
+token list, read from the file's header (slotfile.py). A new prompt's tokens then find
+the file that shares the longest common prefix (LCP) with it: the engine, given that
+file, keeps exactly that prefix and reads only the rest.
+
+How a lookup works. Token lists are kept as the header's own bytes (little-endian
+int32) in one sorted list per model, with the prefix each shares with the next. Of strings
+in sorted order, the one sharing the longest prefix with a query lies next to the query's
+insertion point, and walking away from it the shared prefix is the running minimum of the
+neighbours' (no tokens compared again). A lookup is one bisect and two comparisons: 0.05 ms
+at 1,000 files of 16k tokens once the query is encoded (0.25 ms to encode 16k tokens), and
+under 1 ms when all 1,000 files tie on a shared system prompt. Measured against (bench/
+index.py): comparing every file (19 ms at that size) and a hash chain per 64-token block
+(0.5 ms, but 30 ms when 1,000 files tie, each read again for the exact prefix; and in
+Python its dict of hashes takes as much memory as the tokens). The price is memory: 4 bytes
+a token (64 MB at 1,000 × 16k), under 1/1,000 of what the files themselves take on disk
+(Gemma 3 270M: 5.8 kB a token; larger models far more).
+
+Model. Auto files carry it in their metadata (`auto-<key>.json`, from the engine's
+fingerprint at save time). People's files have none: their model is unknown (None) until
+learned (`learn()`: after autosessd parked it by name, or a restore of it was verified by
+`cache_n`), and a lookup for a model never offers a file of another or an unknown model.
+
+What is read. Only final names (`*.bin` not starting with a dot: the engine writes
+autosessd's saves to `.autosessd-*.partial` first, so an auto file is never seen torn),
+only regular files (a link could lead out of the directory), only the header. A header
+that does not parse is skipped and the reason kept in `skipped`. A person's file being
+written in place by the engine can show a complete header before its state: its size and
+mtime then change, and the next `scan()` reads it again; a restore of it meanwhile fails
+at the engine and is handled like any failed restore.
+
+Marks (issue 23). An auto file's metadata may record where its tokens came from by messages
+(names.Mark: its first n tokens are the prompt of a request whose messages keys.chain names).
+The index keeps them with the entry, and `by_messages` finds the files with a mark at the
+longest prefix of a request's messages: recall.py then knows the request's tokens, or the file
+to restore, without asking the engine.
+
+Between starts the index is cached in one file in the state directory, keyed per file by
+(inode, mtime, size) of the .bin and of its metadata (as store.py's metadata cache), so a
+start with 1,000 files stats them instead of reading every header. The cache holds token
+lists, i.e. conversations: it is written atomically with mode 0600. A cache that is
+missing, unreadable, for another directory or damaged is ignored and rebuilt.
+
+Thread safety: every method takes one lock (finalize and ls run in worker threads).
+
+Naming (`save_key`): where a conversation's tokens are saved. The seed's key K (of the
+first user message) names a conversation's own line. A conversation whose tokens extend
+the file under K replaces it; one that departs from it (another system prompt under the
+same opener, an edited message) is saved under branch_key(K, tokens up to and including
+the first token that departs), and so on down the chain if that name is taken by yet
+another line: never over a file whose tokens it does not contain.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from ..base.files import read_small, regular_ident
+from .names import Mark, marks_from
+from .names import AUTO_BIN
+from .slotfile import BadSlotFile, comparable, encode, read_header  # noqa: F401 (slotfile's; imported from here too)
+
+log = logging.getLogger("autosessd")
+
+# Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
+# entry's token bytes one after another, u32 crc32 of all that precedes it.
+CACHE_MAGIC = b"autosessd-index\n"
+CACHE_VERSION = 2  # 2: each entry carries its file's marks (issue 23)
+CACHE_MAX = 1 << 30  # the cache holds every file's comparable tokens: 1 GiB is ~250 M tokens
+
+Ident = tuple[int, int, int]  # (inode, mtime_ns, size)
+
+
+def decode(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """Tokens two encoded token lists share from the start.
+
+    Binary search on prefix equality: each comparison is a memcmp in C, so 32k tokens cost
+    ~17 comparisons instead of a Python loop over every token; through a memoryview, with no
+    copy of either list (the common case, one a prefix of the other, is one memcmp)."""
+    if len(a) > len(b):
+        a, b = b, a
+    n = len(a) >> 2
+    va = memoryview(a)
+    if b.startswith(va[:4 * n]):
+        return n
+    lo, hi = 0, n  # a[:4lo] == b[:4lo], a[:4hi] != b[:4hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if b.startswith(va[4 * lo:4 * mid], 4 * lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    model: str | None  # fingerprint of the model it was written for; None: not known
+    n_tokens: int  # as the header says (media placeholders included)
+    tokens: bytes  # encoded; the comparable part only
+    ident: Ident | None  # of the .bin, when indexed from the disk
+    meta_ident: Ident | None = None  # of auto-<key>.json, when it had one
+    marks: tuple[Mark, ...] = ()  # its metadata's: where its tokens came from, by messages
+
+    def token_list(self) -> list[int]:
+        return decode(self.tokens)
+
+
+@dataclass(frozen=True)
+class Match:
+    name: str
+    lcp: int  # tokens shared with the query
+    n_tokens: int
+
+
+@dataclass
+class ScanReport:
+    files: int = 0
+    from_cache: int = 0
+    read: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    cache: str = "none"  # "loaded", "none", or why it was not used
+    seconds: float = 0.0
+
+
+def _ident(st: os.stat_result) -> Ident:
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def check_name(name: str) -> str:
+    """A bare, final session file name, or ValueError: the index never reads temporaries
+    (dot names) and never a path."""
+    if not isinstance(name, str) or not name.endswith(".bin") or "/" in name or "\x00" in name \
+            or name.startswith("."):
+        raise ValueError(f"{name!r} is not a session file name (a bare *.bin name, no leading dot)")
+    return name
+
+
+class TokenRun:
+    """One model's files in sorted order of their tokens, and the prefix each shares with
+    the next (adj[k] = lcp(items[k], items[k+1])). For sorted a ≤ b ≤ c, lcp(a, c) =
+    min(lcp(a, b), lcp(b, c)): from a query's insertion point outwards, the prefix each
+    file shares with the query follows from the previous one and adj, without comparing
+    tokens again — 1,000 files under one system prompt cost one comparison, not 1,000.
+    The shared bucket's catalog (remote.py) keeps one of its own, of token lists that are not
+    files in the directory."""
+
+    def __init__(self, items: list[tuple[bytes, str]] | None = None):
+        self.items = sorted(items or [])
+        self.adj = [common_prefix(a[0], b[0]) for a, b in zip(self.items, self.items[1:])]
+
+    def insert(self, data: bytes, name: str) -> None:
+        n = len(self.items)
+        p = bisect.bisect_left(self.items, (data, name))
+        self.items.insert(p, (data, name))
+        if 0 < p < n:
+            self.adj[p - 1:p] = [common_prefix(self.items[p - 1][0], data), common_prefix(data, self.items[p + 1][0])]
+        elif p == 0 and n:
+            self.adj.insert(0, common_prefix(data, self.items[1][0]))
+        elif p == n and n:
+            self.adj.append(common_prefix(self.items[p - 1][0], data))
+
+    def delete(self, data: bytes, name: str) -> None:
+        n = len(self.items)
+        p = bisect.bisect_left(self.items, (data, name))
+        assert self.items[p][1] == name, (name, self.items[p][1])
+        del self.items[p]
+        if 0 < p < n - 1:
+            self.adj[p - 1:p + 1] = [min(self.adj[p - 1], self.adj[p])]
+        elif p == 0 and n > 1:
+            del self.adj[0]
+        elif p == n - 1 and n > 1:
+            del self.adj[p - 1]
+
+    def side(self, q: bytes, floor: int, step: int) -> Iterator[tuple[int, str]]:
+        """(shared tokens, name) of the files sharing at least `floor` with q on one side of
+        its insertion point (step -1: before it, +1: after it), nearest first. Stops at the
+        first file below `floor`: nothing further out shares more."""
+        i = bisect.bisect_left(self.items, (q, ""))
+        j = i - 1 if step < 0 else i
+        if not 0 <= j < len(self.items):
+            return
+        n = common_prefix(self.items[j][0], q)
+        while n >= floor:
+            yield n, self.items[j][1]
+            j += step
+            if not 0 <= j < len(self.items):
+                return
+            n = min(n, self.adj[j] if step < 0 else self.adj[j - 1])
+
+    def around(self, q: bytes, floor: int) -> Iterator[tuple[int, str]]:
+        yield from self.side(q, floor, -1)
+        yield from self.side(q, floor, +1)
+
+
+def _fitting(marks: tuple[Mark, ...], tokens: bytes) -> tuple[Mark, ...]:
+    """The marks a file's tokens can back: none past its comparable tokens (a media placeholder
+    ends them), none that claims more."""
+    n = len(tokens) // 4
+    return tuple(m for m in marks if m.n_tokens <= n)
+
+
+def swa_usable(n_tokens: int, lcp: int, window: int | None) -> bool:
+    """Can a file of n_tokens, sharing lcp with a request, be restored for it on a model with
+    sliding-window layers of `window` tokens? llama-server saves only the last window of
+    those layers' cells (llama_kv_cache::state_write skips SWA-masked cells, with or without
+    --swa-full). After a restore the engine recomputes the request from position lcp, and
+    the sliding-window layers there attend to the `window` positions before it: all present
+    only when the file is no longer than the window or the request goes on from (nearly) its
+    end. Otherwise an engine without --swa-full reads the whole prompt again, and one with it
+    reuses the prefix with cells missing: measured on b11434, a top log-probability of -1.398
+    after the restore against -1.112 from the engine's own cache for the same prompt (an
+    extension gave the same -0.880 both ways). So such files are passed over."""
+    return window is None or n_tokens <= window or n_tokens - lcp <= 1
+
+
+class TokenIndex:
+    def __init__(self, directory: str | Path, cache_path: str | Path | None = None, max_tokens: int | None = None):
+        """max_tokens: a header claiming more is not read (the engine's context: it could not
+        hold such a file anyway); the file is listed in `skipped` with why."""
+        self.directory = Path(directory)
+        self.cache_path = Path(cache_path) if cache_path else None
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        # Per model its files in sorted order; unknown models under None.
+        self._runs: dict[str | None, TokenRun] = {}
+        # keys.chain digest → the files with a mark there (by_messages).
+        self._marks: dict[str, set[str]] = {}
+        self.skipped: dict[str, str] = {}
+        self.dirty = False  # changed since the cache was last written or loaded
+        # add/remove/learn while a scan reads the disk win over what the scan saw: they
+        # are newer. Each records the change's number here; a scan drops what is older.
+        self._gen = 0
+        self._changed: dict[str, int] = {}
+        self._moves = 0  # every _insert, _drop and _resort: generation
+
+    # -- reading the directory --------------------------------------------------
+    def scan(self) -> ScanReport:
+        """(Re)build from the directory: entries whose files are unchanged since the cache or
+        the last scan are kept, others are read from their headers. Blocking I/O."""
+        t0 = time.perf_counter()
+        report = ScanReport()
+        with self._lock:
+            known = dict(self._entries)
+            gen0 = self._gen
+        if not known and self.cache_path is not None:
+            known, report.cache = self._load_cache()
+        bins: dict[str, os.stat_result] = {}
+        metas: dict[str, os.stat_result] = {}
+        skipped: dict[str, str] = {}
+        try:
+            it = os.scandir(self.directory)
+        except FileNotFoundError:
+            it = None
+        if it is not None:
+            with it:
+                for d in it:
+                    if d.name.startswith("."):
+                        continue  # temporaries: being written
+                    try:
+                        st = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if d.name.endswith(".bin"):
+                        if not d.is_file(follow_symlinks=False):
+                            skipped[d.name] = "not a regular file"
+                            continue
+                        bins[d.name] = st
+                    elif d.name.startswith("auto-") and d.name.endswith(".json"):
+                        metas[d.name] = st
+        entries: dict[str, Entry] = {}
+        for name, st in bins.items():
+            meta_st = metas.get(name[:-4] + ".json") if AUTO_BIN.match(name) else None
+            ident, meta_ident = _ident(st), _ident(meta_st) if meta_st else None
+            old = known.get(name)
+            if old is not None and old.ident == ident and old.meta_ident == meta_ident:
+                entries[name] = old
+                report.from_cache += 1
+                continue
+            try:
+                entries[name] = self._read(name, ident, meta_ident, old)
+                report.read += 1
+            except FileNotFoundError:
+                pass  # removed since the directory was listed (a prune)
+            except (BadSlotFile, OSError) as e:
+                skipped[name] = str(e)
+        with self._lock:
+            for name, gen in self._changed.items():
+                if gen > gen0:
+                    if name in self._entries:
+                        entries[name] = self._entries[name]
+                        skipped.pop(name, None)
+                    else:
+                        entries.pop(name, None)
+            self._changed = {n: g for n, g in self._changed.items() if g > gen0}
+            if report.read or entries.keys() != known.keys():
+                self.dirty = True
+            if not self._entries:
+                self._entries = entries
+                self._resort()
+            else:  # a rescan: most files are unchanged, move only what did
+                for name, e in list(self._entries.items()):
+                    if entries.get(name) is not e:
+                        self._drop(e)
+                for name, e in entries.items():
+                    if name not in self._entries:
+                        self._insert(e)
+            self.skipped = skipped
+        report.files, report.skipped = len(entries), skipped
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _read(self, name: str, ident: Ident, meta_ident: Ident | None, old: Entry | None) -> Entry:
+        path = self.directory / name
+        header = read_header(path, self.max_tokens)
+        model, marks = None, ()
+        if AUTO_BIN.match(name):
+            model, marks = self._meta_facts(name, ident[2])
+        elif old is not None and old.ident == ident:
+            model = old.model  # learned, and the file is the same one
+        tokens = header.encoded()
+        return Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=ident,
+                     meta_ident=meta_ident, marks=_fitting(marks, tokens))
+
+    def _meta_facts(self, name: str, size: int) -> tuple[str | None, tuple[Mark, ...]]:
+        """The model and the marks in auto-<key>.json when that metadata belongs to this very file."""
+        try:
+            d = json.loads(read_small(self.directory / (name[:-4] + ".json")))
+            if d["key"] != AUTO_BIN.match(name).group(1) or int(d["bytes"]) != size:
+                return None, ()
+            return str(d["model"]), marks_from(d.get("marks"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, ()
+
+    # -- keeping up with saves and removals ---------------------------------------
+    def add(self, name: str, tokens: Sequence[int], model: str | None, marks: Sequence[Mark] = ()) -> Entry:
+        """A file that was just made final under `name`, holding `tokens`, for `model` (marks:
+        its metadata's). The file must exist (its identity is what keeps the cache honest)."""
+        check_name(name)
+        st = os.stat(self.directory / name, follow_symlinks=False)
+        data = encode(comparable(tokens))
+        entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=data, ident=_ident(st),
+                      meta_ident=self._meta_ident(name), marks=_fitting(tuple(marks), data))
+        self._put(entry)
+        return entry
+
+    def _meta_ident(self, name: str) -> Ident | None:
+        """The identity of an auto file's metadata, None for people's files or none yet."""
+        if not AUTO_BIN.match(name):
+            return None
+        try:
+            return _ident(os.stat(self.directory / (name[:-4] + ".json"), follow_symlinks=False))
+        except FileNotFoundError:
+            return None
+
+    def add_file(self, name: str, model: str | None = None) -> Entry:
+        """Index `name` from its own header (after a save: the engine's word on what it
+        holds). Model: the one given, else its metadata's (auto), else what was learned."""
+        check_name(name)
+        path = self.directory / name
+        st = os.stat(path, follow_symlinks=False)
+        header = read_header(path, self.max_tokens)
+        meta_ident = self._meta_ident(name)
+        marks: tuple[Mark, ...] = ()
+        if AUTO_BIN.match(name):
+            meta_model, marks = self._meta_facts(name, st.st_size)
+            model = model if model is not None else meta_model
+        elif model is None:
+            with self._lock:
+                old = self._entries.get(name)
+            model = old.model if old is not None and old.ident == _ident(st) else None
+        tokens = header.encoded()
+        entry = Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=_ident(st),
+                      meta_ident=meta_ident, marks=_fitting(marks, tokens))
+        self._put(entry)
+        return entry
+
+    def add_marks(self, name: str, ident: object, marks: Sequence[Mark]) -> bool:
+        """Marks learned of a file after it was indexed (recall.py's reply marks), kept while it
+        is the same file (its identity `ident` as indexed). False when it is not (any more)."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or e.ident != ident:
+                return False
+            new = tuple(m for m in _fitting(tuple(marks), e.tokens) if m not in e.marks)
+            if new:
+                self._drop(e)
+                self._insert(dataclasses.replace(e, marks=e.marks + new))
+                self._touch(name)
+            return True
+
+    def learn(self, name: str, model: str) -> bool:
+        """The model of a file is now known (a person's file autosessd parked, or restored
+        and saw reused). False when the index has no such file."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None:
+                return False
+            if e.model != model:
+                self._drop(e)
+                self._insert(dataclasses.replace(e, model=model))
+                self._touch(name)
+            return True
+
+    def forget_if_gone(self, name: str) -> bool:
+        """Forget `name` when it is no longer a regular file in the directory (removed behind
+        autosessd's back: rm, another tool). A stat. → whether it was forgotten now."""
+        if regular_ident(self.directory / name) is not None:
+            return False
+        log.info("auto sessions: %s is gone from the session directory (removed by hand?): the index forgets it",
+                 name)
+        return self.remove(name)
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None:
+                return False
+            self._drop(e)
+            self._touch(name)
+            return True
+
+    def _put(self, entry: Entry) -> None:
+        with self._lock:
+            old = self._entries.get(entry.name)
+            if old is not None:
+                self._drop(old)
+            self._insert(entry)
+            self.skipped.pop(entry.name, None)
+            self._touch(entry.name)
+
+    @property
+    def generation(self) -> int:
+        """Moves on every change of the entries or their marks (an add, a remove, a rescan):
+        an answer drawn from them while it stays the same still holds."""
+        return self._moves
+
+    def _touch(self, name: str) -> None:
+        self._gen += 1
+        self._changed[name] = self._gen
+        self.dirty = True
+
+    def _insert(self, e: Entry) -> None:
+        self._moves += 1
+        self._entries[e.name] = e
+        self._runs.setdefault(e.model, TokenRun()).insert(e.tokens, e.name)
+        for m in e.marks:
+            self._marks.setdefault(m.chain, set()).add(e.name)
+
+    def _drop(self, e: Entry) -> None:
+        self._moves += 1
+        del self._entries[e.name]
+        for m in e.marks:
+            names = self._marks.get(m.chain)
+            if names is not None:
+                names.discard(e.name)
+                if not names:
+                    del self._marks[m.chain]
+        run = self._runs[e.model]
+        run.delete(e.tokens, e.name)
+        if not run.items:
+            del self._runs[e.model]
+
+    def _resort(self) -> None:
+        self._moves += 1
+        by_model: dict[str | None, list[tuple[bytes, str]]] = {}
+        for e in self._entries.values():
+            by_model.setdefault(e.model, []).append((e.tokens, e.name))
+        self._runs = {m: TokenRun(items) for m, items in by_model.items()}
+        self._marks = {}
+        for e in self._entries.values():
+            for m in e.marks:
+                self._marks.setdefault(m.chain, set()).add(e.name)
+
+    # -- lookups -------------------------------------------------------------------
+    def get(self, name: str) -> Entry | None:
+        with self._lock:
+            return self._entries.get(name)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._entries
+
+    def by_messages(self, chain: Sequence[str], model: str | None) -> tuple[int, list[tuple[Entry, Mark]]]:
+        """The files of `model` with a mark at the longest prefix of a request's messages
+        (chain: keys.chain of its signature): (how many of its messages that mark covers, [(the
+        file, its mark)]); (0, []) when none has one. One dict lookup per message."""
+        with self._lock:
+            for i in range(len(chain) - 1, -1, -1):
+                names = self._marks.get(chain[i])
+                if not names:
+                    continue
+                found = []
+                for name in sorted(names):
+                    e = self._entries[name]
+                    m = next((m for m in e.marks if m.chain == chain[i] and m.n_messages == i + 1), None)
+                    if e.model == model and m is not None:
+                        found.append((e, m))
+                if found:
+                    return i + 1, found
+        return 0, []
+
+    def lcp(self, name: str, tokens: Sequence[int] | bytes) -> int | None:
+        """Tokens `name` shares with `tokens` from the start; None when not indexed."""
+        q = tokens if isinstance(tokens, bytes) else encode(tokens)
+        with self._lock:
+            e = self._entries.get(name)
+        return None if e is None else common_prefix(e.tokens, q)
+
+    def matches(self, tokens: Sequence[int] | bytes, model: str | None, min_lcp: int = 1,
+                exclude: Iterable[str] = (), window: int | None = None, limit: int | None = None) -> list[Match]:
+        """Files of `model` sharing at least min_lcp tokens with `tokens`, longest prefix
+        first (ties: fewer tokens to restore, then name). model=None asks among the files
+        whose model is unknown. window: see best()."""
+        q = tokens if isinstance(tokens, bytes) else encode(tokens)
+        exclude = set(exclude)
+        with self._lock:
+            run = self._runs.get(model)
+            found = [Match(name, n, self._entries[name].n_tokens)
+                     for n, name in (run.around(q, max(1, min_lcp)) if run else ())
+                     if name not in exclude and self._usable(name, n, window)]
+        found.sort(key=lambda m: (-m.lcp, m.n_tokens, m.name))
+        return found[:limit] if limit is not None else found
+
+    def best(self, tokens: Sequence[int] | bytes, model: str | None, exclude: Iterable[str] = (),
+             prefer: str | None = None, min_lcp: int = 1, window: int | None = None) -> tuple[str, int] | None:
+        """The file of `model` that shares the longest prefix with `tokens`: (name, lcp), or
+        None when none shares min_lcp. Among equals: `prefer` (the request's own line),
+        then the smallest file (the quickest restore), then the name.
+
+        window: the engine's sliding window (n_swa: 512 for Gemma 3) for a model with
+        sliding-window layers (swa_usable). None: a model without them."""
+        q = tokens if isinstance(tokens, bytes) else encode(tokens)
+        exclude = set(exclude)
+        with self._lock:
+            run = self._runs.get(model)
+            if run is None:
+                return None
+            top = 0  # the nearest usable file on each side shares the most on its side
+            for step in (-1, 1):
+                top = max(top, next((n for n, name in run.side(q, max(1, min_lcp), step)
+                                     if name not in exclude and self._usable(name, n, window)), 0))
+            if not top:
+                return None
+            tied = [name for n, name in run.around(q, top) if name not in exclude and self._usable(name, n, window)]
+            name = min(tied, key=lambda nm: (nm != prefer, self._entries[nm].n_tokens, nm))
+        return name, top
+
+    def _usable(self, name: str, lcp: int, window: int | None) -> bool:
+        return swa_usable(self._entries[name].n_tokens, lcp, window)
+
+    # -- the cache -----------------------------------------------------------------
+    def save_cache(self) -> bool:
+        """Write the cache (atomically, 0600) when something changed. Blocking I/O; run it
+        off the request's path (at stop, after prune). False when there was nothing to do."""
+        if self.cache_path is None:
+            return False
+        with self._lock:
+            if not self.dirty:
+                return False
+            entries = sorted(self._entries.values(), key=lambda e: e.name)
+            self.dirty = False
+        try:
+            dst = os.stat(self.directory)
+            desc = {"dir": str(self.directory.resolve()), "dev": dst.st_dev, "ino": dst.st_ino,
+                    "entries": [[e.name, e.model, e.n_tokens, len(e.tokens) // 4, list(e.ident or (0, 0, 0)),
+                                 list(e.meta_ident) if e.meta_ident else None, [m.to_list() for m in e.marks]]
+                                for e in entries]}
+            head = json.dumps(desc, separators=(",", ":")).encode()
+            body = CACHE_MAGIC + struct.pack("<II", CACHE_VERSION, len(head)) + head
+            crc = zlib.crc32(body)
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
+            try:
+                tmp.unlink()  # O_CREAT keeps an existing file's mode: start from none
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as f:
+                    f.write(body)
+                    for e in entries:
+                        f.write(e.tokens)
+                        crc = zlib.crc32(e.tokens, crc)
+                    f.write(struct.pack("<I", crc))
+                    f.flush()
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.cache_path)
+        except OSError:
+            with self._lock:
+                self.dirty = True
+            raise
+        return True
+
+    def _load_cache(self) -> tuple[dict[str, Entry], str]:
+        """(entries, "loaded") or ({}, why the cache was not used)."""
+        try:
+            data = read_small(self.cache_path, CACHE_MAX)
+        except FileNotFoundError:
+            return {}, "none"
+        except OSError as e:
+            return {}, f"unreadable: {e.strerror or e}"
+        try:
+            if not data.startswith(CACHE_MAGIC) or len(data) < len(CACHE_MAGIC) + 12:
+                return {}, "not an index cache"
+            version, n_head = struct.unpack_from("<II", data, len(CACHE_MAGIC))
+            if version != CACHE_VERSION:
+                return {}, f"version {version}, this code reads {CACHE_VERSION}"
+            (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+            if zlib.crc32(memoryview(data)[:-4]) != crc:
+                return {}, "damaged (checksum)"
+            at = len(CACHE_MAGIC) + 8
+            desc = json.loads(data[at:at + n_head])
+            dst = os.stat(self.directory)
+            if (desc["dir"], desc["dev"], desc["ino"]) != (str(self.directory.resolve()), dst.st_dev, dst.st_ino):
+                return {}, f"for another directory ({desc['dir']})"
+            at += n_head
+            entries = {}
+            for name, model, n_tokens, n_cmp, ident, meta_ident, marks in desc["entries"]:
+                tokens = data[at:at + 4 * n_cmp]
+                at += 4 * n_cmp
+                entries[check_name(name)] = Entry(name, model, int(n_tokens), tokens, tuple(ident),
+                                                  tuple(meta_ident) if meta_ident else None,
+                                                  _fitting(marks_from(marks), tokens))
+            if at != len(data) - 4:
+                return {}, "damaged (length)"
+            return entries, "loaded"
+        except (ValueError, KeyError, TypeError, struct.error, OSError) as e:
+            return {}, f"damaged ({e})"

@@ -1,0 +1,178 @@
+"""What autosessd calls things in the session directory, and what an auto file's metadata says.
+
+    auto-<16 hex>.bin / .json   autosessd's own session files and their metadata (Meta)
+    .autosessd-*.partial        its temporaries: a save, a download, a removal under way
+    .autosessd-quarantine/      files that failed a check before a restore, with why
+    anything else               a person's: never touched (a parked NAME.bin is one)
+
+The store (store.py) does the I/O; this module only names and parses. Everything here is
+imported from store.py as well, which is where the rest of the code reads it from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from ..base.files import Ident
+
+AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
+AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
+TEMP_PREFIX = ".autosessd-"
+# Files that failed a check before a restore are moved here, with why: never deleted by
+# autosessd, never indexed or restored, listed by status and ls (a person decides).
+QUARANTINE = ".autosessd-quarantine"
+MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+
+
+class StoreError(Exception):
+    pass
+
+
+class InUse(StoreError):
+    """install(): someone else holds the name (a save, a restore or another download)."""
+
+
+class NewerHere(StoreError):
+    """install(): a local save at least as new as the one offered is in place; it stays."""
+
+
+def auto_name(key: str) -> str:
+    return f"auto-{key}.bin"
+
+
+def meta_name(key: str) -> str:
+    return f"auto-{key}.json"
+
+
+def temp_name(key: str) -> str:
+    return f"{TEMP_PREFIX}{key}.partial"
+
+
+def manual_name(name: str) -> str:
+    """A person's name for a parked session → the file name, or StoreError saying why not.
+
+    Limited to [A-Za-z0-9._-], no leading dot, never a path; `.bin` is added when missing;
+    `auto-<16 hex>` is reserved for automatic files (prune would remove it)."""
+    if not isinstance(name, str) or not name:
+        raise StoreError("name is empty")
+    if "/" in name or "\x00" in name or name in (".", ".."):
+        raise StoreError(f"name {name[:64]!r} is a path; give a bare name of letters, digits, '.', '_' or '-'")
+    if not MANUAL_NAME.match(name):
+        raise StoreError(f"name {name[:64]!r} is not allowed: use 1-128 of A-Z a-z 0-9 . _ - and no leading dot")
+    file = name if name.endswith(".bin") else f"{name}.bin"
+    if AUTO_BIN.match(file):
+        raise StoreError(f"name {name!r} is reserved for automatic sessions")
+    return file
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A message boundary of a file's tokens (issue 23): its first n_tokens tokens came from the
+    request options and first n_messages messages whose keys.chain digest is `chain`. A save
+    records the prompt of the request that made its state (those tokens exactly: the engine's
+    own count of that prompt), so a request with those very messages has exactly those tokens,
+    and one whose messages begin with them starts with them: no need to ask the engine.
+
+    exact False: only the second holds (recall.py's reply marks: the file's reply as the next
+    assistant message, checked against the file's tokens after the save; kept by the index)."""
+
+    n_messages: int
+    n_tokens: int
+    chain: str
+    exact: bool = True
+
+    def to_list(self) -> list:
+        return [self.n_messages, self.n_tokens, self.chain] + ([] if self.exact else [0])
+
+    def to_text(self) -> str:
+        return f"{self.n_messages}:{self.n_tokens}:{self.chain}"
+
+    @classmethod
+    def from_list(cls, v: object) -> "Mark | None":
+        """A mark as metadata holds it, or None for anything else (never raises)."""
+        if isinstance(v, str):
+            v = v.split(":")
+            if len(v) != 3 or not all(v) or not v[0].isdigit() or not v[1].isdigit():
+                return None
+            v = [int(v[0]), int(v[1]), v[2]]
+        if not isinstance(v, (list, tuple)) or len(v) not in (3, 4) or (len(v) == 4 and v[3] != 0):
+            return None
+        k, n, h = v[:3]
+        if type(k) is not int or type(n) is not int or k < 1 or n < 1 or not isinstance(h, str) \
+                or not CHAIN_RE.match(h):
+            return None
+        return cls(k, n, h, len(v) == 3)
+
+
+CHAIN_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def marks_from(v: object) -> tuple[Mark, ...]:
+    """Metadata's marks (a JSON list, or the bucket's "k:n:chain;…" text); () for anything else."""
+    if isinstance(v, str):
+        v = v.split(";") if v else []
+    if not isinstance(v, list) or len(v) > 64:
+        return ()
+    marks = tuple(m for m in (Mark.from_list(x) for x in v) if m is not None)
+    return marks if len(marks) == len(v) else ()
+
+
+@dataclass(frozen=True)
+class Meta:
+    key: str  # the file's: auto-<key>.bin
+    n_tokens: int
+    bytes: int
+    saved_at: float
+    model: str
+    save_ms: float
+    layout: str | None = None  # slotfile.KVLayout.fingerprint(): the KV streams, cache types, layers
+    # The conversation's line: the key of its first user message. It names the file too,
+    # unless the conversation departs from another one of the same line (branches.save_key:
+    # the file is then a branch, auto-<branch key>.bin). None: a prefix, or older metadata.
+    line: str | None = None
+    # Of n_tokens, how many were the prompt the last reply was generated from (None: not known).
+    n_prompt: int | None = None
+    # A shared prefix (a system prompt and tools, read on its own before a new conversation):
+    # no conversation of its own, restored for any request that starts with it.
+    prefix: bool = False
+    # The host whose save it is, for a file downloaded from the shared bucket (shared/);
+    # None: saved here. A restart uploads only this host's own saves (and never re-uploads
+    # what the bucket prune removed from another host's).
+    host: str | None = None
+    # files.DIGEST of the whole .bin ("xxh3-128:<hex>"), taken at finalize or while a download
+    # arrived; None in metadata written before it existed (then only the size is checked).
+    digest: str | None = None
+    # The .bin's identity when the digest was last checked: the same one needs no new check.
+    ident: Ident | None = None
+    # Where its tokens came from, by messages (Mark): a return to the conversation is matched
+    # by them without asking the engine for its tokens. (): not known (older metadata, a
+    # prefix, a state no request of ours made).
+    marks: tuple[Mark, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Meta":
+        d = json.loads(data)
+        layout, line, n_prompt, digest = d.get("layout"), d.get("line"), d.get("n_prompt"), d.get("digest")
+        return cls(key=str(d["key"]), n_tokens=int(d["n_tokens"]), bytes=int(d["bytes"]),
+                   saved_at=float(d["saved_at"]), model=str(d["model"]), save_ms=float(d.get("save_ms", 0.0)),
+                   layout=layout if isinstance(layout, str) else None,
+                   line=str(line) if line is not None else None,
+                   n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)),
+                   host=str(d["host"]) if d.get("host") is not None else None,
+                   digest=digest if isinstance(digest, str) else None, ident=Ident.from_list(d.get("ident")),
+                   marks=marks_from(d.get("marks")))
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        for k in ("host", "digest", "ident"):
+            if d[k] is None:
+                del d[k]  # absent, as in metadata written before these existed
+        if self.ident is not None:
+            d["ident"] = self.ident.to_list()
+        if self.marks:
+            d["marks"] = [m.to_list() for m in self.marks]
+        else:
+            del d["marks"]
+        return json.dumps(d, sort_keys=True).encode() + b"\n"
