@@ -15,7 +15,9 @@ from typing import Any
 from index_common import FILES, MODEL, VOCAB, chat, engine, facts, med, timed
 
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.store.index import TokenIndex, common_prefix, encode
+from autosessd.store.index import TokenIndex
+from autosessd.store.runs import common_prefix
+from autosessd.store.slotfile import encode
 from autosessd.store.slotfile import build, read_header
 
 

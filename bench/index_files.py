@@ -15,7 +15,11 @@ from typing import Any
 # First: it puts this checkout and tests/ on sys.path, so the autosessd measured is this one.
 from index_common import FILES, MODEL, TOKENS, VOCAB, timed
 
-from autosessd.store.index import TokenIndex, common_prefix, encode
+from autosessd.store.index import TokenIndex
+
+from autosessd.store.runs import common_prefix
+
+from autosessd.store.slotfile import encode
 from autosessd.store.slotfile import build
 
 

@@ -15,7 +15,8 @@ from typing import Any
 from index_common import chat, engine, facts, med
 
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.store.index import common_prefix, encode
+from autosessd.store.runs import common_prefix
+from autosessd.store.slotfile import encode
 from autosessd.store.slotfile import read_header
 
 

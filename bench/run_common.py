@@ -116,5 +116,5 @@ SMALL_B = [{"role": "user", "content": demo.facts(8, "jar") + "\nWhich jar is re
 def going_on(messages: list[dict[str, str]], answer: str, question: str) -> list[dict[str, str]]:
     """A client's next request of a conversation: the answer sent back, then a new question.
     (Sending the same prompt again would end before the file's reply: on a sliding-window model
-    such as Gemma 3 that file is rightly not restored, index.swa_usable.)"""
+    such as Gemma 3 that file is rightly not restored, runs.swa_usable.)"""
     return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]

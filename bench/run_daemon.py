@@ -62,7 +62,8 @@ def t6(r: dict[str, Any]) -> str:
 def s7_scale(run: Run) -> dict[str, Any]:
     from autosessd.base.config import parse
     from autosessd.sessions.facade import Sessions
-    from autosessd.store.directory import Meta, Store, plan_prune
+    from autosessd.store.directory import Meta, Store
+    from autosessd.store.prune import plan_prune
 
     class Nothing:
         kind, address, magic = "llama-server", "none", b"qsgg"

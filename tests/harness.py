@@ -209,7 +209,7 @@ def going_on(body: dict, out: dict | str, question: str = "And which box holds t
     """A client's next request in the conversation: the answer `out` (a response, or its text)
     sent back, and a new question. A return is tested so because a client's return is so: on
     this sliding-window model (Gemma 3) a file is restored only when the request goes on from
-    its end (index.swa_usable); the same prompt sent again ends before the file's reply."""
+    its end (runs.swa_usable); the same prompt sent again ends before the file's reply."""
     text = out if isinstance(out, str) else answer(out)
     return {**body, "messages": body["messages"] + [{"role": "assistant", "content": text},
                                                     {"role": "user", "content": question}]}

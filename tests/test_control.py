@@ -250,7 +250,7 @@ async def test_prune_shared_on_a_daemon_without_a_bucket_says_so(server):
 
 def test_status_text_names_downloads_the_bucket_tier_did_not_try():
     """A failing bucket and a save of another KV layout are why a turn re-read: status says so."""
-    from autosessd.ctl import shared_lines
+    from autosessd.ctl_text import shared_lines
 
     sh = {"bucket": "b", "prefix": "p/", "endpoint": "http://s3", "host": "h1", "catalog": {},
           "uploads_pending": 0, "uploads_retrying": 0, "uploads_done": 3, "upload_failures": 0, "bytes_up": 1,

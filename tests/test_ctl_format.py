@@ -1,7 +1,7 @@
-"""autosessctl's output for people (ctl.py), from the daemon's own answers: the status headline
+"""autosessctl's output for people (ctl_text.py), from the daemon's own answers: the status headline
 (what autosessd did for the user) and `events` one line per event, aligned, with units."""
 
-from autosessd import ctl
+from autosessd import ctl_text as ctl
 from autosessd.base.config import parse
 from autosessd.sessions.report import Counters
 from autosessd.sessions.facade import Sessions

@@ -103,7 +103,7 @@ async def test_doctor_names_the_edited_message_of_an_unreused_restore(tmp_path):
     assert where.startswith(f"message 3 (assistant) differs from the file at token {at:,}")
     assert {f["setting"] for f in r["findings"]} >= {"--swa-full", "--slot-save-path", "--no-slots"}
     # Printed for people: one line per setting, then the restore.
-    from autosessd.ctl import show_doctor
+    from autosessd.ctl_text import show_doctor
 
     text = show_doctor(r)
     assert "message 3 (assistant) differs" in text and text.splitlines()[0].startswith("engine http://stub")

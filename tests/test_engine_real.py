@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 
 from autosessd.base.config import parse
-from autosessd.daemon import check_engine
+from autosessd.sessions.checks import check_engine
 from autosessd.engines.base import EngineRefused, SlotSavingOff
 from autosessd.engines.llama_server import LlamaServer
 from autosessd.base.keys import conversation_key

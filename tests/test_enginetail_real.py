@@ -15,7 +15,7 @@ import pytest
 
 from autosessd.store import slotfile
 from autosessd.base.config import parse
-from autosessd.daemon import check_engine
+from autosessd.sessions.checks import check_engine
 from autosessd.engines.llama_server import LlamaServer
 from autosessd.follow.enginetail import LINE, EngineTail
 from autosessd.sessions.facade import Sessions

@@ -18,11 +18,11 @@ from autosessd.store import slotfile
 from autosessd.base.config import ConfigError, parse
 from autosessd.follow.enginetail import LINE, RUN_TTL_S, EngineTail
 from autosessd.store.branches import branch_key
-from autosessd.store.index import encode
+from autosessd.store.slotfile import encode
 from autosessd.sessions.facade import Sessions
 from autosessd.sessions.slot import Phase
 from autosessd.store.directory import Store
-from autosessd.follow.tail import Follower
+from autosessd.follow.follower import Follower
 from stub_engine import StubEngine
 
 # Two conversations, as token ids: a shared template opener, then their own text.
@@ -463,7 +463,7 @@ async def test_a_missing_then_unreadable_log_is_said_once_each_and_counted(tmp_p
     def no_permission(*a, **k):  # a log autosessd's user may not read (the tests run as root)
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("autosessd.follow.tail.open_regular", no_permission)
+    monkeypatch.setattr("autosessd.follow.follower.open_regular", no_permission)
     await tail.read_new_lines()
     await tail.read_new_lines()
     assert s.counters.log_missing == 2

@@ -16,7 +16,7 @@ from autosessd.sessions.facade import Sessions
 from autosessd.store.slotfile import KVLayout
 from autosessd.store.directory import Store
 from stub_engine import StubEngine
-from autosessd.ctl import show_status
+from autosessd.ctl_text import show_status
 from autosessd.engines.base import EngineRefused, EngineUnreachable
 from autosessd.store.directory import StoreError
 from test_recall import OTHER, grown

@@ -10,7 +10,9 @@ from hypothesis import given, settings, strategies as st
 
 from autosessd.store import index as index_mod
 from autosessd.store.branches import SavedFile, SaveTarget, branch_key, save_key
-from autosessd.store.index import Match, TokenIndex, common_prefix, encode
+from autosessd.store.index import Match, TokenIndex
+from autosessd.store.runs import common_prefix
+from autosessd.store.slotfile import encode
 from autosessd.store.slotfile import build
 from stub_engine import lcp as brute_lcp  # the naive reference the index must agree with
 
@@ -157,7 +159,7 @@ def test_best_prefers_the_requests_own_line_then_the_smaller_file(tmp_path):
 def test_a_sliding_window_restores_only_what_the_engine_can_go_on_from(tmp_path):
     """A file's sliding-window layers hold only its last `window` cells: a request may restore
     it only when the file is no longer than the window, or when the request goes on from its
-    end (index.swa_usable; a departure inside the file was measured to change the answer)."""
+    end (runs.swa_usable; a departure inside the file was measured to change the answer)."""
     S = list(range(100, 130))  # a system prompt
     idx = index_of(tmp_path, {"task1.bin": (M, S + [1] * 40), "prefix.bin": (M, S + [2] * 5),
                               "short.bin": (M, S[:10] + [7] * 4)})

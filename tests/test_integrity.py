@@ -18,7 +18,8 @@ from autosessd.base.config import parse
 from autosessd.engines.base import EngineRefused
 from autosessd.store.index import TokenIndex
 from autosessd.sessions.facade import Sessions
-from autosessd.store.directory import QUARANTINE, Store
+from autosessd.store.directory import Store
+from autosessd.store.names import QUARANTINE
 from stub_engine import StubEngine
 
 A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"

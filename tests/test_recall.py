@@ -90,7 +90,7 @@ async def test_a_second_file_holding_the_same_tokens_makes_it_ask_the_engine(tmp
 
 
 async def test_on_a_sliding_window_model_a_file_is_restored_only_for_a_prompt_going_on_from_its_end(tmp_path):
-    """index.swa_usable: a file past the window is restored only when the prompt goes on from
+    """runs.swa_usable: a file past the window is restored only when the prompt goes on from
     (nearly) its end. The same messages end before the file's reply: not restored, as the token
     rule decides, and without asking. Messages going on from it may go on from its end: only
     the engine's tokens can say, so they are asked for."""

@@ -4,7 +4,8 @@ the catalog is one reading of it, built here by hand."""
 import pytest
 
 from autosessd.base.config import parse
-from autosessd.store.index import TokenRun, encode
+from autosessd.store.runs import TokenRun
+from autosessd.store.slotfile import encode
 from autosessd.sessions.remote import PREFILL_MIN, Catalog, Remote
 from autosessd.shared import RemoteSession
 
@@ -49,7 +50,7 @@ def test_skipped_saves_and_the_sliding_window_are_passed_over(remote):
     # A local copy as new as `a`: the next best is offered.
     assert remote.best(q, 1, skip=lambda s: s.name == "auto-a.bin") == (b[0], 60)
     # Both share 60 with this one and go on past it (a 90 tokens, b 20). With a sliding window
-    # of 50 neither may be restored for it (index.swa_usable); with one of 100, b (80 tokens)
+    # of 50 neither may be restored for it (runs.swa_usable); with one of 100, b (80 tokens)
     # lies inside it. A request that goes on from b's end may restore b.
     assert remote.best(encode(BASE[:60]), 1, skip=lambda s: s.name == "auto-b.bin") == (a[0], 60)
     assert remote.best(encode(BASE[:60]), 1, window=50) is None

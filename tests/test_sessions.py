@@ -12,7 +12,7 @@ import pytest
 from autosessd.store import slotfile
 from autosessd.base.config import parse
 from autosessd.sessions.facade import Sessions
-from autosessd.sessions.saves import Pending
+from autosessd.sessions.finalizing import Pending
 from autosessd.sessions.slot import Phase
 from autosessd.store.directory import Store
 from stub_engine import StubEngine

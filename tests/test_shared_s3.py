@@ -17,7 +17,7 @@ import pytest
 from autosessd.store import slotfile
 from autosessd.base.config import parse
 from autosessd.engines.llama_server import LlamaServer
-from autosessd.store.index import encode
+from autosessd.store.slotfile import encode
 from autosessd.base.keys import conversation_key
 from autosessd.sessions.remote import Remote
 from autosessd.shared import AlreadyHere, Lease, SharedError, SharedStore, Unavailable

@@ -129,7 +129,7 @@ def test_hook_growth_after_a_regenerated_answer_is_saved_under_the_conversations
     shorter one), then A grown by ~900 tokens from that answer, then B: the switch saves the
     grown A to A's own file (it departs from the file inside the file's reply), not to a branch.
     A sent again as it was ends before the file's reply: on this sliding-window model the file
-    is then rightly not restored (index.swa_usable), and the engine reads A again."""
+    is then rightly not restored (runs.swa_usable), and the engine reads A again."""
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url, gate=False).start()
     try:

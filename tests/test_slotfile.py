@@ -76,7 +76,7 @@ def test_an_empty_slots_file_tells_only_its_stream_count(tmp_path):
 def test_a_headers_encoded_tokens_are_its_tokens_encoded_up_to_the_first_media_placeholder(tmp_path, tokens):
     """SlotHeader.encoded: the file's own bytes, as index.encode(index.comparable(tokens)) has
     them, also where a token's bytes and the next one's hold 0xFF bytes side by side."""
-    from autosessd.store.index import comparable, encode
+    from autosessd.store.slotfile import comparable, encode
 
     path = tmp_path / "s.bin"
     path.write_bytes(slotfile.build(tokens, b"state"))

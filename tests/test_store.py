@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from autosessd.store.directory import (Entry, Meta, Store, StoreError, auto_name, manual_name, plan_prune, temp_name)
+from autosessd.store.directory import Meta, Store, StoreError, auto_name, manual_name, temp_name
+from autosessd.store.prune import Entry, plan_prune
 
 K = [f"{i:016x}" for i in range(1, 30)]
 MODEL = "m1"
@@ -418,7 +419,7 @@ def test_a_file_unchanged_since_its_save_is_checked_by_stats_alone_and_a_changed
     """Issue 23: the restore's check runs on the event loop when a few lstats decide it (a
     thread's round trip cost more than the check); a file whose identity changed needs its
     digest, read in a thread, and a flipped byte is still caught there."""
-    from autosessd.store.directory import NEEDS_READ
+    from autosessd.store.integrity import NEEDS_READ
 
     s = Store(tmp_path)
     save(s, "a" * 16)

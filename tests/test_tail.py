@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from autosessd.follow.tail import MAX_LINE, BadLine, Follower, LogEvent, parse_line
+from autosessd.follow.follower import MAX_LINE, Follower
+from autosessd.follow.requestlog import BadLine, LogEvent, parse_line
 
 
 def line(**d) -> bytes:

@@ -35,7 +35,7 @@ def reused(out):
 def going_on(body, out, question):
     """A client's next request: the answer `out` sent back, and a new question. (A return that
     sends the same prompt again ends before the file's reply: on this sliding-window model the
-    file is then not restored, index.swa_usable.)"""
+    file is then not restored, runs.swa_usable.)"""
     answer = out["choices"][0]["message"]["content"]
     return {**body, "messages": body["messages"] + [{"role": "assistant", "content": answer},
                                                     {"role": "user", "content": question}]}

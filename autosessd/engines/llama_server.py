@@ -31,10 +31,10 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from .upstream import Upstream
 from . import http1
-from .base import (EngineBadAnswer, EngineInfo, EngineLacks, EngineRefused, EngineTimeout, EngineUnreachable, PrefillResult,
-                   RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)
+from .upstream import Upstream
+from .base import (EngineBadAnswer, EngineInfo, EngineLacks, EngineRefused, EngineTimeout, EngineUnreachable,
+                   PrefillResult, RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
 
 class LlamaServer:

@@ -25,7 +25,6 @@ def engine_identity(kind: str, url: str) -> tuple[int, float] | None:
     return None
 
 
-
 def engine_command(kind: str, url: str) -> tuple[list[str], dict[str, str]] | None:
     """(argv, environment) of the process listening on the engine's port, when it runs on this
     host and is ours to read; None otherwise (the environment {} when only it is hidden).

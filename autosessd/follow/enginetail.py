@@ -55,11 +55,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from . import enginelog
-from .enginelog import Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing
 from ..engines.base import EngineError, SlotState
 from ..sessions.facade import Sessions
 from ..store.directory import AUTO_BIN
+from . import enginelog
+from .enginelog import Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing
 from .tail import Following
 
 log = logging.getLogger("autosessd")

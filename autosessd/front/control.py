@@ -28,14 +28,14 @@ import struct
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from . import doctor, protocol
 from ..base.config import Config
 from ..base.keys import is_key, messages_key
-from .protocol import Code, ProtocolError
 from ..modes.models import Router
 from ..sessions.facade import Sessions
 from ..shared import SharedError
 from ..store.directory import StoreError
+from . import doctor, protocol
+from .protocol import Code, ProtocolError
 
 log = logging.getLogger("autosessd")
 

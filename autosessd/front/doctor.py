@@ -25,10 +25,11 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..engines import gguf
-from ..store import slotfile
-from ..engines.process import engine_command
 from ..engines.base import EngineError
-from ..store.index import common_prefix, encode
+from ..engines.process import engine_command
+from ..store import slotfile
+from ..store.runs import common_prefix
+from ..store.slotfile import encode
 
 if TYPE_CHECKING:
     from ..sessions.facade import Sessions

@@ -41,74 +41,28 @@ from typing import Any, Callable
 from aiohttp import web
 
 from ..base.config import Config, parse_hostport
-from ..sessions import views
-from .guard import Guard
-from ..engines.keepalive import Keepalive
 from ..base.keys import conversation_id_key, conversation_key
-from ..modes.models import Router
+from ..engines.keepalive import Keepalive
+from ..engines.upstream import SSEWatcher, Upstream, gate_error
 from ..follow.requestlog import RequestLog
+from ..modes.models import Router
+from ..sessions import views
+from ..sessions.facade import Sessions
 from ..sessions.placement import Ticket, keyless_prompt
 from ..sessions.report import TurnResult
-from ..sessions.facade import Sessions
-from ..engines.upstream import SSEWatcher, Upstream, gate_error
+from .guard import Guard
+from .routes import (CHAT_PATHS, CONVERSATION_PATHS, PINNABLE_PATHS, SLOTLESS_POSTS, model_of, several_tasks,
+                     slot_in_path)
 
 log = logging.getLogger("autosessd")
 
 SETTLE_S = 10.0  # at a stop, for the bookkeeping of requests the stop cut
-CONVERSATION_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses",
-                                "/responses"})
-# Requests llama-server lets a client pin to a slot with "id_slot" (b11434): with several slots
-# autosessd pins them where it placed them. Embeddings and rerank cannot be pinned.
-PINNABLE_PATHS = CONVERSATION_PATHS | {"/completion", "/completions", "/v1/completions", "/infill"}
-CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})  # OpenAI chat: matched by tokens
 # The Prometheus text exposition format's content type.
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# POSTs that never run on a slot (llama-server b11434's routes). Every other POST may touch a
-# slot's KV cache — completions, infill, embeddings, rerank, and routes added later — so it
-# passes the slot's FIFO: unknown routes err on the safe side.
-SLOTLESS_POSTS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
-                            "/models", "/models/load", "/models/unload", "/tools", "/cors-proxy",
-                            # resumable streams: steer or find a running generation, never start one
-                            "/v1/chat/completions/control", "/v1/streams/lookup",
-                            "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
-                            "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens"})
-
-
-def several_tasks(body: dict) -> bool:
-    """Does the request run as several tasks, each on a slot of the engine's choosing? A
-    batch of prompts ("prompt": a list of prompts, not of token ids: llama-server's
-    tokenize_input_prompts) or several completions of one (n_cmpl, alias n, > 1: child tasks on
-    other slots). Pinned to one slot, the engine would run them one after another there, each
-    reusing the one before it, and answer otherwise than it does alone."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and not any(
-            isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return True
-    for name in ("n_cmpl", "n"):
-        n = body.get(name)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            return True
-    return False
 
 
 def _url_host(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _model_of(body: bytes) -> str | None:
-    """A router request's model ("model" in its JSON body), when it names one."""
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    model = parsed.get("model") if isinstance(parsed, dict) else None
-    return model if isinstance(model, str) else None
-
-
-def _slot_in_path(path: str) -> int | None:
-    """/slots/3 → 3; anything else → None (the configured slot)."""
-    tail = path[len("/slots/"):]
-    return int(tail) if tail.isdigit() and len(tail) < 6 else None
 
 
 class Gate:
@@ -267,10 +221,10 @@ class Gate:
         """A client's own POST /slots/N?action=...: it waits for the slot's FIFO, so it never
         lands between a turn and its request."""
         body = await request.read()
-        slot_id = _slot_in_path(request.path)
+        slot_id = slot_in_path(request.path)
         s = self.sessions
         if self.router is not None:
-            model = _model_of(body)
+            model = model_of(body)
             s = self.router.sessions_of(model) if model is not None else None
             if s is None:  # a model not loaded (or none named): nothing of ours on its slots
                 return await self.proxy(request, body)

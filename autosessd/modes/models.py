@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..engines.base import EngineError
 from ..sessions import views
 from ..sessions.context import Context
+from ..sessions.facade import Sessions
 from ..sessions.facts import facts_of
-from ..engines.base import EngineError
 from ..sessions.observe import SLEPT, UNLOADED
 from ..sessions.report import Counters, Events
 from ..sessions.savings import Savings
-from ..sessions.facade import Sessions
 from ..sessions.upkeep import Upkeep
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from ..engines.base import EngineError
-from ..sessions.observe import SLEPT
 from ..engines.process import engine_command
+from ..sessions.observe import SLEPT
 
 if TYPE_CHECKING:
     from ..base.config import Config

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store import slotfile
 from ..base.config import Config
-from .report import fmt_bytes
 from ..engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
-from ..store.slotfile import KVLayout
-from ..store.directory import TEMP_PREFIX, Store
 from ..engines.process import engine_command
+from ..store import slotfile
+from ..store.directory import TEMP_PREFIX, Store
+from ..store.slotfile import KVLayout
+from .report import fmt_bytes
 
 log = logging.getLogger("autosessd")
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from . import policy
-from ..engines.base import SlotState
 from ..base.keys import is_key
+from ..engines.base import SlotState
+from ..store.directory import StoreError, auto_name, manual_name
+from . import policy
 from .policy import Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_tokens, skipped
 from .slot import Phase
-from ..store.directory import StoreError, auto_name, manual_name
 
 if TYPE_CHECKING:
     from .context import Context

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from ..base.config import Config
 from ..engines.base import ChatEngine, Engine
+from ..store.directory import Store
 from .phases import TurnTimes
 from .report import Counters, Events, Histograms, RestoreLog
 from .savings import Savings
-from ..store.directory import Store
 
 MAX_TOKENS = 1 << 24
 

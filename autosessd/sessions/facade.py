@@ -93,12 +93,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
+from ..base.config import Config
+from ..engines.base import Engine, EngineError, SlotState
+from ..store.directory import Store
 from . import held, observe, views
 from .commands import Commands
-from ..base.config import Config
 from .context import Context
 from .facts import facts_of
-from ..engines.base import Engine, EngineError, SlotState
 from .idle import IdleSaver
 from .launch import Launch
 from .observe import Observer
@@ -111,7 +112,6 @@ from .restores import Restorer
 from .saves import Saver
 from .savings import Savings
 from .slot import Slot, View
-from ..store.directory import Store
 from .turn import Turn
 from .upkeep import Upkeep
 from .warm import Warmer

@@ -38,9 +38,9 @@ import time
 from typing import Awaitable, Callable
 
 from ..engines import gguf
+from ..engines.base import EngineError, EngineInfo, EngineRefused, SlotSavingOff
 from .checks import SavesElsewhere, StartupError, probe_save
 from .context import Context
-from ..engines.base import EngineError, EngineInfo, EngineRefused, SlotSavingOff
 from .report import fmt_tokens
 
 log = logging.getLogger("autosessd")

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from ..base import files
 from ..engines.base import EngineError, PrefillResult, SlotState
-from .slot import Phase, Slot, View
 from ..store.directory import TEMP_PREFIX
+from .slot import Phase, Slot, View
 
 if TYPE_CHECKING:
     from .context import Context

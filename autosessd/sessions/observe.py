@@ -23,11 +23,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from . import policy
 from ..engines.base import EngineError, SlotsHidden, SlotState
+from ..store.directory import auto_name
+from . import policy
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot
-from ..store.directory import auto_name
 
 if TYPE_CHECKING:
     from .context import Context

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import EngineError
 from ..store.branches import prefix_key
-from ..store.index import common_prefix, decode, encode
+from ..store.runs import common_prefix, decode
+from ..store.slotfile import encode
 from .policy import Held, SaveOutcome
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot

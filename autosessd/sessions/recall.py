@@ -14,7 +14,7 @@ whose messages begin with a file's recorded ones needs no tokens:
               other: no other file (nor bucket save) holds those n tokens, so every other shares
               fewer with the request than this one does; the slot shares fewer than n; n reaches
               min_tokens above that; and, on a sliding-window model, the file is within the
-              window or ends at most one token after those n (index.swa_usable). Otherwise the
+              window or ends at most one token after those n (runs.swa_usable). Otherwise the
               engine is asked for the tokens, as before.
 
 Either way the engine reuses the shared prefix itself, and the next response's cache_n verifies
@@ -40,10 +40,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..engines.base import EngineError
-from ..store.index import common_prefix, encode
 from ..base.keys import chain, chat_signature
+from ..engines.base import EngineError
 from ..store.names import Mark, Meta
+from ..store.runs import common_prefix
+from ..store.slotfile import encode
 
 if TYPE_CHECKING:
     from .context import Context

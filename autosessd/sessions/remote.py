@@ -11,7 +11,7 @@ for one conversation's folder and 73 ms for 1,000 saves (bench: measured with bo
                token list (read once: an object never changes), read again every list_every_s
                in a thread; a save another host uploaded is found here within that long
     best()     the catalog's save sharing the longest prefix with a request's tokens: one
-               bisect in a sorted run (index.TokenRun), on the loop, no I/O
+               bisect in a sorted run (runs.TokenRun), on the loop, no I/O
     newest()   the catalog's save of one name: the key rule for requests without tokens
     prefill    a moving average of the engine's prompt rate (timings.prompt_per_second of
                responses that read PREFILL_MIN tokens or more): the estimate weighs a download
@@ -51,14 +51,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import policy
-from ..store import slotfile
 from ..base.config import SharedConfig
-from ..store.index import TokenRun, comparable, encode, swa_usable
+from ..shared import AlreadyHere, BadObject, Incompatible, RemoteSession, SharedError, SharedStore
+from ..store import slotfile
+from ..store.directory import AUTO_BIN, Meta, Store, auto_name
+from ..store.runs import TokenRun, swa_usable
+from ..store.slotfile import comparable, encode
+from . import policy
 from .policy import Fetch, FileInfo, Held, SaveOutcome
 from .report import TurnResult, fmt_bytes
-from ..shared import AlreadyHere, BadObject, Incompatible, RemoteSession, SharedError, SharedStore
-from ..store.directory import AUTO_BIN, Meta, Store, auto_name
 
 if TYPE_CHECKING:
     from .context import Context

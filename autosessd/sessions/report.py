@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..store.directory import auto_name
 from . import phases, policy
 from .policy import Skip
-from ..store.directory import auto_name
 
 log = logging.getLogger("autosessd")
 

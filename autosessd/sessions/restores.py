@@ -3,7 +3,7 @@
     keep starts out   on an engine that empties idle slots, no other request starts between
                       the restore and the slot's own request (launch.no_starts)
     in use            the name is held in Store.in_use while the engine reads it (no prune)
-    not waited for    a file whose finalize still runs (saves.Pending) is read through a link to its
+    not waited for    a file whose finalize still runs (finalizing.Pending) is read through a link to its
                       temporary (Store.link_temp): a switch back does not wait for the fsync
     checked           the file must be the one saved (Store.check_whole: a regular file of its
                       metadata's size; its digest again when its identity changed) and fit
@@ -29,14 +29,15 @@ import time
 from typing import TYPE_CHECKING
 
 from ..base import files, logs
-from ..store import slotfile
 from ..engines.base import EngineError, EngineRefused
+from ..store import slotfile
+from ..store.directory import AUTO_BIN, auto_name
+from ..store.integrity import NEEDS_READ
+from .observe import SLEPT, UNLOADED
 from .phases import timed
 from .policy import Occasion
 from .report import TurnResult, fmt_tokens
 from .slot import Phase, Slot
-from .observe import SLEPT, UNLOADED
-from ..store.directory import AUTO_BIN, NEEDS_READ, auto_name
 
 if TYPE_CHECKING:
     from .context import Context

@@ -12,8 +12,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import facts
 from ..store.index import TokenIndex
+from . import facts
 from .report import fmt_bytes
 
 if TYPE_CHECKING:

@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import __version__
 from ..engines.base import EngineError, EngineRefused
-from ..store.index import decode
+from ..store.runs import decode
 from .report import counter_rows, first_words
 
 if TYPE_CHECKING:
     from ..base.config import Config
-    from .context import Context
     from ..engines.base import Engine
+    from ..store.directory import Store
     from ..store.index import TokenIndex
+    from .context import Context
     from .report import Counters, RestoreLog
     from .slot import Slot
-    from ..store.directory import Store
 
 log = logging.getLogger("autosessd")
 

@@ -25,9 +25,8 @@ May import: base and store (it installs downloads through the store; the session
 """
 
 from .bucket import (FORMAT, LEASE, SESSIONS, AlreadyHere, BadObject, BucketPrunePlan, Estimate, Incompatible,
-                     RemoteSession,
-                     SharedError, Unavailable, default_host, estimate, model_id, parse_key, plan_bucket_prune,
-                     read_credentials, stem_of)
+                     RemoteSession, SharedError, Unavailable, default_host, estimate, model_id, parse_key,
+                     plan_bucket_prune, read_credentials, stem_of)
 from .downloads import CHUNK, DOWN_BACKOFF_S, DOWN_RATE_MIN_S
 from .lease import STALE_MULTIPART_S, Lease
 from .tier import Counters, SharedStore

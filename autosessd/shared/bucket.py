@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ..store.directory import AUTO_BIN, MANUAL_NAME
+from ..store.names import AUTO_BIN, MANUAL_NAME
 
 FORMAT = "1"  # x-amz-meta-autosessd-format: the layout above
 SESSIONS = "sessions/"

@@ -31,8 +31,8 @@ from urllib.parse import unquote
 
 from ..base import files
 from ..store import slotfile
-from ..store.names import marks_from
 from ..store.directory import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
+from ..store.names import marks_from
 from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate,
                      stem_of)
 

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..store import slotfile
 from ..base.config import SharedConfig
+from ..store import slotfile
 from ..store.directory import Store
 from .bucket import (SESSIONS, RemoteSession, SharedError, Unavailable, _http_date, _why, default_host, model_id,
                      parse_key, read_credentials, stem_of)

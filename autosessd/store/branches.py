@@ -11,7 +11,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .index import common_prefix, encode
+from .runs import common_prefix
+
+from .slotfile import encode
 
 
 def branch_key(key: str, tokens: Sequence[int] | bytes) -> str:

@@ -47,103 +47,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import json
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 
 from ..base import files
-from . import slotfile
 from ..base.files import Ident
-from .names import (AUTO_BIN, AUTO_META, MANUAL_NAME, QUARANTINE, TEMP_PREFIX, InUse, Mark, Meta, NewerHere,  # noqa: F401
-                    StoreError, auto_name, manual_name, meta_name, temp_name)
+from .integrity import Integrity
+from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, TEMP_PREFIX, InUse, Meta, NewerHere, StoreError,
+                    auto_name, fsync_dir, manual_name, meta_name, temp_name)
+from .prune import Entry, PrunePlan, plan_prune
+from .space import Space
 
 log = logging.getLogger("autosessd")
 
-NEEDS_READ = "the file must be read to be checked"  # Store.check_whole(stat_only=True): not decided
 
-# Headroom kept free on the disk beyond the estimated size of a save.
-FREE_MARGIN = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Entry:
-    """An auto file as the scan found it."""
-
-    key: str
-    bytes: int
-    mtime: float
-    meta: Meta | None
-
-    @property
-    def saved_at(self) -> float:
-        return self.meta.saved_at if self.meta else self.mtime
-
-    @property
-    def name(self) -> str:
-        return auto_name(self.key)
-
-
-@dataclass(frozen=True)
-class PrunePlan:
-    remove: list[Entry]
-    keep: list[Entry]
-
-    @property
-    def freed(self) -> int:
-        return sum(e.bytes for e in self.remove)
-
-
-def plan_prune(entries: list[Entry], keep: int, max_bytes: int, in_use: set[str] = frozenset(),
-               must_free: int = 0) -> PrunePlan:
-    """Keep the newest `keep` auto files and at most `max_bytes` of them; never one in use.
-    With must_free > 0 (a save was refused for space), also remove the oldest of the rest
-    until that many bytes are freed.
-
-    Pure: the caller scans and deletes. Files in use are kept and count toward the
-    budget (they are on the disk either way)."""
-    newest_first = sorted(entries, key=lambda e: (e.saved_at, e.key), reverse=True)
-    kept: list[Entry] = []
-    removed: list[Entry] = []
-    total = 0
-    for e in newest_first:
-        if e.name in in_use or (len(kept) < keep and total + e.bytes <= max_bytes):
-            kept.append(e)
-            total += e.bytes
-        else:
-            removed.append(e)
-    freed = sum(e.bytes for e in removed)
-    for e in reversed(list(kept)):  # oldest first
-        if freed >= must_free:
-            break
-        if e.name not in in_use:
-            kept.remove(e)
-            removed.append(e)
-            freed += e.bytes
-    return PrunePlan(remove=removed, keep=kept)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-FILE_MODE = 0o600
-GROUP_FILE_MODE = 0o640
-
-
-class Store:
+class Store(Integrity, Space):
     """The session directory. Used from the event loop and from worker threads (finalize,
     prune, status, ls and the shared tier's downloads run in threads).
 
@@ -215,34 +139,6 @@ class Store:
             self.release(name)
 
     # -- space -------------------------------------------------------------
-    def free_bytes(self) -> int:
-        return psutil.disk_usage(str(self.path)).free
-
-    def estimate_bytes(self, n_tokens: int) -> int | None:
-        """Bytes a save of n_tokens will take, from the densest file saved so far. Scans the
-        directory only the first time (when no scan has yet)."""
-        if self._per_token is None:
-            self.scan()
-        return int(self._per_token * n_tokens) if self._per_token else None
-
-    def _saw(self, meta: Meta) -> None:
-        if meta.n_tokens > 0:
-            # One float written whole: safe to read from the loop while a thread writes it.
-            self._per_token = max(self._per_token or 0.0, meta.bytes / meta.n_tokens)
-
-    def space_needed(self, n_tokens: int) -> int:
-        """Free bytes a save of n_tokens needs: its estimated size plus headroom (64 MiB,
-        or 5% of a smaller filesystem)."""
-        total = psutil.disk_usage(str(self.path)).total
-        return (self.estimate_bytes(n_tokens) or 0) + min(FREE_MARGIN, total // 20)
-
-    def check_space(self, n_tokens: int) -> str | None:
-        """None when a save of n_tokens fits; otherwise why not (the save is skipped)."""
-        free, need = self.free_bytes(), self.space_needed(n_tokens)
-        if free < need:
-            return f"disk full: {free / 1e6:,.1f} MB free in {self.path}, a save needs about {need / 1e6:,.1f} MB"
-        return None
-
     # -- the save path -----------------------------------------------------
     def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> int:
         """The engine said it wrote n_written bytes to the temporary: check it did. Returns the
@@ -295,7 +191,7 @@ class Store:
         self._seal(temp)
         digest, _ = files.digest_file(temp)
         os.replace(temp, final)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         ident = files.regular_ident(final)  # after the rename, which moves the ctime
         meta = dataclasses.replace(meta, digest=digest, ident=ident)
         self._write_meta(meta)
@@ -307,7 +203,7 @@ class Store:
         temp = self.temp_path(key)
         self._seal(temp)
         os.replace(temp, self.path / manual_name(name))
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def _seal(self, path: Path) -> None:
         """The engine's file: our mode (and group), then fsync. An engine running as another
@@ -336,7 +232,7 @@ class Store:
         written = self._meta_temp(meta, tmp)
         os.replace(tmp, self.meta_path(meta.key))
         self._remember_meta(meta.key, written)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def _meta_temp(self, meta: Meta, tmp: Path) -> tuple[int, bytes]:
         """The metadata, whole and fsynced, under the temporary name tmp; (its inode, its bytes)."""
@@ -419,7 +315,7 @@ class Store:
         finally:
             if meta_tmp is not None:
                 self._unlink(meta_tmp)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def discard_temp(self, key: str) -> None:
         try:
@@ -454,106 +350,6 @@ class Store:
         with self._lock:
             self._meta_cache[path.name] = (ident, meta)
         return meta
-
-    def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False,
-                    ident: Ident | None = None) -> str | None:
-        """None when `name` may be handed to the engine: the file it was when saved or
-        downloaded. Otherwise why not (the caller quarantines it). Auto files: a regular
-        file whose size is its metadata's, and whose digest is checked again when its
-        identity changed since the last check (blocking then: seconds for a multi-GB file,
-        run it in a thread). People's files, and auto files from before digests: a regular
-        file, not shorter than its own KV fields say (slotfile.state_end, with n_blocks KV
-        caches: 2 for a sliding-window model; None: not looked at).
-
-        stat_only: decide only what a few lstats and the cached metadata decide (the common
-        case: a file unchanged since it was saved or last checked), fast enough for the event
-        loop; → NEEDS_READ when the file itself must be read (a digest, a person's file).
-        ident: the file's lstat as the caller took it a moment ago (the restore's, whose
-        quarantine moves only that file); None: not given, taken here."""
-        path = self.path / name
-        if ident is None:
-            ident = files.regular_ident(path)
-        if ident is None:
-            return f"{name} is missing or not a regular file (a link, a FIFO?)"
-        m = AUTO_BIN.match(name)
-        if not m:
-            return NEEDS_READ if stat_only and n_blocks is not None else self._short(path, ident, n_blocks)
-        meta = self._meta_at(self.meta_path(m.group(1)))
-        if meta is None or meta.key != m.group(1):
-            return f"{name} has no valid metadata"
-        if ident.size != meta.bytes:
-            return f"{name} has {ident.size:,} bytes, {meta.bytes:,} were saved"
-        if meta.digest is None:
-            return NEEDS_READ if stat_only and n_blocks is not None else self._short(path, ident, n_blocks)
-        if meta.ident == ident or self._checked.get(name) == (ident, meta.digest):
-            return None
-        if stat_only:
-            return NEEDS_READ
-        digest, now = files.digest_file(path)
-        if digest != meta.digest:
-            return f"{name}'s digest is {digest}, {meta.digest} was saved: its bytes changed"
-        with self._lock:
-            self._checked[name] = (now, digest)  # the next restore of the same file needs a stat only
-        return None
-
-    @staticmethod
-    def _short(path: Path, ident: Ident, n_blocks: int | None) -> str | None:
-        if n_blocks is None:
-            return None
-        try:
-            end = slotfile.state_end(path, n_blocks)
-        except OSError as e:
-            return f"{path.name}: {e}"
-        if end is not None and end > ident.size:
-            return f"{path.name} has {ident.size:,} bytes, its own fields need {end:,}: it is cut short"
-        return None
-
-    # -- quarantine --------------------------------------------------------
-    def quarantine(self, name: str, why: str, seen: Ident | None = None) -> str | None:
-        """Move `name` (and an auto file's metadata) aside into QUARANTINE/, with a note of
-        why. seen: the identity of the file judged bad; a file that changed since (a save
-        finalized over it) is left in place. Returns the name it has there, or None when it
-        was not moved. Blocking."""
-        qdir = self.path / QUARANTINE
-        qdir.mkdir(mode=0o700, exist_ok=True)
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        dest = qdir / f"{name}.{stamp}.{uuid.uuid4().hex[:6]}"
-        m = AUTO_BIN.match(name)
-        with self._lock:
-            now = files.regular_ident(self.path / name)
-            if seen is not None and now != seen:
-                return None
-            try:
-                os.rename(self.path / name, dest)  # a link moves as a link
-            except FileNotFoundError:
-                return None
-            if m:
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(self.meta_path(m.group(1)), dest.with_name(dest.name + ".json"))
-        note = json.dumps({"name": name, "why": why, "at": time.time(), "bytes": now.size if now else None})
-        fd = os.open(dest.with_name(dest.name + ".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-        with os.fdopen(fd, "w") as f:
-            f.write(note + "\n")
-        _fsync_dir(self.path)
-        log.warning("auto sessions: %s moved aside to %s/%s: %s", name, QUARANTINE, dest.name, why)
-        return dest.name
-
-    def quarantined(self) -> list[dict]:
-        """What quarantine() moved aside, newest first: name, why, at, bytes, and its name there."""
-        out = []
-        try:
-            it = os.scandir(self.path / QUARANTINE)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        with it:
-            for d in it:
-                if d.name.endswith(".why"):
-                    try:
-                        note = json.loads(files.read_small(d.path, 64 * 1024))
-                        out.append({**note, "file": d.name[:-4]})
-                    except (OSError, ValueError):
-                        continue
-        return sorted(out, key=lambda r: r.get("at") or 0, reverse=True)
 
     def scan(self, with_meta: bool = True) -> list[Entry]:
         """The auto files. Without metadata (status, prune: sizes and ages are enough) a scan
@@ -637,7 +433,7 @@ class Store:
             if why and self._unlink(self.path / name):
                 removed.append(f"{name} ({why})")
         if removed:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         return removed
 
     def remove(self, key: str) -> int:

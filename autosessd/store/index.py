@@ -56,73 +56,23 @@ another line: never over a file whose tokens it does not contain.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import logging
 import os
-import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 from ..base.files import read_small, regular_ident
-from .names import Mark, marks_from
-from .names import AUTO_BIN
-from .slotfile import BadSlotFile, comparable, encode, read_header  # noqa: F401 (slotfile's; imported from here too)
+from .entries import Entry, Ident, check_name, fitting, read_cache, write_cache
+from .names import AUTO_BIN, Mark, marks_from
+from .runs import common_prefix, swa_usable, TokenRun
+from .slotfile import BadSlotFile, comparable, encode, read_header
 
 log = logging.getLogger("autosessd")
-
-# Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
-# entry's token bytes one after another, u32 crc32 of all that precedes it.
-CACHE_MAGIC = b"autosessd-index\n"
-CACHE_VERSION = 2  # 2: each entry carries its file's marks (issue 23)
-CACHE_MAX = 1 << 30  # the cache holds every file's comparable tokens: 1 GiB is ~250 M tokens
-
-Ident = tuple[int, int, int]  # (inode, mtime_ns, size)
-
-
-def decode(data: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(data) // 4}i", data))
-
-
-def common_prefix(a: bytes, b: bytes) -> int:
-    """Tokens two encoded token lists share from the start.
-
-    Binary search on prefix equality: each comparison is a memcmp in C, so 32k tokens cost
-    ~17 comparisons instead of a Python loop over every token; through a memoryview, with no
-    copy of either list (the common case, one a prefix of the other, is one memcmp)."""
-    if len(a) > len(b):
-        a, b = b, a
-    n = len(a) >> 2
-    va = memoryview(a)
-    if b.startswith(va[:4 * n]):
-        return n
-    lo, hi = 0, n  # a[:4lo] == b[:4lo], a[:4hi] != b[:4hi]
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if b.startswith(va[4 * lo:4 * mid], 4 * lo):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    model: str | None  # fingerprint of the model it was written for; None: not known
-    n_tokens: int  # as the header says (media placeholders included)
-    tokens: bytes  # encoded; the comparable part only
-    ident: Ident | None  # of the .bin, when indexed from the disk
-    meta_ident: Ident | None = None  # of auto-<key>.json, when it had one
-    marks: tuple[Mark, ...] = ()  # its metadata's: where its tokens came from, by messages
-
-    def token_list(self) -> list[int]:
-        return decode(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -144,93 +94,6 @@ class ScanReport:
 
 def _ident(st: os.stat_result) -> Ident:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def check_name(name: str) -> str:
-    """A bare, final session file name, or ValueError: the index never reads temporaries
-    (dot names) and never a path."""
-    if not isinstance(name, str) or not name.endswith(".bin") or "/" in name or "\x00" in name \
-            or name.startswith("."):
-        raise ValueError(f"{name!r} is not a session file name (a bare *.bin name, no leading dot)")
-    return name
-
-
-class TokenRun:
-    """One model's files in sorted order of their tokens, and the prefix each shares with
-    the next (adj[k] = lcp(items[k], items[k+1])). For sorted a ≤ b ≤ c, lcp(a, c) =
-    min(lcp(a, b), lcp(b, c)): from a query's insertion point outwards, the prefix each
-    file shares with the query follows from the previous one and adj, without comparing
-    tokens again — 1,000 files under one system prompt cost one comparison, not 1,000.
-    The shared bucket's catalog (remote.py) keeps one of its own, of token lists that are not
-    files in the directory."""
-
-    def __init__(self, items: list[tuple[bytes, str]] | None = None):
-        self.items = sorted(items or [])
-        self.adj = [common_prefix(a[0], b[0]) for a, b in zip(self.items, self.items[1:])]
-
-    def insert(self, data: bytes, name: str) -> None:
-        n = len(self.items)
-        p = bisect.bisect_left(self.items, (data, name))
-        self.items.insert(p, (data, name))
-        if 0 < p < n:
-            self.adj[p - 1:p] = [common_prefix(self.items[p - 1][0], data), common_prefix(data, self.items[p + 1][0])]
-        elif p == 0 and n:
-            self.adj.insert(0, common_prefix(data, self.items[1][0]))
-        elif p == n and n:
-            self.adj.append(common_prefix(self.items[p - 1][0], data))
-
-    def delete(self, data: bytes, name: str) -> None:
-        n = len(self.items)
-        p = bisect.bisect_left(self.items, (data, name))
-        assert self.items[p][1] == name, (name, self.items[p][1])
-        del self.items[p]
-        if 0 < p < n - 1:
-            self.adj[p - 1:p + 1] = [min(self.adj[p - 1], self.adj[p])]
-        elif p == 0 and n > 1:
-            del self.adj[0]
-        elif p == n - 1 and n > 1:
-            del self.adj[p - 1]
-
-    def side(self, q: bytes, floor: int, step: int) -> Iterator[tuple[int, str]]:
-        """(shared tokens, name) of the files sharing at least `floor` with q on one side of
-        its insertion point (step -1: before it, +1: after it), nearest first. Stops at the
-        first file below `floor`: nothing further out shares more."""
-        i = bisect.bisect_left(self.items, (q, ""))
-        j = i - 1 if step < 0 else i
-        if not 0 <= j < len(self.items):
-            return
-        n = common_prefix(self.items[j][0], q)
-        while n >= floor:
-            yield n, self.items[j][1]
-            j += step
-            if not 0 <= j < len(self.items):
-                return
-            n = min(n, self.adj[j] if step < 0 else self.adj[j - 1])
-
-    def around(self, q: bytes, floor: int) -> Iterator[tuple[int, str]]:
-        yield from self.side(q, floor, -1)
-        yield from self.side(q, floor, +1)
-
-
-def _fitting(marks: tuple[Mark, ...], tokens: bytes) -> tuple[Mark, ...]:
-    """The marks a file's tokens can back: none past its comparable tokens (a media placeholder
-    ends them), none that claims more."""
-    n = len(tokens) // 4
-    return tuple(m for m in marks if m.n_tokens <= n)
-
-
-def swa_usable(n_tokens: int, lcp: int, window: int | None) -> bool:
-    """Can a file of n_tokens, sharing lcp with a request, be restored for it on a model with
-    sliding-window layers of `window` tokens? llama-server saves only the last window of
-    those layers' cells (llama_kv_cache::state_write skips SWA-masked cells, with or without
-    --swa-full). After a restore the engine recomputes the request from position lcp, and
-    the sliding-window layers there attend to the `window` positions before it: all present
-    only when the file is no longer than the window or the request goes on from (nearly) its
-    end. Otherwise an engine without --swa-full reads the whole prompt again, and one with it
-    reuses the prefix with cells missing: measured on b11434, a top log-probability of -1.398
-    after the restore against -1.112 from the engine's own cache for the same prompt (an
-    extension gave the same -0.880 both ways). So such files are passed over."""
-    return window is None or n_tokens <= window or n_tokens - lcp <= 1
 
 
 class TokenIndex:
@@ -340,7 +203,7 @@ class TokenIndex:
             model = old.model  # learned, and the file is the same one
         tokens = header.encoded()
         return Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=ident,
-                     meta_ident=meta_ident, marks=_fitting(marks, tokens))
+                     meta_ident=meta_ident, marks=fitting(marks, tokens))
 
     def _meta_facts(self, name: str, size: int) -> tuple[str | None, tuple[Mark, ...]]:
         """The model and the marks in auto-<key>.json when that metadata belongs to this very file."""
@@ -360,7 +223,7 @@ class TokenIndex:
         st = os.stat(self.directory / name, follow_symlinks=False)
         data = encode(comparable(tokens))
         entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=data, ident=_ident(st),
-                      meta_ident=self._meta_ident(name), marks=_fitting(tuple(marks), data))
+                      meta_ident=self._meta_ident(name), marks=fitting(tuple(marks), data))
         self._put(entry)
         return entry
 
@@ -391,7 +254,7 @@ class TokenIndex:
             model = old.model if old is not None and old.ident == _ident(st) else None
         tokens = header.encoded()
         entry = Entry(name=name, model=model, n_tokens=header.n_tokens, tokens=tokens, ident=_ident(st),
-                      meta_ident=meta_ident, marks=_fitting(marks, tokens))
+                      meta_ident=meta_ident, marks=fitting(marks, tokens))
         self._put(entry)
         return entry
 
@@ -402,7 +265,7 @@ class TokenIndex:
             e = self._entries.get(name)
             if e is None or e.ident != ident:
                 return False
-            new = tuple(m for m in _fitting(tuple(marks), e.tokens) if m not in e.marks)
+            new = tuple(m for m in fitting(tuple(marks), e.tokens) if m not in e.marks)
             if new:
                 self._drop(e)
                 self._insert(dataclasses.replace(e, marks=e.marks + new))
@@ -589,33 +452,7 @@ class TokenIndex:
             entries = sorted(self._entries.values(), key=lambda e: e.name)
             self.dirty = False
         try:
-            dst = os.stat(self.directory)
-            desc = {"dir": str(self.directory.resolve()), "dev": dst.st_dev, "ino": dst.st_ino,
-                    "entries": [[e.name, e.model, e.n_tokens, len(e.tokens) // 4, list(e.ident or (0, 0, 0)),
-                                 list(e.meta_ident) if e.meta_ident else None, [m.to_list() for m in e.marks]]
-                                for e in entries]}
-            head = json.dumps(desc, separators=(",", ":")).encode()
-            body = CACHE_MAGIC + struct.pack("<II", CACHE_VERSION, len(head)) + head
-            crc = zlib.crc32(body)
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
-            try:
-                tmp.unlink()  # O_CREAT keeps an existing file's mode: start from none
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                with os.fdopen(fd, "wb", closefd=False) as f:
-                    f.write(body)
-                    for e in entries:
-                        f.write(e.tokens)
-                        crc = zlib.crc32(e.tokens, crc)
-                    f.write(struct.pack("<I", crc))
-                    f.flush()
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.cache_path)
+            write_cache(self.cache_path, self.directory, entries)
         except OSError:
             with self._lock:
                 self.dirty = True
@@ -624,36 +461,4 @@ class TokenIndex:
 
     def _load_cache(self) -> tuple[dict[str, Entry], str]:
         """(entries, "loaded") or ({}, why the cache was not used)."""
-        try:
-            data = read_small(self.cache_path, CACHE_MAX)
-        except FileNotFoundError:
-            return {}, "none"
-        except OSError as e:
-            return {}, f"unreadable: {e.strerror or e}"
-        try:
-            if not data.startswith(CACHE_MAGIC) or len(data) < len(CACHE_MAGIC) + 12:
-                return {}, "not an index cache"
-            version, n_head = struct.unpack_from("<II", data, len(CACHE_MAGIC))
-            if version != CACHE_VERSION:
-                return {}, f"version {version}, this code reads {CACHE_VERSION}"
-            (crc,) = struct.unpack_from("<I", data, len(data) - 4)
-            if zlib.crc32(memoryview(data)[:-4]) != crc:
-                return {}, "damaged (checksum)"
-            at = len(CACHE_MAGIC) + 8
-            desc = json.loads(data[at:at + n_head])
-            dst = os.stat(self.directory)
-            if (desc["dir"], desc["dev"], desc["ino"]) != (str(self.directory.resolve()), dst.st_dev, dst.st_ino):
-                return {}, f"for another directory ({desc['dir']})"
-            at += n_head
-            entries = {}
-            for name, model, n_tokens, n_cmp, ident, meta_ident, marks in desc["entries"]:
-                tokens = data[at:at + 4 * n_cmp]
-                at += 4 * n_cmp
-                entries[check_name(name)] = Entry(name, model, int(n_tokens), tokens, tuple(ident),
-                                                  tuple(meta_ident) if meta_ident else None,
-                                                  _fitting(marks_from(marks), tokens))
-            if at != len(data) - 4:
-                return {}, "damaged (length)"
-            return entries, "loaded"
-        except (ValueError, KeyError, TypeError, struct.error, OSError) as e:
-            return {}, f"damaged ({e})"
+        return read_cache(self.cache_path, self.directory)

@@ -5,15 +5,18 @@
     .autosessd-quarantine/      files that failed a check before a restore, with why
     anything else               a person's: never touched (a parked NAME.bin is one)
 
-The store (store.py) does the I/O; this module only names and parses. Everything here is
-imported from store.py as well, which is where the rest of the code reads it from.
+The store (directory.py) does the I/O; this module only names and parses, and gives the
+modes the files get. Everything here is imported from directory.py as well, which is where
+the rest of the code reads it from.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ..base.files import Ident
 
@@ -176,3 +179,17 @@ class Meta:
         else:
             del d["marks"]
         return json.dumps(d, sort_keys=True).encode() + b"\n"
+
+
+# Every file autosessd makes visible holds a conversation: its owner's only (0640 with control.group).
+FILE_MODE = 0o600
+GROUP_FILE_MODE = 0o640
+
+
+def fsync_dir(path: Path) -> None:
+    """A rename or an unlink in `path` made durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
