@@ -24,7 +24,7 @@ smoke.log (the engine's own output). CACHE/engines/.lock serialises builds betwe
 fetch-engine runs. The layout of older recipes (CACHE/llama-server-<version>/) is never read,
 so those binaries are rebuilt rather than trusted, and never touched.
 
-Decisions (pure functions below, tested in tests/test_engine_build.py):
+Decisions (pure functions below, tested in tests/project/test_engine_build.py):
   cached binary:  answers -> use it; dies by a signal, exits, cannot be executed or answers
                   garbage -> rebuild the same variant (one line says so); does not answer in
                   time -> stop (a rebuild cannot fix a machine too loaded to answer).

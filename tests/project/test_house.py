@@ -4,7 +4,7 @@ sitting, and the store's lock and in-use set touched only by the store."""
 import re
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "autosessd"
+PKG = Path(__file__).resolve().parents[2] / "autosessd"
 
 
 def lines(p: Path) -> int:
@@ -37,3 +37,14 @@ def test_each_package_says_what_it_owns_and_what_it_may_import():
     for init in sorted(PKG.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
         assert "May import:" in doc and len(doc) > 150, f"{init.relative_to(PKG)}: say what it owns and may import"
+
+
+def test_the_tests_mirror_the_packages():
+    """Issue 32: a package's tests sit in a folder of its name (cli: the commands, project: the
+    tree's own rules); the shared fixtures and fakes stay in tests/ (conftest.py, harness.py)."""
+    tests = PKG.parent / "tests"
+    packages = {p.parent.name for p in PKG.glob("*/__init__.py")}
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")}
+    assert packages <= folders, f"no tests/ folder for {sorted(packages - folders)}"
+    assert folders <= packages | {"cli", "project"}, f"a tests/ folder of no package: {sorted(folders - packages)}"
+    assert not list(tests.glob("test_*.py")), "a test outside the packages' folders"

@@ -6,7 +6,7 @@ The stub stands for llama-server --models-dir --models-max N: each loaded model 
 StubEngine (tests/stub_engine.py) that starts empty, as a freshly loaded model does; loading a
 model over the limit evicts the least recently loaded one, as the router does, with nothing
 saved. Unlike the router it answers at once (no child process, no 10 s stop-timeout), and
-GET /models, a load and an unload can be told to fail or hang. tests/test_models_real.py runs
+GET /models, a load and an unload can be told to fail or hang. tests/modes/test_models_real.py runs
 the same switches on the real router.
 """
 

@@ -9,7 +9,7 @@ import pytest
 from autosessd.follow.enginelog import (Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing, parse,
                                  prompt_counts)
 
-FIXTURES = Path(__file__).parent / "fixtures" / "engine-log"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engine-log"
 
 
 def events(name):
