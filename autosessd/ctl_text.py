@@ -27,7 +27,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def slot_line(s: dict[str, Any]) -> str:
-    """One slot's state as status shows it (sessions.py's states)."""
+    """One slot's state as status shows it (sessions/facade.py's states)."""
     state = s.get("state") or "unknown"
     busy = "  (a request runs)" if s.get("busy") else ""
     if state == "held":

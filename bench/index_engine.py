@@ -17,8 +17,7 @@ from index_common import FILES, MODEL, VOCAB, chat, engine, facts, med, timed
 from autosessd.engines.llama_server import LlamaServer
 from autosessd.store.index import TokenIndex
 from autosessd.store.runs import common_prefix
-from autosessd.store.slotfile import encode
-from autosessd.store.slotfile import build, read_header
+from autosessd.store.slotfile import build, encode, read_header
 
 
 def part_tokens(work: Path) -> dict[str, Any]:

@@ -19,8 +19,7 @@ from autosessd.store.index import TokenIndex
 
 from autosessd.store.runs import common_prefix
 
-from autosessd.store.slotfile import encode
-from autosessd.store.slotfile import build
+from autosessd.store.slotfile import build, encode
 
 
 # -- the two alternatives the index was measured against ----------------------------------

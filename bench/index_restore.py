@@ -16,8 +16,7 @@ from index_common import chat, engine, facts, med
 
 from autosessd.engines.llama_server import LlamaServer
 from autosessd.store.runs import common_prefix
-from autosessd.store.slotfile import encode
-from autosessd.store.slotfile import read_header
+from autosessd.store.slotfile import encode, read_header
 
 
 def part_reuse(work: Path) -> dict[str, Any]:

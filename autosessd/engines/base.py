@@ -121,7 +121,7 @@ class ChatEngine(Engine, Protocol):
     (turn.py), a shared prefix is read and saved on its own (prefix.py), the primer fills an
     emptied slot (launch.py), `ls` shows a file's first words (report.py), the start's probe
     of idle-slot clearing (daemon.py). An engine without it (the control stream) follows the
-    key rule: sessions.py asks `isinstance(engine, ChatEngine)` once."""
+    key rule: sessions/facade.py asks `isinstance(engine, ChatEngine)` once."""
 
     async def apply_template(self, body: dict, timeout_s: float | None = None) -> str:
         """The text a chat request is prompted with, from the engine's own template."""

@@ -4,7 +4,7 @@ are parsed by enginelog.py). The file is followed as the request-log tail follow
 (tail.Following: the watch, the poll, rotation, truncation, a log written again from its
 start at each engine start, offsets kept across restarts, bad lines counted).
 
-What a line means (the tail's protocol of sessions.py, no ticket for what already ran):
+What a line means (the tail's protocol of sessions/facade.py, no ticket for what already ran):
 
     launch  slot N, task T   observed_start(N, LINE): the engine switched to a request now
     timing  prompt / eval    kept for the release: cache_n and the prompt's length follow

@@ -1,6 +1,6 @@
 """The turn (DESIGN §1) as pure decisions: plain values in, the step to take out.
 
-No I/O and no clock here; sessions.py performs what these functions decide. The
+No I/O and no clock here; sessions/facade.py performs what these functions decide. The
 turn has two decisions because the second depends on how the first went:
 
     plan_save(held, occasion, ..., key)          -> Save | Skip | None
@@ -8,7 +8,7 @@ turn has two decisions because the second depends on how the first went:
     plan_restore_by_tokens(held, key, ...)       -> RestoreFile | Skip         (by the tokens)
     plan_fetch_by_tokens / plan_fetch_by_key     -> Fetch | None   (first download from the bucket)
 
-A chat request whose tokens the engine gave (sessions.py) is matched by its tokens:
+A chat request whose tokens the engine gave (sessions/facade.py) is matched by its tokens:
 plan_restore_by_tokens. Other requests (another API's body, an engine that cannot
 tokenize, the tail and a hook that send only a key) keep the key rule: plan_restore.
 
@@ -42,7 +42,7 @@ from ..store.slotfile import KVLayout
 
 @dataclass(frozen=True)
 class Held:
-    """A conversation an engine slot holds, as far as autosessd knows (sessions.py's view of
+    """A conversation an engine slot holds, as far as autosessd knows (sessions/facade.py's view of
     a HELD or RESTORED slot, reduced to what the decisions need)."""
 
     key: str
@@ -116,7 +116,7 @@ def plan_save(held: Held | None, occasion: Occasion, min_tokens: int, saved: Fil
 
     `saved` is what the store has for the held key already; a file with the same token
     count for the same model is up to date and is not written again. A count that cannot
-    be read (None) is saved, and sessions.py drops the file if the engine's own count
+    be read (None) is saved, and sessions/facade.py drops the file if the engine's own count
     turns out below min_tokens.
     """
     if held is None:

@@ -37,7 +37,7 @@ class Describes(Protocol):
 
 
 class Reported(Protocol):
-    """What status, ls and metrics read: the Sessions facade (sessions.py), or behind a router
+    """What status, ls and metrics read: the Sessions facade (sessions/facade.py), or behind a router
     the Router, whose house stands for it (models.py); none of it is changed here."""
 
     cfg: Config

@@ -22,7 +22,7 @@ back from a backup, touched by a tool, or damaged in place). The engine aborts o
 file one byte short: no file reaches it unchecked.
 
 <key> is the conversation's first-message key; <target> is that key, or the branch key
-sessions.py chose from the file's tokens (branches.save_key) when another conversation of
+sessions/facade.py chose from the file's tokens (branches.save_key) when another conversation of
 the same first message holds auto-<key>.bin.
 
 Both files hold a conversation (the state file its tokens, the metadata its key), so

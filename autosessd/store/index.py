@@ -39,7 +39,7 @@ longest prefix of a request's messages: recall.py then knows the request's token
 to restore, without asking the engine.
 
 Between starts the index is cached in one file in the state directory, keyed per file by
-(inode, mtime, size) of the .bin and of its metadata (as store.py's metadata cache), so a
+(inode, mtime, size) of the .bin and of its metadata (as store/directory.py's metadata cache), so a
 start with 1,000 files stats them instead of reading every header. The cache holds token
 lists, i.e. conversations: it is written atomically with mode 0600. A cache that is
 missing, unreadable, for another directory or damaged is ignored and rebuilt.

@@ -1,4 +1,4 @@
-"""The llama-server adapter and sessions.py against a real llama-server (Gemma 3 270M)."""
+"""The llama-server adapter and sessions/facade.py against a real llama-server (Gemma 3 270M)."""
 
 import json
 import logging

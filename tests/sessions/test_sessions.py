@@ -1,4 +1,4 @@
-"""The slot's state machine (sessions.py) on the stub engine: what a slot holds after each
+"""The slot's state machine (sessions/facade.py) on the stub engine: what a slot holds after each
 kind of request end, and that no auto file ever gets another conversation's state.
 
 The stub writes real slot files whose header tokens stand for the conversation (A's are

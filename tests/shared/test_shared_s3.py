@@ -65,7 +65,7 @@ def hosts(s3_gateway, s3_bucket, aws_env, tmp_path):
 
 
 def save(store: Store, key: str, tokens, state: bytes, saved_at: float | None = None) -> Meta:
-    """A finalized local save in the engine's file layout, as sessions.py leaves it."""
+    """A finalized local save in the engine's file layout, as sessions/facade.py leaves it."""
     data = slotfile.build(tokens, state)
     store.temp_path(key).write_bytes(data)
     meta = Meta(key=key, n_tokens=len(tokens), bytes=len(data), saved_at=saved_at or time.time(), model=MODEL,
@@ -519,7 +519,7 @@ async def test_a_conversation_saved_on_one_host_continues_on_another(engines, ho
         await eng1.close()
         await eng2.close()
     assert model == model2  # the fingerprint names the weights, not the host or the path
-    # The save as sessions.py makes it: engine → temporary → verified → finalized → queued.
+    # The save as sessions/facade.py makes it: engine → temporary → verified → finalized → queued.
     r = e1.post("/slots/0?action=save", {"filename": temp_name(key)})
     s1.verify_temp(key, r["n_written"], slotfile.MAGIC_BYTES)
     meta = Meta(key=key, n_tokens=r["n_saved"], bytes=r["n_written"], saved_at=time.time(), model=model,

@@ -12,8 +12,7 @@ from autosessd.store import index as index_mod
 from autosessd.store.branches import SavedFile, SaveTarget, branch_key, save_key
 from autosessd.store.index import Match, TokenIndex
 from autosessd.store.runs import common_prefix
-from autosessd.store.slotfile import encode
-from autosessd.store.slotfile import build
+from autosessd.store.slotfile import build, encode
 from stub_engine import lcp as brute_lcp  # the naive reference the index must agree with
 
 M, OTHER = "model-a", "model-b"
