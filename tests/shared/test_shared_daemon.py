@@ -25,6 +25,7 @@ from autosessd.store import slotfile
 from autosessd.base.keys import conversation_key
 from autosessd.store.directory import auto_name
 from harness import Daemon, Engine, FakeEngine, chat_body, free_port, going_on, long_text, wait_until
+from shared_common import objects, unfinished_uploads
 
 
 def shared_toml(endpoint: str, bucket: str, host: str, **kw) -> str:
@@ -58,16 +59,6 @@ def shared(d: Daemon) -> dict:
     return d.status()["shared"]
 
 
-def objects(gw, bucket: str) -> dict[str, int]:
-    c = gw.client()
-    return {o["Key"]: o["Size"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-            for o in page.get("Contents", [])}
-
-
-def unfinished_uploads(gw, bucket: str) -> list[str]:
-    return [u["Key"] for u in gw.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
-
-
 def whole_local_files(d: Path) -> None:
     """Nothing torn in a session directory: no temporary left once the saves in flight are
     final (a save's finalize runs after its request), every auto file whole (its size is its
@@ -80,12 +71,6 @@ def whole_local_files(d: Path) -> None:
         meta = json.loads(p.with_suffix(".json").read_text())
         assert p.stat().st_size == meta["bytes"], p.name
         assert slotfile.read_header(p).n_tokens == meta["n_tokens"], p.name
-
-
-@pytest.fixture
-def aws_env(s3_gateway, monkeypatch):
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(k, s3_gateway.env[k])
 
 
 @pytest.fixture

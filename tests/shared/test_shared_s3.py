@@ -3,7 +3,6 @@
 Two "hosts" are two SharedStore instances with their own session directories and host names,
 pointed at one bucket, as two machines behind a load balancer would be.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -15,76 +14,16 @@ import time
 import pytest
 
 from autosessd.store import slotfile
-from autosessd.base.config import parse
 from autosessd.engines.llama_server import LlamaServer
 from autosessd.store.slotfile import encode
 from autosessd.base.keys import conversation_key
 from autosessd.sessions.remote import Remote
-from autosessd.shared import AlreadyHere, Lease, SharedError, SharedStore, Unavailable
-from autosessd.store.directory import Meta, Store, temp_name
+from autosessd.shared import AlreadyHere, SharedError, SharedStore, Unavailable
+from autosessd.store.directory import Meta, temp_name
 from harness import chat_body, long_text, wait_until
+from shared_common import KEY, MODEL, NAME, objects, populate, save, sha, shared_cfg, unfinished_uploads
 
 pytestmark = pytest.mark.s3
-
-MODEL = "5ca1ab1e0ddba11a"
-KEY = "0123456789abcdef"
-NAME = f"auto-{KEY}.bin"
-
-
-def shared_cfg(gw, bucket, **kw):
-    kw = {"prefix": "team/", "read_timeout_s": 10, "connect_timeout_s": 2, "retry_max_s": 2, **kw}
-    extra = "".join(f"{k} = {v!r}\n" if isinstance(v, str) else f"{k} = {v}\n" for k, v in kw.items())
-    return parse((f'slot_save_path = "/srv/x"\n[shared]\nendpoint_url = "{gw.endpoint}"\nbucket = "{bucket}"\n'
-                  f'{extra}').encode(), "test.toml").shared
-
-
-@pytest.fixture
-def aws_env(s3_gateway, monkeypatch):
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(k, s3_gateway.env[k])
-
-
-@pytest.fixture
-def hosts(s3_gateway, s3_bucket, aws_env, tmp_path):
-    """hosts(n, **cfg) → [(SharedStore, Store)]: n hosts on one bucket, each with its own directory."""
-    made = []
-
-    def make(n=2, **kw):
-        out = []
-        for i in range(n):
-            d = tmp_path / f"host{len(made) + 1}"
-            d.mkdir()
-            sh = SharedStore(shared_cfg(s3_gateway, s3_bucket, host=f"host{len(made) + 1}", **kw))
-            made.append(sh)
-            out.append((sh, Store(d)))
-        return out
-
-    yield make
-    for sh in made:
-        sh.stop(timeout=5)
-
-
-def save(store: Store, key: str, tokens, state: bytes, saved_at: float | None = None) -> Meta:
-    """A finalized local save in the engine's file layout, as sessions/facade.py leaves it."""
-    data = slotfile.build(tokens, state)
-    store.temp_path(key).write_bytes(data)
-    meta = Meta(key=key, n_tokens=len(tokens), bytes=len(data), saved_at=saved_at or time.time(), model=MODEL,
-                save_ms=1.0)
-    return store.finalize(key, meta)  # with the file's digest, as an upload sends it
-
-
-def sha(path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def objects(gw, bucket) -> dict[str, int]:
-    c = gw.client()
-    return {o["Key"]: o["Size"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-            for o in page.get("Contents", [])}
-
-
-def unfinished_uploads(gw, bucket) -> list[str]:
-    return [u["Key"] for u in gw.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
 
 def test_round_trip_a_slot_file_to_another_host(hosts, s3_gateway, s3_bucket):
@@ -389,85 +328,6 @@ def test_two_hosts_saving_one_key_100_times_the_object_is_always_one_whole_save(
     assert sizes == {len(slotfile.build([0] * 40, b"x" * 32 * 200))}
 
 
-def populate(sh: SharedStore, store: Store, key: str, saved_at: float, size: int = 1000) -> Meta:
-    meta = save(store, key, [1] * 10, b"s" * size, saved_at)
-    assert sh.upload_now(store.bin_path(key), meta) == "done"
-    return meta
-
-
-def test_bucket_prune_by_one_host_at_a_time_touches_only_what_autosessd_owns(hosts, s3_gateway, s3_bucket):
-    (h1, s1), (h2, s2) = hosts(2, keep=3, grace_s=0)
-    keys = [f"{i:016x}" for i in range(5)]
-    for i, k in enumerate(keys):
-        populate((h1, h2)[i % 2], (s1, s2)[i % 2], k, 1000.0 + i)
-    superseded = h1.newest(MODEL, f"auto-{keys[4]}.bin").key
-    populate(h2, s2, keys[4], 2000.0)  # h2's later save of h1's conversation
-    c = s3_gateway.client()
-    foreign = ["team/notes.txt", "team/sessions/readme", f"team/sessions/{MODEL}/auto-{keys[0]}/garbage.bin",
-               f"sessions/{MODEL}/auto-{keys[0]}/{0:020d}-{10:010d}-host1.bin",  # the pattern outside the prefix
-               "elsewhere/data.bin"]
-    for k in foreign:
-        c.put_object(Bucket=s3_bucket, Key=k, Body=b"not autosessd's")
-    before = objects(s3_gateway, s3_bucket)
-
-    barrier = threading.Barrier(2)
-    reports = {}
-
-    def prune(name, sh):
-        barrier.wait()
-        reports[name] = sh.prune_bucket()
-
-    ts = [threading.Thread(target=prune, args=(n, sh)) for n, sh in (("h1", h1), ("h2", h2))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    done = [r for r in reports.values() if r["done"]]
-    refused = [r for r in reports.values() if not r["done"]]
-    # Either both ran one after the other (the first released before the second looked), or
-    # one ran and the other was refused by the lease; never two at once.
-    assert len(done) >= 1 and all("lease is held by host" in r["why"] for r in refused)
-    after = objects(s3_gateway, s3_bucket)
-    assert all(k in after for k in foreign)
-    kept = {h1.newest(MODEL, f"auto-{k}.bin") for k in keys}
-    kept.discard(None)
-    assert sorted(s.saved_at for s in kept) == [1002.0, 1003.0, 2000.0]
-    gone = set(before) - set(after)
-    assert superseded in gone and len(gone) == 3
-    assert all(k.startswith(f"team/sessions/{MODEL}/") for k in gone)  # only names autosessd owns
-    assert sum(r.get("removed", 0) for r in done) == 3  # two oldest conversations + one superseded save
-    assert h1.status()["last_prune"] or h2.status()["last_prune"]
-
-
-def test_the_prune_lease_is_exclusive_expires_and_is_released(hosts):
-    (h1, _), (h2, _) = hosts(2, lease_s=10)
-    for round_ in range(20):
-        # Both race for it at once: the conditional PUT lets exactly one through.
-        a, b = Lease(h1, "team/leases/prune.json", 10), Lease(h2, "team/leases/prune.json", 10)
-        barrier = threading.Barrier(2)
-        got = {}
-
-        def take(name, lease):
-            barrier.wait()
-            got[name] = lease.acquire()
-
-        ts = [threading.Thread(target=take, args=(n, lease)) for n, lease in (("a", a), ("b", b))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
-        assert sorted(held for held, _ in got.values()) == [False, True], (round_, got)
-        (a if got["a"][0] else b).release()
-    # A holder that vanished without releasing: the lease is taken over once it has expired.
-    gone = Lease(h1, "team/leases/prune.json", 10)
-    assert gone.acquire()[0]
-    other = Lease(h2, "team/leases/prune.json", 10)
-    held, why = other.acquire()
-    assert not held and "held by host1" in why
-    wait_until(lambda: other.acquire()[0], 40, 0.5, "the expired lease to be taken over")
-    assert not gone.renew()  # the old holder learns it lost the lease before acting again
-
-
 def test_start_queues_local_saves_the_bucket_lacks(hosts):
     (h1, s1), (h2, s2) = hosts(2)
     populate(h1, s1, KEY, 1000.0)
@@ -537,54 +397,3 @@ async def test_a_conversation_saved_on_one_host_continues_on_another(engines, ho
     second = e2.post("/v1/chat/completions", body)
     assert second["timings"]["cache_n"] >= 0.9 * second["usage"]["prompt_tokens"]
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-
-
-# -- integrity (issue 19) -------------------------------------------------------------------
-def put_broken(gw, bucket, h1, meta, data: bytes, host: str = "host9", saved_at: float | None = None) -> str:
-    """What a broken peer leaves in the bucket: a newer object for the conversation with the
-    saving host's metadata as autosessd writes it (its own byte count and digest), but other
-    bytes (a torn or damaged upload). Returns its key."""
-    newer = dataclasses.replace(meta, saved_at=saved_at or meta.saved_at + 10)
-    key = h1.object_key(newer, NAME).replace(f"-{h1.host}.bin", f"-{host}.bin")
-    md = {"autosessd-format": "1", "key": meta.key, "model": MODEL, "n-tokens": str(meta.n_tokens),
-          "saved-at": repr(newer.saved_at), "save-ms": "1.0", "bytes": str(meta.bytes), "host": host,
-          "digest": meta.digest}
-    gw.client().put_object(Bucket=bucket, Key=key, Body=data, Metadata=md)
-    return key
-
-
-@pytest.mark.parametrize("damage", ["one byte short", "one byte flipped"])
-def test_a_broken_object_is_refused_remembered_and_does_not_stop_other_downloads(hosts, s3_gateway, s3_bucket,
-                                                                                 damage):
-    """19.1, 19.5, and a flipped byte in the bucket: a newer object of A that is one byte short
-    (or has one byte changed) with its host's metadata. It used to be downloaded (checked only
-    against the LIST's size and the header), kept and restored: the engine aborted, at every
-    host, after every restart. Now: refused while it arrives, nothing under the name changes,
-    its key is remembered (never fetched again), and no backoff stops the next good download."""
-    from autosessd.shared import BadObject
-
-    (h1, s1), (h2, s2) = hosts(2)
-    meta = save(s1, KEY, list(range(2, 42)), b"kv state" * 300, saved_at=1000.0)
-    assert h1.upload_now(s1.bin_path(KEY), meta) == "done"
-    whole = s1.bin_path(KEY).read_bytes()
-    broken = whole[:-1] if damage == "one byte short" else whole[:-5] + bytes([whole[-5] ^ 1]) + whole[-4:]
-    bad_key = put_broken(s3_gateway, s3_bucket, h1, meta, broken)
-    other = "fedcba9876543210"
-    h1.upload_now(s1.bin_path(other), save(s1, other, list(range(100, 140)), b"other" * 300, saved_at=1000.0))
-    newest = h2.newest(MODEL, NAME)
-    assert newest.key == bad_key  # the broken one is the newest save of A
-    with pytest.raises(BadObject, match="its host saved" if damage == "one byte short" else "digest"):
-        h2.download(newest, s2)
-    assert not s2.bin_path(KEY).exists() and not list(s2.path.glob(".autosessd-*"))
-    assert h2.is_bad(bad_key) and h2.status()["downloads_refused_bad"] == 1
-    est = h2.decide(newest, prefill_tokens_s=1.0)
-    assert not est.worth and "refused before" in est.blocked  # never fetched again
-    assert h2.download_blocked() is None  # the bucket is not taken for down: the next save comes at once
-    [good] = h2.find(MODEL, f"auto-{other}.bin")
-    h2.download(good, s2)
-    assert s2.bin_path(other).read_bytes() == s1.bin_path(other).read_bytes()
-    # The broken object passed over, A's current save here is its older, whole one.
-    [older] = h2.find(MODEL, NAME)
-    assert older.key != bad_key
-    h2.download(older, s2)
-    assert s2.bin_path(KEY).read_bytes() == whole and s2.read_meta(KEY).digest == meta.digest

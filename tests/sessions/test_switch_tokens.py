@@ -1,0 +1,126 @@
+"""A switch on the stub engine that knows files by their tokens (issues 11 and 31): where it looks
+at the engine, a switch back that does not wait for the outgoing save's fsync, a retry after a
+switch. The stub differs from llama-server as told in test_sessions_tokens.py."""
+
+import asyncio
+
+import pytest
+
+from autosessd.base.keys import conversation_key
+from tokens_common import K, LONG_1, LONG_2, X, body, chat, header, make, prompt
+
+
+@pytest.mark.parametrize("system, looks", [(None, False), ("Be a pirate. " * 12, True)])
+async def test_a_switch_that_saves_nothing_looks_at_the_engine_only_where_the_slot_may_share(tmp_path, system,
+                                                                                             looks):
+    """Issue 23: a return waits for its restore only. When what the slot holds is too small to
+    save (or saved already), the turn's GET /slots (a millisecond or more on each return) is
+    left out: the look could only show the slot holding something else, which the restore
+    replaces. Where the slot may share a long prefix with the request (the same system prompt),
+    what it shares decides the restore, so the slot is looked at first."""
+    seen = []
+    s = await make(tmp_path, min_tokens=400)
+    real = s.engine.slots
+
+    async def counted():
+        seen.append(1)
+        return await real()
+
+    s.engine.slots = counted
+    head = [("system", system)] if system else []
+    a = body(*head, ("user", LONG_1 * 2))
+    small = body(*head, ("user", "Hi."))  # below the minimum: never saved
+    await chat(s, a)
+    await chat(s, small)  # saves A (a switch that saves looks first)
+    seen.clear()
+    key = conversation_key(a)
+    back = body(*head, ("user", LONG_1 * 2), ("assistant", "Aye."), ("user", "And then?"))
+    async with await s.admit() as t:
+        turn = await s.turn(t, key, body=back)
+        assert turn.restored is not None and turn.saved is None
+        assert bool(seen) is looks
+        cache_n, n_prompt = s.engine.chat(back, "Aye.")
+        await s.ended(t, key, "ok", cache_n=cache_n, n_prompt=n_prompt)
+    assert s.counters.restores_reused == 1
+
+
+# -- a switch back does not wait for the outgoing save's fsync (issue 31) --------------------------
+def held_finalize(s):
+    """Store.finalize made to wait (a 2 GB file's fsync takes seconds) until the event is set."""
+    import threading
+
+    gate, real = threading.Event(), s.store.finalize
+
+    def slow(key, meta):
+        assert gate.wait(30), "the finalize was never let go"
+        return real(key, meta)
+
+    s.store.finalize = slow
+    return gate
+
+
+async def test_a_quick_return_restores_its_save_whose_fsync_still_runs_through_a_link(tmp_path):
+    """X is saved at the switch to Y; while that save's finalize (its fsync) still runs, the
+    client goes back to X. The return does not wait for the fsync: the engine reads X's bytes
+    through a link to the temporary, the slot then holds X's tokens token for token, the link
+    is gone after, and once the finalize lands X's file is whole under its own name."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    gate = held_finalize(s)
+    other = body(("user", LONG_2))
+    await chat(s, other, drain=False)  # saves X; X's finalize is held
+    assert s.saver.writing() == {f"auto-{K}.bin"}
+    x2 = body(*[(m["role"], m["content"]) for m in X["messages"]], ("assistant", "Aye."), ("user", "More?"))
+    try:
+        turn, cache_n, n_prompt = await asyncio.wait_for(chat(s, x2, drain=False), 10)
+    finally:
+        gate.set()
+    assert turn.restored and turn.restored["file"] == f"auto-{K}.bin"
+    assert cache_n >= len(prompt(X))  # the engine reused X's state
+    assert s.counters.restores_before_durable == 1
+    assert turn.phases.get("wait", 0) < 1000  # not the fsync's: it was held for ever
+    last = s.ctx.turn_times.last[0]  # status's turn_phases: where the return's time went
+    assert last["key"] == K and last["restore"] >= 0 and "wait" in last and last["ms"] == turn.ms
+    await s.drain()
+    assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
+    assert not [p for p in s.store.path.iterdir() if p.name.endswith(".reading.partial")]
+
+
+async def test_a_switch_decides_on_a_pending_save_as_it_will_be_without_waiting_for_it(tmp_path):
+    """The idle save (or any) of X is finalizing when the client switches to Y: X's file is up
+    to date as it will be, so nothing is saved again and the switch does not wait for the fsync."""
+    s = await make(tmp_path)
+    await chat(s, X)
+    gate = held_finalize(s)
+    [saved] = await s.idle.save_now()  # X's save while idle, held in its finalize
+    assert saved["saved"] and s.saver.writing() == {f"auto-{K}.bin"}
+    saves = len(s.engine.saves)
+    try:
+        turn, _, _ = await asyncio.wait_for(chat(s, body(("user", LONG_2)), drain=False), 10)
+    finally:
+        gate.set()
+    assert len(s.engine.saves) == saves and not turn.saved  # X's file is up to date: not saved twice
+    await s.drain()
+    assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
+
+
+# -- a retry after a switch: restored without a window, said with one (issue 31) -------------------
+@pytest.mark.parametrize("swa", [0, 20])
+async def test_a_retry_after_a_switch_is_restored_without_a_window_and_said_with_one(tmp_path, swa):
+    """The same request sent again after a switch (a retry, a regenerate): its prompt ends
+    before X's file does (the file holds the reply too). Without a sliding window the file
+    serves it; with one the engine's file keeps only the window's last cells, so it is not
+    restored, and the turn, status and doctor's facts say why instead of a silent re-read."""
+    s = await make(tmp_path, swa=swa)
+    await chat(s, X)
+    await chat(s, body(("user", LONG_2)))
+    turn, cache_n, n_prompt = await chat(s, X)
+    if not swa:
+        assert turn.restored and turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
+        assert s.counters.swa_retries == 0 and s.restore_log.swa_retry is None
+    else:
+        assert not turn.restored and cache_n < 10
+        assert s.counters.swa_retries == 1
+        assert any("20-token sliding window" in m and "a retry" in m for m in turn.skipped)
+        kept = s.status()["last_swa_retry"]
+        assert kept["file"] == f"auto-{K}.bin" and kept["n_prompt"] == n_prompt and kept["swa_window"] == 20
