@@ -31,7 +31,7 @@ save_ms, bytes, host). The token list is not copied anywhere: it is the slot fil
 (autosessd/store/slotfile.py), read with one ranged GET by tokens().
 
 Here too: the tier's errors (SharedError and its kinds), the download estimate, the bucket
-prune's plan, and the credentials file. Pure: tested alone (tests/test_shared.py).
+prune's plan, and the credentials file. Pure: tested alone (tests/shared/test_shared.py).
 """
 
 from __future__ import annotations
