@@ -74,18 +74,20 @@ class _Handoff(logging.handlers.QueueHandler):
         """At most QUEUE_MAX waiting (the module docstring); the first line with room again is
         preceded by how many were dropped, in their place. None: only that, if any (the stop)."""
         global _dropped
-        with _dropped_lock:
-            if record is not None and self.queue.qsize() >= QUEUE_MAX:
+        with _dropped_lock:  # the check and the puts under one lock: two threads never both see room
+            room = QUEUE_MAX - self.queue.qsize()
+            # A line after drops needs room for two: the notice goes in its place first.
+            if record is not None and (room <= 0 or (_dropped and room < 2)):
                 _dropped += 1
                 return
             n, _dropped = _dropped, 0
-        if n:
-            self.queue.put_nowait(logging.makeLogRecord({
-                "name": "autosessd", "levelno": logging.WARNING, "levelname": "WARNING",
-                "created": record.created if record is not None else time.time(),
-                "msg": f"log: {n:,} line(s) dropped here while stderr was blocked"}))
-        if record is not None:
-            self.queue.put_nowait(record)
+            if n:
+                self.queue.put_nowait(logging.makeLogRecord({
+                    "name": "autosessd", "levelno": logging.WARNING, "levelname": "WARNING",
+                    "created": record.created if record is not None else time.time(),
+                    "msg": f"log: {n:,} line(s) dropped here while stderr was blocked"}))
+            if record is not None:
+                self.queue.put_nowait(record)
 
 
 _writer: _Writer | None = None

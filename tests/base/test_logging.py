@@ -199,3 +199,23 @@ def test_lines_dropped_just_before_the_stop_are_said_at_the_stop(stuck, monkeypa
     out = "".join(stuck.text).splitlines()
     lost, written = lost_and_written(out)
     assert lost == [out[-1]] and int(out[-1].split("log: ")[1].split()[0]) + written == 20
+
+
+def test_the_first_line_after_drops_and_its_notice_never_pass_queue_max(monkeypatch):
+    """The writer took one line of a full queue: the next line and the notice of what was dropped
+    would be two in a room of one (CI saw 51 of 50). The line is dropped too, and counted."""
+    import queue as q_mod
+    monkeypatch.setattr(logs, "QUEUE_MAX", 3)
+    monkeypatch.setattr(logs, "_dropped", 0)
+    q = q_mod.SimpleQueue()
+    h = logs._Handoff(q)
+    rec = lambda i: logging.makeLogRecord({"name": "autosessd", "msg": f"line {i}", "levelno": 20})
+    for i in range(5):
+        h.enqueue(rec(i))  # 3 queued, 2 dropped
+    q.get_nowait()  # the writer takes one: room for one
+    h.enqueue(rec(5))
+    assert q.qsize() <= 3 and logs._dropped == 3
+    q.get_nowait()  # room for two: the notice, then the line
+    h.enqueue(rec(6))
+    got = [q.get_nowait().getMessage() for _ in range(q.qsize())]
+    assert got[-2:] == ["log: 3 line(s) dropped here while stderr was blocked", "line 6"] and logs._dropped == 0
