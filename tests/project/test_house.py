@@ -24,7 +24,7 @@ def test_no_bench_script_or_test_module_is_over_500_lines():
     root = PKG.parent
     big = {p.relative_to(root).as_posix(): lines(p) for d in ("bench", "tests", "scripts") for p in (root / d).rglob("*.py")
            if lines(p) > 500}
-    assert big == {}, f"split these by scenario: {big}"
+    assert big == {}, f"split these by scenario or topic: {big}"
 
 
 def test_only_the_store_touches_its_lock_and_in_use_set():

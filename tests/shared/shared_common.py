@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import time
 
 from autosessd.base.config import parse
@@ -66,3 +67,28 @@ def put_broken(gw, bucket, h1, meta, data: bytes, host: str = "host9", saved_at:
           "digest": meta.digest}
     gw.client().put_object(Bucket=bucket, Key=key, Body=data, Metadata=md)
     return key
+
+
+def at_once(*calls, timeout_s: float = 60) -> list:
+    """Runs each call in a thread of its own, all let go at one moment (a barrier), as two hosts
+    racing for one object: their results in order. A call's exception is raised here."""
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i, call):
+        barrier.wait()
+        try:
+            results[i] = call()
+        except Exception as e:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), f"a call still running after {timeout_s} s"
+    if errors:
+        raise errors[0]
+    return results

@@ -21,7 +21,7 @@ from autosessd.sessions.remote import Remote
 from autosessd.shared import AlreadyHere, SharedError, SharedStore, Unavailable
 from autosessd.store.directory import Meta, temp_name
 from harness import chat_body, long_text, wait_until
-from shared_common import KEY, MODEL, NAME, objects, populate, save, sha, shared_cfg, unfinished_uploads
+from shared_common import KEY, MODEL, NAME, at_once, objects, populate, save, sha, shared_cfg, unfinished_uploads
 
 pytestmark = pytest.mark.s3
 
@@ -301,23 +301,8 @@ def test_two_hosts_saving_one_key_100_times_the_object_is_always_one_whole_save(
                 sh, st = ((h1, s1), (h2, s2))[h]
                 sh.upload_now(st.bin_path(KEY), metas[h])
         else:
-            barrier = threading.Barrier(2)
-            errors = []
-
-            def up(sh, st, meta):
-                barrier.wait()
-                try:
-                    sh.upload_now(st.bin_path(KEY), meta)
-                except Exception as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-
-            ts = [threading.Thread(target=up, args=(sh, st, metas[h])) for h, (sh, st) in
-                  enumerate(((h1, s1), (h2, s2)))]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(60)
-            assert not errors, errors
+            at_once(lambda: h1.upload_now(s1.bin_path(KEY), metas[0]),
+                    lambda: h2.upload_now(s2.bin_path(KEY), metas[1]))
         current = reader.newest(MODEL, NAME)
         assert current.host == f"host{want + 1}" and abs(current.saved_at - metas[want].saved_at) < 1e-6, i
         got = reader.download(current, s3)

@@ -4,13 +4,11 @@ and stops no other download (issue 19). Transfers between hosts are in test_shar
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from autosessd.shared import Lease
 from harness import wait_until
-from shared_common import KEY, MODEL, NAME, objects, populate, put_broken, save
+from shared_common import KEY, MODEL, NAME, at_once, objects, populate, put_broken, save
 
 pytestmark = pytest.mark.s3
 
@@ -30,20 +28,9 @@ def test_bucket_prune_by_one_host_at_a_time_touches_only_what_autosessd_owns(hos
         c.put_object(Bucket=s3_bucket, Key=k, Body=b"not autosessd's")
     before = objects(s3_gateway, s3_bucket)
 
-    barrier = threading.Barrier(2)
-    reports = {}
-
-    def prune(name, sh):
-        barrier.wait()
-        reports[name] = sh.prune_bucket()
-
-    ts = [threading.Thread(target=prune, args=(n, sh)) for n, sh in (("h1", h1), ("h2", h2))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    done = [r for r in reports.values() if r["done"]]
-    refused = [r for r in reports.values() if not r["done"]]
+    reports = at_once(h1.prune_bucket, h2.prune_bucket)
+    done = [r for r in reports if r["done"]]
+    refused = [r for r in reports if not r["done"]]
     # Either both ran one after the other (the first released before the second looked), or
     # one ran and the other was refused by the lease; never two at once.
     assert len(done) >= 1 and all("lease is held by host" in r["why"] for r in refused)
@@ -64,20 +51,9 @@ def test_the_prune_lease_is_exclusive_expires_and_is_released(hosts):
     for round_ in range(20):
         # Both race for it at once: the conditional PUT lets exactly one through.
         a, b = Lease(h1, "team/leases/prune.json", 10), Lease(h2, "team/leases/prune.json", 10)
-        barrier = threading.Barrier(2)
-        got = {}
-
-        def take(name, lease):
-            barrier.wait()
-            got[name] = lease.acquire()
-
-        ts = [threading.Thread(target=take, args=(n, lease)) for n, lease in (("a", a), ("b", b))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
-        assert sorted(held for held, _ in got.values()) == [False, True], (round_, got)
-        (a if got["a"][0] else b).release()
+        got_a, got_b = at_once(a.acquire, b.acquire, timeout_s=30)
+        assert sorted(held for held, _ in (got_a, got_b)) == [False, True], (round_, got_a, got_b)
+        (a if got_a[0] else b).release()
     # A holder that vanished without releasing: the lease is taken over once it has expired.
     gone = Lease(h1, "team/leases/prune.json", 10)
     assert gone.acquire()[0]
