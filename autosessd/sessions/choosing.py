@@ -91,12 +91,12 @@ class Choosing:
         name, n, shared = pick
         self._known_by_messages(result)
         step = policy.plan_restore_by_tokens(held, key, outcome, (name, n), shared, ctx.min_tokens)
-        meta = self.saver.meta_of(name) if isinstance(step, RestoreFile) else None
+        meta = self.saver.facts(name).meta if isinstance(step, RestoreFile) else None
         if isinstance(step, RestoreFile) and not self.saver.loadable(step.name, meta):
             step = Skip("restore", key, policy.LAYOUT_MISMATCH)
         own = None
         if isinstance(step, RestoreFile):
-            if await self.restorer.restore(s, key, result, name, expect=n, tokens=self.saver.tokens_of(name),
+            if await self.restorer.restore(s, key, result, name, expect=n, tokens=self.saver.facts(name).tokens,
                                            decided=self._decided[s.id]):
                 own = name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
@@ -113,7 +113,7 @@ class Choosing:
         """DESIGN §1 step 3: auto-<key>.bin, for requests whose tokens are not known; with a
         shared bucket, its save of that name first when the local one is missing or older."""
         ctx = self.ctx
-        file = self.saver.file_info(key)  # one being finalized as it will be: its restore reads a link
+        file = self.saver.file_info(key)  # one being finalized as it will be: its restore reads its temporary
         path = ctx.store.bin_path(key)
         if file is None and (path.is_symlink() or path.exists()):  # a file its metadata does not vouch for
             await self.restorer.refuse_if_damaged(s, key, auto_name(key), result)
@@ -129,7 +129,7 @@ class Choosing:
             if isinstance(step, Restore):
                 name = auto_name(key)
                 if await self.restorer.restore(s, key, result, name, decided=self._decided[s.id]):
-                    meta = self.saver.read_meta(key)
+                    meta = self.saver.facts(name).meta
                     own = name if meta is not None and not meta.prefix and meta.line in (None, key) else None
                     self._record_restore(s, result, name, None, None, "key" if claim is None else "key, downloaded")
             elif isinstance(step, Skip):
@@ -168,13 +168,13 @@ class Choosing:
                 # The engine should now reuse `step.shared` tokens of it: what the next
                 # response's cache_n is checked against.
                 restored = await self.restorer.restore(s, key, result, step.name, expect=step.shared,
-                                                       tokens=self.saver.tokens_of(step.name),
+                                                       tokens=self.saver.facts(step.name).tokens,
                                                        decided=self._decided[s.id])
             finally:
                 if claim is not None:
                     claim.release()  # read by the engine (or failed): prune may have it now
             if restored:
-                meta = self.saver.meta_of(step.name)
+                meta = self.saver.facts(step.name).meta
                 own = step.name if self._own(key, step, meta) else None
                 ctx.counters.restores_by_tokens += 1
                 self._record_restore(s, result, step.name, step.shared, shared,

@@ -118,8 +118,12 @@ class Counters:
     tokenize_failures: int = _counter("tokenize_failures_total",
                                       "Turns that got no tokens from the engine (the key rule decided)")
     restores_before_durable: int = _counter("restores_before_durable_total",
-                                            "Restores of a save whose finalize (fsync) still ran, read through a "
-                                            "link to its temporary instead of waiting for it")
+                                            "Restores of a save whose finalize (fsync) still ran, read from its "
+                                            "temporary instead of waiting for it")
+    finalize_retries: int = _counter("finalize_retries_total",
+                                     "Finalizes tried again after a failed try (each failed try is also a save "
+                                     "failure); its bytes were kept")
+    forgets: int = _counter("forgets_total", "Conversations forgotten (autosessctl forget)")
     warmed_files: int = _counter("warmed_files_total",
                                  "Session files asked into the page cache before a restore (warm.py)")
     warmed_bytes: int = _counter("warmed_bytes_total", "Bytes of those files")

@@ -3,8 +3,12 @@
     keep starts out   on an engine that empties idle slots, no other request starts between
                       the restore and the slot's own request (launch.no_starts)
     in use            the name is held in Store.in_use while the engine reads it (no prune)
-    not waited for    a file whose finalize still runs (finalizing.Pending) is read through a link to its
-                      temporary (Store.link_temp): a switch back does not wait for the fsync
+    not waited for    a file whose finalize still runs (finalizing.Pending) is read as its temporary,
+                      held for the engine (Store.read_temp): a switch back does not wait for the
+                      fsync, and the finalize renames it only once the engine has read it
+    still decided     after each wait (the launch gate, a finalize, a digest), the file was chosen
+                      under the engine that runs now (facts.py): one restarted meanwhile, maybe with
+                      another model, is never handed the old one's file
     checked           the file must be the one saved (Store.check_whole: a regular file of its
                       metadata's size; its digest again when its identity changed) and fit
                       the slot (no more tokens than the engine's context): llama-server aborts
@@ -71,15 +75,15 @@ class Restorer:
             await self.launch.no_starts(s)  # another request starting in between would empty the restored slot
         after = s.view.why  # a model switch or a sleep emptied the slot: counted once reused
         t0 = time.monotonic()
-        reading = None  # the name the engine reads: `name`, or a link to its pending temporary
+        reading = None  # the name the engine reads: `name`, or its pending temporary, held
         try:
             with ctx.store.using(name):
                 if self._overtaken(name, decided, result):
                     return False
-                reading = await self._pending_link(name, result)
+                reading = await self._pending_temp(name, result)
                 with timed(result, "check"):
                     refused = await self._refused(s, key, name, result, pending=reading is not None)
-                if refused:
+                if refused or self._overtaken(name, decided, result):
                     return False
                 with timed(result, "restore"):
                     try:
@@ -110,10 +114,7 @@ class Restorer:
             return False
         finally:
             if reading is not None:
-                try:
-                    ctx.store.unlink_reading(reading)
-                except OSError as e:  # a leftover link goes at the next start (Store.cleanup)
-                    log.warning("auto sessions: removing %s: %s", reading, e)
+                ctx.store.done_reading(reading)
         ms = (time.monotonic() - t0) * 1000
         ctx.counters.restores += 1
         if reading is not None:
@@ -160,19 +161,15 @@ class Restorer:
         with self.ctx.store.using(name):
             await self._refused(s, key, name, result)
 
-    async def _pending_link(self, name: str, result: TurnResult | None) -> str | None:
+    async def _pending_temp(self, name: str, result: TurnResult | None) -> str | None:
         """A file whose finalize still runs (its fsync: seconds at 2 GB) is read by the engine
-        through a link to its temporary, not waited for (saves.py, Store.link_temp): the bytes
-        are the ones verified after the save. None: the file is final (or became so meanwhile,
-        and its finalize has landed), or links cannot be made here (then it is waited for)."""
-        p = self.saver.pending(name)
+        as its temporary, not waited for (saves.py, Store.read_temp): the bytes are the ones
+        verified after the save. None: the file is final, or its temporary is not that file any
+        more (renamed meanwhile, or copied again by a retry): then its finalize is waited for."""
+        p = self.saver.facts(name).pending
         if p is None or p.meta is None:
             return None
-        try:
-            reading = self.ctx.store.link_temp(p.temp, p.ino, p.meta.bytes)
-        except OSError as e:
-            log.debug("auto sessions: %s is being finalized and cannot be linked (%s): waiting for it", name, e)
-            reading = None
+        reading = self.ctx.store.read_temp(p.temp, p.ino, p.meta.bytes)
         if reading is None:
             with timed(result, "wait"):
                 await self.saver.wait_file(p.meta.key)
@@ -183,7 +180,7 @@ class Restorer:
         """Whether the file may not be handed to the engine (said, counted, and a file that is
         not whole moved aside). The check is a stat or two, in a thread (a digest when the
         file changed since it was last checked). pending: the engine reads a link to the file's
-        temporary, whose inode and size link_temp checked: only the context is checked here."""
+        temporary, whose inode and size read_temp checked: only the context is checked here."""
         ctx = self.ctx
         loop = asyncio.get_running_loop()
         seen = files.regular_ident(ctx.store.path / name)
@@ -199,7 +196,7 @@ class Restorer:
         bad = why is not None
         if not bad and ctx.n_ctx is not None:
             entry = ctx.index.get(name) if ctx.index is not None and not pending else None
-            meta = self.saver.meta_of(name) if entry is None else None
+            meta = self.saver.facts(name).meta if entry is None else None
             n = entry.n_tokens if entry is not None else meta.n_tokens if meta is not None else None
             if n is not None and n > ctx.n_ctx:
                 why = f"{name} holds {n:,} tokens, more than the engine's context of {ctx.n_ctx:,} per slot"

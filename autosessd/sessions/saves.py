@@ -24,15 +24,16 @@ will make is known already (finalizing.py: a Pending, its metadata less the dige
 
     decisions       the up-to-date check (held_info), the naming by tokens (saved_file) and the
                     restore choice (pending_best) read a pending file's facts as they will be
-    a restore       of a pending file reads its temporary through a hard link of its own
-                    (Restorer, Store.link_temp): the bytes are whole (verified), only not yet
-                    durable, and the link does not care when the rename comes
+    a restore       of a pending file reads its temporary, held for it (Restorer,
+                    Store.read_temp): the bytes are whole (verified), only not yet durable, and
+                    the finalize renames it only once the engine has read it
     waits           only where bytes are at stake: a save whose temporary name is still a
                     pending finalize's (the engine would write into the file being fsynced), and a
                     finalize of a file another finalize of it still runs (in order, newest last)
 
 A crash before a finalize ends loses that save, never a file (no auto-* name until the fsync);
-a finalize that fails drops its Pending, and decisions read the directory again. Commands
+a finalize that fails is tried again from its bytes, and one that fails for good drops its
+Pending, and decisions read the directory again (finalizing.py). Commands
 and the stop wait for every finalize (settled, wait_file). Lock order: the slot's ticket, the
 launch gate, then the temporary's lock here, then finalize futures; Store and TokenIndex
 locks are taken only inside their own calls.
@@ -71,15 +72,6 @@ class Saver(Finalizing):
     def __init__(self, ctx: Context, observer: Observer):
         super().__init__(ctx)
         self.observer = observer
-        self._free_target = 0  # bytes a refused save needed free; the next prune makes room
-        # Called on the loop once a conversation's save is final: (its name, its metadata, the
-        # tokens its header holds, the slot's view that was saved). recall.py checks its reply.
-        self.after_final: list[Callable[[str, Meta, bytes, View], None]] = []
-
-    def room_wanted(self) -> int:
-        """Bytes a refused save needed free (the prune makes room for them), once."""
-        target, self._free_target = self._free_target, 0
-        return target
 
     # -- deciding ----------------------------------------------------------------------------
     async def save_if_worth(self, s: Slot, occasion: Occasion, key: str | None = None,
@@ -149,7 +141,7 @@ class Saver(Finalizing):
         short = store.check_space(held.n_tokens or 0)
         if short:
             # The prune after this turn evicts the oldest auto files until the next save fits.
-            self._free_target = max(self._free_target, store.space_needed(held.n_tokens or 0))
+            self.need_room(store.space_needed(held.n_tokens or 0))
             c.skipped_disk_full += 1
             c.save_failures += 1
             return self._failed(what, short, key, result)
@@ -229,20 +221,15 @@ class Saver(Finalizing):
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
                     prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
                     marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
-        earlier = self._finalizing.get(file_key)
-        if earlier is not None:
-            # Another temporary's finalize of the same file still runs (a branch or prefix name
-            # two lines reach): this one lands after it, so the newer state is the one kept.
-            await self._wait([earlier.fut])
+        # One finalize per final file at a time: a file's name comes from its line's key, and
+        # one save per temporary (that key) runs at a time, after that temporary's finalize
+        # (temp_free); a person's name is kept under the temporary's key.
+        assert file_key not in self._finalizing, f"two finalizes of {final}"
         store.acquire(final)
-        try:
-            fut = asyncio.get_running_loop().run_in_executor(None, self._finalize, key, meta, target, header)
-        except BaseException:
-            store.release(final)
-            raise
-        self._finalizing[file_key] = Pending(key, final, meta if target is None else None, tokens, ino, fut)
         saved = (v, tokens) if mine and tokens is not None and meta.marks else None
-        fut.add_done_callback(lambda f: self._finalized(key, file_key, final, f, target is None, saved))
+        self.finalize_later(Pending(key, final, file_key, meta if target is None else None, tokens, ino,
+                                    asyncio.get_running_loop().create_future(), write=meta, header=header,
+                                    saved=saved))
         if mine:
             # The engine's count is the truth (a client's usage may differ by one), and the
             # header says token for token what the slot holds.
@@ -307,57 +294,6 @@ class Saver(Finalizing):
         if generation == self.ctx.facts.generation and (known is None or known.v_trans is None):
             self.ctx.engine_layout = layout
         return layout
-
-    def _finalize(self, key: str, meta: Meta, target: str | None, header: slotfile.SlotHeader | None) -> Meta:
-        """In a worker thread: make the temporary of `key` final (its metadata with the file's
-        digest: what is returned), then index it."""
-        store, index = self.ctx.store, self.ctx.index
-        if target is None:
-            meta = store.finalize(key, meta)
-            name = auto_name(meta.key)
-        else:
-            store.finalize_manual(key, target)
-            name = target  # parked by us: its model is known
-        if index is not None and header is not None:
-            try:
-                # The model it was saved for (an engine may restart with another meanwhile).
-                index.add(name, header.tokens, meta.model, meta.marks if target is None else ())
-            except (OSError, ValueError) as e:  # the file is final either way; a rescan finds it
-                log.warning("auto sessions: indexing %s: %s", name, e)
-        return meta
-
-    def _finalized(self, key: str, file_key: str, final: str, fut: asyncio.Future, auto: bool,
-                   saved: tuple[View, bytes] | None = None) -> None:
-        """auto: a conversation's, a branch's or a prefix's file, uploaded to the shared bucket
-        once final (with the metadata finalize wrote). People's parked names stay local. saved:
-        the view saved and the file's tokens, for after_final."""
-        store, index, remote = self.ctx.store, self.ctx.index, self.ctx.remote
-        p = self._finalizing.get(file_key)
-        if p is not None and p.fut is fut:
-            del self._finalizing[file_key]
-        store.release(final)
-        exc = fut.exception() if not fut.cancelled() else None
-        if exc is None and not fut.cancelled() and auto and remote is not None:
-            meta = fut.result()
-            remote.upload_later(store.bin_path(meta.key), meta)
-        if exc is None and not fut.cancelled():
-            self.ctx.events.emit("finalized", key=key, file=final)  # durable: fsynced, renamed, its metadata
-        if exc is None and not fut.cancelled() and saved is not None:
-            for hook in self.after_final:
-                try:
-                    hook(final, fut.result(), saved[1], saved[0])
-                except Exception as e:  # a hook's bug must not fail the save
-                    log.exception("auto sessions: after the save of %s: %s", final, e)
-        if exc is not None:
-            self.ctx.counters.save_failures += 1
-            store.discard_temp(key)
-            if final == auto_name(file_key) and store.read_meta(file_key) is None:
-                with contextlib.suppress(StoreError, OSError):
-                    store.remove(file_key)
-                if index is not None:
-                    index.remove(final)
-            log.error("auto sessions: finalize of %s: %s", final, exc)
-            self.ctx.events.emit("save_failed", key=key, file=final, error=str(exc))
 
     def _failed(self, what: str, why: str, key: str, result: TurnResult | None) -> SaveOutcome:
         log.warning("auto sessions: %s: %s", what, why)

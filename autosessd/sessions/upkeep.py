@@ -83,10 +83,11 @@ class Upkeep:
         if removed and not dry_run:
             ctx.counters.pruned_files += len(removed)
             ctx.counters.pruned_bytes += plan.freed
-            for r in removed:
-                log.info("auto sessions: pruned %s (%s)", r["file"], fmt_bytes(r["bytes"]))
+            for e in plan.remove:
+                log.info("auto sessions: pruned %s (%s)", e.name, fmt_bytes(e.bytes))
                 if ctx.index is not None:
-                    ctx.index.remove(r["file"])
+                    # The entry of the file removed, not of one saved again under its name since.
+                    ctx.index.remove(e.name, ident=e.ident)
             ctx.events.emit("pruned", files=[r["file"] for r in removed], bytes=plan.freed)
             await self.save_index()
         return {"removed": removed, "freed": plan.freed, "dry_run": dry_run, "kept": len(plan.keep)}

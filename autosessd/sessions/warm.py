@@ -61,9 +61,9 @@ class Warmer:
         file, when no slot holds it live and it is this model's, is warmed while it waits."""
         if any(s.has(key) for s in self.slots.values()):
             return
-        meta = self.saver.read_meta(key)
         name = auto_name(key)
-        if meta is not None and meta.model == self.ctx.model and self.saver.pending(name) is None:
+        f = self.saver.facts(name)
+        if f.meta is not None and f.meta.model == self.ctx.model and f.pending is None:
             self.warm(name)
 
     def held_at_stop(self, names: Iterable[str]) -> None:

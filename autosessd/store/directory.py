@@ -8,12 +8,20 @@ How a save becomes visible (no torn `auto-*.bin`, ever):
 
     engine writes  .autosessd-<key>.partial           (a name no reader looks at)
     verify_temp    size == engine's n_written, header magic if the engine has one
-    link_temp      (only while the finalize runs) a hard link for a restore that cannot wait
-                   for the fsync: the bytes are whole, and read from the page cache
-    finalize       chmod(temp) → fsync(temp) → digest (files.DIGEST, the file is in the page
-                   cache) → rename to auto-<target>.bin → fsync(dir) → metadata (with the
-                   digest and the file's identity) to .autosessd-<target>.json.partial →
-                   fsync → rename → fsync(dir)
+    read_temp      (only while the finalize runs) the temporary held for a restore that
+                   cannot wait for the fsync: the bytes are whole, and read from the page cache;
+                   the finalize renames it only once every such reader let go (done_reading)
+    finalize       digest (files.DIGEST, the bytes are in the page cache) → chmod(temp) →
+                   fsync(temp) → rename to auto-<target>.bin once no restore reads the
+                   temporary → fsync(dir) → metadata (with the digest and the file's identity)
+                   to .autosessd-<target>.json.partial → fsync → rename → fsync(dir)
+
+Nothing but the finalize changes the temporary's inode while it runs: no link to it is made
+(a link or an unlink moves its ctime, which the digest and the recorded identity watch).
+A try that fails after the digest leaves the bytes where they are (the temporary, or the
+final name once renamed) and says the digest (Unfinished): the next try copies them into a
+fresh temporary checked against it, instead of trusting a second fsync of the same file, which
+can report success for pages the first one failed to write.
 
 Before a restore, check_whole() says whether the file is still the one saved: a regular
 file (never a link), its size that of its metadata, always; and when its identity (inode,
@@ -60,7 +68,7 @@ from ..base import files
 from ..base.files import Ident
 from .integrity import Integrity
 from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, TEMP_PREFIX, InUse, Meta, NewerHere, StoreError,
-                    auto_name, fsync_dir, manual_name, meta_name, temp_name)
+                    Unfinished, auto_name, fsync_dir, manual_name, meta_name, temp_name)
 from .prune import Entry, PrunePlan, plan_prune
 from .space import Space
 
@@ -79,6 +87,8 @@ class Store(Integrity, Space):
       install()   the in_use check, one metadata read and two renames: no acquire() and no
                   other install between the look and the renames
       scan()      the metadata cache's updates (no I/O)
+      read_temp() one lstat; a finalize's rename of a temporary waits on _unread (releasing
+                  _lock) until no restore reads it, then renames under it
     Nothing fsyncs under _lock. finalize takes no lock: a local save holds acquire(final)
     from before its finalize to after it, which is what install() looks for.
     """
@@ -96,6 +106,10 @@ class Store(Integrity, Space):
         # Names being written or read right now; prune never removes them. Under _lock.
         self.in_use: Counter[str] = Counter()
         self._lock = threading.RLock()  # install() reads metadata (its cache) under it
+        # Temporaries the engine reads now (read_temp), by name: their finalize renames them only
+        # once this count is back to 0. Under _lock; _unread is told of every release.
+        self._temp_readers: Counter[str] = Counter()
+        self._unread = threading.Condition(self._lock)
         # Parsed metadata by name, valid while the file's (inode, mtime, size) is unchanged: a scan
         # of thousands of sessions stats them instead of reading every JSON again.
         self._meta_cache: dict[str, tuple[Ident, Meta]] = {}
@@ -142,7 +156,7 @@ class Store(Integrity, Space):
     # -- the save path -----------------------------------------------------
     def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> int:
         """The engine said it wrote n_written bytes to the temporary: check it did. Returns the
-        temporary's inode (what link_temp links, and only that file)."""
+        temporary's inode (what read_temp hands a restore, and only that file)."""
         temp = self.temp_path(key)
         try:
             st = temp.stat()
@@ -158,45 +172,97 @@ class Store(Integrity, Space):
                 raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
         return st.st_ino
 
-    def link_temp(self, key: str, ino: int, size: int) -> str | None:
-        """A name of its own for the verified temporary of `key` while its finalize runs (a
-        hard link, .autosessd-<key>.<8 hex>.reading.partial), so the engine can restore it
-        without waiting for the fsync: the link stays valid across the finalize's rename. None
-        when the temporary is no longer that file (its inode or size differ, or the rename has
-        come): the caller waits for the finalize and reads the final name instead. Any other
-        error (a file system without hard links) is raised. A crash leaves the link behind for
-        cleanup() at the next start."""
+    def read_temp(self, key: str, ino: int, size: int) -> str | None:
+        """The verified temporary of `key`, held for the engine to read while its finalize runs
+        (a restore that does not wait for the fsync): the finalize renames it, or drops it after
+        a failure, only once every reader let go (done_reading). None when the temporary is no
+        longer that file (its inode or size differ, or the rename has come): the caller waits
+        for the finalize and reads the final name instead."""
         temp = self.temp_path(key)
-        name = f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.reading.partial"
-        try:
-            os.link(temp, self.path / name, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        st = os.lstat(self.path / name)
-        if st.st_ino != ino or st.st_size != size:
-            self.unlink_reading(name)
-            return None
-        return name
+        with self._lock:
+            try:
+                st = os.lstat(temp)
+            except FileNotFoundError:
+                return None
+            if st.st_ino != ino or st.st_size != size:
+                return None
+            self._temp_readers[temp.name] += 1
+        return temp.name
 
-    def unlink_reading(self, name: str) -> None:
-        """A link_temp name, once the engine has read it."""
-        if name.startswith(TEMP_PREFIX) and name.endswith(".reading.partial"):
-            self._unlink(self.path / name)
+    def done_reading(self, name: str) -> None:
+        """A read_temp name, once the engine has read it."""
+        with self._unread:
+            self._temp_readers[name] -= 1
+            if self._temp_readers[name] <= 0:
+                del self._temp_readers[name]
+            self._unread.notify_all()
 
-    def finalize(self, key: str, meta: Meta) -> Meta:
+    @contextlib.contextmanager
+    def _unread_temp(self, temp: Path) -> Iterator[None]:
+        """Holds _lock with no restore reading `temp` (waits for them, the lock let go meanwhile):
+        a rename or unlink of it comes under this, never while the engine reads it by name."""
+        with self._unread:
+            self._unread.wait_for(lambda: not self._temp_readers.get(temp.name))
+            yield
+
+    def finalize(self, key: str, meta: Meta, digest: str | None = None) -> Meta:
         """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
         or the name branches.save_key chose for it), then its metadata, with the file's digest.
-        Returns the metadata written. Blocking."""
+        Returns the metadata written. Blocking.
+
+        digest: what an earlier try read of these bytes before a later step of it failed
+        (Unfinished.digest): they are copied from where that try left them into a fresh
+        temporary, checked against it, and finalized from there. A failure after the digest is
+        raised as Unfinished, which carries it."""
         temp, final = self.temp_path(key), self.bin_path(meta.key)
-        self._seal(temp)
-        digest, _ = files.digest_file(temp)
-        os.replace(temp, final)
-        fsync_dir(self.path)
-        ident = files.regular_ident(final)  # after the rename, which moves the ctime
-        meta = dataclasses.replace(meta, digest=digest, ident=ident)
-        self._write_meta(meta)
+        again = digest is not None
+        if digest is None:
+            digest, _ = files.digest_file(temp)  # the bytes are in the page cache now
+        try:
+            if again:
+                temp = self._fresh_copy(key, final, digest)
+            self._seal(temp)
+            with self._unread_temp(temp):
+                os.replace(temp, final)
+            fsync_dir(self.path)
+            ident = files.regular_ident(final)  # after the rename, which moves the ctime
+            meta = dataclasses.replace(meta, digest=digest, ident=ident)
+            self._write_meta(meta)
+        except OSError as e:
+            raise Unfinished(e, digest) from e
         self._saw(meta)
         return meta
+
+    def _fresh_copy(self, key: str, final: Path, digest: str) -> Path:
+        """The bytes an earlier finalize of `key` left (its temporary, or auto-<...>.bin when it
+        had renamed them), copied to a temporary of their own whose digest must be `digest`."""
+        src = self.temp_path(key)
+        if not src.exists():
+            src = final
+        dst = self.path / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.again.partial"
+        h = files.Hasher()
+        f, _ = files.open_regular(src)
+        try:
+            with f, open(dst, "xb") as out:
+                while chunk := f.read(files.CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+            if h.hexdigest() != digest:
+                raise StoreError(f"{src.name} no longer holds the bytes the engine saved (its digest is "
+                                 f"{h.hexdigest()}, {digest} was read before the failure)")
+        except BaseException:
+            self._unlink(dst)
+            raise
+        if src != final:
+            with self._unread_temp(src):
+                self._unlink(src)
+        return dst
+
+    def drop_temp(self, key: str) -> None:
+        """A failed finalize's temporary, once no restore reads it (blocking: run it in a thread)."""
+        temp = self.temp_path(key)
+        with self._unread_temp(temp):
+            self._unlink(temp)
 
     def finalize_manual(self, key: str, name: str) -> None:
         """A parked session under a person's name: the same atomic rename, no metadata."""
@@ -381,7 +447,8 @@ class Store(Integrity, Space):
             meta = metas.get(key)
             if meta is not None and (meta.bytes != st.st_size or meta.key != key):
                 meta = None
-            entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta))
+            entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta,
+                                 ident=(st.st_ino, st.st_mtime_ns, st.st_size)))
         if with_meta:
             if self._per_token is None:
                 self._per_token = 0.0  # looked: nothing saved yet
@@ -436,16 +503,21 @@ class Store(Integrity, Space):
             fsync_dir(self.path)
         return removed
 
-    def remove(self, key: str) -> int:
+    def remove(self, key: str, ident: tuple[int, int, int] | None = None) -> int:
         """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
-        is ever left for a reader). Returns the bytes freed. Refuses a file in use."""
+        is ever left for a reader). Returns the bytes freed. Refuses a file in use, and with
+        `ident` (inode, mtime_ns, size), a file that is not that one (saved again since the
+        caller looked)."""
         path = self.bin_path(key)
         doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
         with self._lock:  # no acquire() between the check and the rename away
             if auto_name(key) in self.in_use:
                 raise StoreError(f"{auto_name(key)} is being written or read")
             try:
-                size = path.stat().st_size
+                st = path.stat()
+                if ident is not None and (st.st_ino, st.st_mtime_ns, st.st_size) != ident:
+                    raise StoreError(f"{auto_name(key)} was saved again since it was planned for removal")
+                size = st.st_size
                 os.rename(path, doomed)  # the name is gone at once; a multi-GB unlink is not held under the lock
             except FileNotFoundError:
                 size = 0
@@ -465,9 +537,9 @@ class Store(Integrity, Space):
         removed, kept = [], list(plan.keep)
         for e in plan.remove:
             try:
-                self.remove(e.key)
+                self.remove(e.key, e.ident)
                 removed.append(e)
-            except StoreError:  # taken into use since the plan: kept
+            except StoreError:  # taken into use, or saved again, since the plan: kept
                 kept.append(e)
         return PrunePlan(remove=removed, keep=kept)
 

@@ -294,10 +294,12 @@ class TokenIndex:
                  name)
         return self.remove(name)
 
-    def remove(self, name: str) -> bool:
+    def remove(self, name: str, ident: Ident | None = None) -> bool:
+        """Forget `name`; with `ident` (inode, mtime_ns, size), only while the entry is of that
+        file: a file saved again under the name since keeps its entry."""
         with self._lock:
             e = self._entries.get(name)
-            if e is None:
+            if e is None or (ident is not None and e.ident != ident):
                 return False
             self._drop(e)
             self._touch(name)

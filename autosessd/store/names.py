@@ -33,6 +33,15 @@ class StoreError(Exception):
     pass
 
 
+class Unfinished(OSError):
+    """A finalize that failed after it read its bytes' digest (Store.finalize): the next try
+    copies the bytes from where this one left them and checks them against `digest`."""
+
+    def __init__(self, cause: OSError, digest: str):
+        super().__init__(cause.errno, cause.strerror or str(cause), cause.filename)
+        self.digest = digest
+
+
 class InUse(StoreError):
     """install(): someone else holds the name (a save, a restore or another download)."""
 

@@ -17,6 +17,8 @@ class Entry:
     bytes: int
     mtime: float
     meta: Meta | None
+    ident: tuple[int, int, int] | None = None  # (inode, mtime_ns, size) as scanned: prune removes that
+    #                                            file only, never one saved since (an inode is reused)
 
     @property
     def saved_at(self) -> float:

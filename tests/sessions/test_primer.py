@@ -397,7 +397,7 @@ async def test_the_stop_after_an_end_save_asks_the_engine_for_no_second_save(tmp
     s = primed_engine(tmp_path)
     finalize = s.store.finalize
 
-    def slow_finalize(key, meta):
+    def slow_finalize(key, meta, digest=None):
         time.sleep(0.1)  # a big file's fsync
         return finalize(key, meta)
 

@@ -270,7 +270,7 @@ async def test_waiting_for_a_finalize_that_just_finished_lets_its_callback_run(t
     s = make(tmp_path)
     s.saver._finalizing = _Spinning()
     fut = asyncio.get_running_loop().create_future()
-    s.saver._finalizing["k"] = Pending("k", "auto-k.bin", None, None, 0, fut)
+    s.saver._finalizing["k"] = Pending("k", "auto-k.bin", "k", None, None, 0, fut)
     fut.add_done_callback(lambda f: s.saver._finalizing.pop("k"))
     fut.set_result(None)  # done; the callback is queued, not run
     await s.saver.settled()
@@ -438,24 +438,27 @@ async def test_a_bug_in_a_waiting_hook_never_leaves_a_request_stuck_in_the_fifo(
     (await asyncio.wait_for(waiting, 2)).release()
 
 
-async def test_the_stop_decides_on_the_files_as_they_landed_not_on_a_finalize_that_failed(tmp_path):
-    """A save while idle whose finalize then fails (EIO, a full disk at the fsync): the stop,
-    which waits for every finalize anyway, sees the file missing and saves again, instead of
-    taking the failed one's Pending for an up-to-date file."""
+async def test_the_stop_decides_on_the_files_as_they_landed_not_on_a_finalize_that_failed(tmp_path, monkeypatch):
+    """A save while idle whose finalize then fails for good (EIO at every try, issue 38): the
+    stop, which waits for every finalize anyway, sees the file missing and saves again, instead
+    of taking the failed one's Pending for an up-to-date file."""
     import threading
 
+    from autosessd.sessions import finalizing
+
+    monkeypatch.setattr(finalizing, "RETRY_S", (0.01, 0.01, 0.01))
     s = make(tmp_path, min_tokens=10)
     await request(s, A, 50)
     gate, real, calls = threading.Event(), s.store.finalize, []
 
-    def failing_once(key, meta):
+    def failing(key, meta, digest=None):
         calls.append(key)
-        if len(calls) > 1:
-            return real(key, meta)
+        if len(calls) > 4:  # the first save's four tries
+            return real(key, meta, digest)
         gate.wait(10)
         raise OSError(5, "Input/output error")
 
-    s.store.finalize = failing_once
+    s.store.finalize = failing
     [saved] = await s.idle.save_now()
     assert saved["saved"] and s.saver.writing() == {f"auto-{A}.bin"}
     saves = len(s.engine.saves)
@@ -463,6 +466,6 @@ async def test_the_stop_decides_on_the_files_as_they_landed_not_on_a_finalize_th
     await asyncio.sleep(0.05)
     gate.set()
     assert await asyncio.wait_for(stop, 10)
-    assert len(s.engine.saves) == saves + 1 and s.counters.save_failures == 1
+    assert len(s.engine.saves) == saves + 1 and s.counters.save_failures == 4
     await s.drain()
     assert file_tokens(tmp_path, A) == conv(A, 50)

@@ -51,19 +51,20 @@ def held_finalize(s):
 
     gate, real = threading.Event(), s.store.finalize
 
-    def slow(key, meta):
+    def slow(key, meta, digest=None):
         assert gate.wait(30), "the finalize was never let go"
-        return real(key, meta)
+        return real(key, meta, digest)
 
     s.store.finalize = slow
     return gate
 
 
-async def test_a_quick_return_restores_its_save_whose_fsync_still_runs_through_a_link(tmp_path):
+async def test_a_quick_return_restores_its_save_whose_fsync_still_runs_from_its_temporary(tmp_path):
     """X is saved at the switch to Y; while that save's finalize (its fsync) still runs, the
     client goes back to X. The return does not wait for the fsync: the engine reads X's bytes
-    through a link to the temporary, the slot then holds X's tokens token for token, the link
-    is gone after, and once the finalize lands X's file is whole under its own name."""
+    from the temporary, held for it (issue 38: no link, which would move the ctime the digest
+    watches), the slot then holds X's tokens token for token, and once the finalize lands X's
+    file is whole under its own name and no temporary is left."""
     s = await make(tmp_path)
     await chat(s, X)
     gate = held_finalize(s)
@@ -83,7 +84,8 @@ async def test_a_quick_return_restores_its_save_whose_fsync_still_runs_through_a
     assert last["key"] == K and last["restore"] >= 0 and "wait" in last and last["ms"] == turn.ms
     await s.drain()
     assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
-    assert not [p for p in s.store.path.iterdir() if p.name.endswith(".reading.partial")]
+    assert not [p for p in s.store.path.iterdir() if p.name.startswith(".autosessd-")]
+    assert s.counters.save_failures == 0
 
 
 async def test_a_switch_decides_on_a_pending_save_as_it_will_be_without_waiting_for_it(tmp_path):
