@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from .base.config import ConfigError, default_socket_path
-from .ctl_text import gb, show_bucket_prune, show_doctor, show_event, show_status, table, tokens, when
+from .ctl_text import forgot, gb, show_bucket_prune, show_doctor, show_event, show_status, table, tokens, when
 from .front import protocol
 from .front.protocol import Code, ProtocolError
 
@@ -251,9 +251,10 @@ def prune(ctx: click.Context, dry_run: bool, keep: int | None, max_gb: float | N
 @click.argument("key")
 @common
 def forget(ctx: click.Context, key: str, sock: str | None, as_json: bool | None) -> None:
-    """Remove auto-KEY.bin and its metadata."""
+    """Forget conversation KEY for good: its files (branches too) removed, every slot holding it
+    emptied, nothing restored after a restart; only a new request of KEY brings it back."""
     c = ctx.obj.merged(sock, as_json)
-    run(lambda: c.out(call(c.path, "forget", key=key), lambda r: f"removed auto-{r['key']}.bin ({gb(r['freed'])})"))
+    run(lambda: c.out(call(c.path, "forget", key=key), forgot))
 
 
 @cli.command()

@@ -242,6 +242,26 @@ def show_bucket_prune(r: dict[str, Any]) -> str:
             f"superseded), freed {gb(r['freed_bytes'])}; {r.get('aborted_uploads', 0):,} abandoned uploads aborted")
 
 
+def forgot(r: dict[str, Any]) -> str:
+    """autosessctl forget's answer, in words."""
+    def slots(v: list) -> str:
+        return ", ".join(str(x) if not isinstance(x, dict) else f"{x['model']}:{x['slot']}" for x in v)
+
+    lines = [f"forgot {r['key']}: {len(r['files'])} file(s) removed ({gb(r['freed'])})"
+             + (f": {', '.join(r['files'])}" if r["files"] else "")]
+    if r.get("emptied_slots"):
+        lines.append(f"  slot(s) emptied, the engine's too: {slots(r['emptied_slots'])}")
+    if r.get("running_slots"):
+        lines.append(f"  slot(s) running a request of it now, left alone (a new request brings it back): "
+                     f"{slots(r['running_slots'])}")
+    if r.get("erase_failed"):
+        lines.append(f"  slot(s) whose engine slot could not be emptied (autosessd no longer names them): "
+                     f"{slots(r['erase_failed'])}")
+    for k in r.get("kept") or []:
+        lines.append(f"  kept: {k}")
+    return "\n".join(lines)
+
+
 def show_doctor(r: dict[str, Any]) -> str:
     """One line per engine setting (ok / PROBLEM / unknown, the flag, what was seen, the fix)."""
     out = [f"engine {r['engine']}" + ("" if r["flags_read"] else

@@ -291,9 +291,11 @@ class ControlServer:
         key = args["key"]
         if not is_key(key):
             raise ProtocolError(Code.BAD_ARGS, f"forget: {key[:64]!r} is not a conversation key (16 hex digits)")
-        if not self.sessions.store.bin_path(key).exists():
-            raise ProtocolError(Code.NOT_FOUND, f"no session auto-{key}.bin")
-        return {"key": key, "freed": self.sessions.forget(key)}
+        done = await self.sessions.forget(key)
+        if not (done["files"] or done["emptied_slots"] or done["running_slots"] or done["kept"]
+                or done["erase_failed"]):
+            raise ProtocolError(Code.NOT_FOUND, f"no conversation {key}: no file of it, and no slot holds it")
+        return done
 
     async def cmd_turn(self, args: dict[str, Any]) -> Any:
         if "key" in args:

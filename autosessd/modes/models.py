@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..engines.base import EngineError
+from ..store.names import StoreError
 from ..sessions import views
 from ..sessions.context import Context
 from ..sessions.facade import Sessions
@@ -312,17 +313,35 @@ class Router:
     async def prune(self, keep: int | None = None, max_gb: float | None = None, dry_run: bool = False) -> dict:
         return await self.upkeep.prune(keep, max_gb, dry_run)
 
-    def forget(self, key: str) -> int:
-        """A conversation's files under every model (KEY as the client's requests name it, or
-        a file's own key as `ls` shows it). → bytes freed."""
-        freed = 0
-        for k in {key, *(model_key(m, key) for m in self.models)}:
-            n = self.store.remove(k)
-            if n and self.index is not None:
-                self.index.remove(f"auto-{k}.bin")
-            freed += n
-        self.events.emit("forgot", key=key, bytes=freed)
-        return freed
+    async def forget(self, key: str) -> dict[str, Any]:
+        """A conversation forgotten under every model (KEY as the client's requests name it, or
+        a file's own key as `ls` shows it): each loaded model's Sessions.forget (its slots, its
+        saves in flight, its files and held record), then the files of models not loaded."""
+        done: dict[str, Any] = {"key": key, "freed": 0, "files": [], "emptied_slots": [], "running_slots": [],
+                                "kept": [], "erase_failed": []}
+        keys = {key, *(model_key(m, key) for m in self.models)}
+        for m in sorted(self.models.values(), key=lambda x: x.id):
+            if m.sessions is None:
+                continue
+            for k in sorted({key, model_key(m.id, key)}):
+                one = await m.sessions.forget(k)
+                done["freed"] += one["freed"]
+                done["files"] += one["files"]
+                done["kept"] += one["kept"]
+                for field in ("emptied_slots", "running_slots", "erase_failed"):
+                    done[field] += [{"model": m.id, "slot": n} for n in one[field]]
+        for k in sorted(keys):  # models never loaded in this run: their files only
+            try:
+                n = self.store.remove(k)
+            except StoreError as e:
+                done["kept"].append(f"auto-{k}.bin: {e}")
+                continue
+            if n:
+                done["freed"] += n
+                done["files"].append(f"auto-{k}.bin")
+                if self.index is not None:
+                    self.index.remove(f"auto-{k}.bin")
+        return done
 
     async def fifos_free(self) -> None:
         for s in self.all_sessions():

@@ -4,7 +4,9 @@ the slot's ticket for its whole work (blocks on the slot's FIFO, then on the eng
 
     park          save the held conversation now, whatever its size; with a name, to NAME.bin
     restore_now   restore auto-<KEY>.bin or a person's NAME.bin (the held one saved first)
-    forget        remove auto-<KEY>.bin (a slot holding it keeps it)
+    forget        KEY gone for good: every slot holding it emptied (the engine's too), its saves in
+                  flight landed then removed with every file of its line (branches), the index's and
+                  held.json's entries; only a new request of KEY brings it back
     save_at_stop  the stop: save if worth it and the engine is idle
     save_behind   the tail: after a request's end, save if the file is stale and nothing else
                   reached the slot meanwhile (its check)
@@ -15,15 +17,16 @@ the slot's ticket for its whole work (blocks on the slot's FIFO, then on the eng
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..base.keys import is_key
-from ..engines.base import SlotState
+from ..engines.base import EngineError, SlotState
 from ..store.directory import StoreError, auto_name, manual_name
 from . import policy
 from .policy import Held, Occasion, Save, SaveOutcome, Skip
-from .report import TurnResult, fmt_tokens, skipped
+from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
 from .slot import Phase
 
 if TYPE_CHECKING:
@@ -93,14 +96,67 @@ class Commands:
                 raise StoreError("; ".join(res.errors))
         return res.restored or {}
 
-    def forget(self, key: str) -> int:
-        """A slot still holding the conversation keeps it; it is saved again only if the
-        conversation goes on (its file is gone, so not up to date)."""
-        freed = self.ctx.store.remove(key)
-        if self.ctx.index is not None:
-            self.ctx.index.remove(auto_name(key))
-        self.ctx.events.emit("forgot", key=key, bytes=freed)
-        return freed
+    async def forget(self, key: str) -> dict[str, Any]:
+        """Conversation `key` gone (issue 38: people forget one to be rid of it, a secret pasted by
+        mistake): no file of it appears again unless a new request of it arrives. In order:
+
+          slots      each slot whose view holds it, at rest: its ticket taken (a turn saving it
+                     now finishes first), the engine's slot emptied (it holds the conversation's
+                     KV too), the view EMPTY; one running a request of it is a new request of
+                     it and is left (said in the answer)
+          in flight  every finalize landed (settled): a save of it already inside the engine
+                     call when forget began is a file now, removed next
+          files      auto-<key>.bin and every file of its line (branches: metadata line = key),
+                     their index entries; one being read right now (a request of it) is kept
+                     and said
+        The caller drops held.json's entries (the facade's Recorder). → what was done."""
+        ctx = self.ctx
+        emptied, running, erase_failed = [], [], []
+        for s in list(self.placement.slots.values()):
+            if s.view.key != key:
+                continue
+            if s.view.phase is Phase.SWITCHED:
+                running.append(s.id)
+                continue
+            async with await self.placement.admit(s.id):
+                v = s.view
+                if v.key != key or not s.at_rest():
+                    continue  # a turn of another conversation ran first, or a request of it now
+                try:
+                    await ctx.engine.erase(s.id)
+                    s.erased()
+                    emptied.append(s.id)
+                except EngineError as e:
+                    erase_failed.append(s.id)
+                    self.observer.lost(s, f"{key} forgotten, but emptying the engine's slot failed: {e}")
+        await self.saver.settled()
+        loop = asyncio.get_running_loop()
+        names = await loop.run_in_executor(None, self._files_of, key)
+        freed, removed, kept = 0, [], []
+        for name in names:
+            try:
+                freed += ctx.store.remove(name[5:21])
+                removed.append(name)
+            except StoreError as e:
+                kept.append(f"{name}: {e}")
+                continue
+            if ctx.index is not None:
+                ctx.index.remove(name)
+        if not (removed or emptied or running or kept or erase_failed):
+            return {"key": key, "freed": 0, "files": [], "emptied_slots": [], "running_slots": [], "kept": [],
+                    "erase_failed": []}
+        ctx.counters.forgets += 1
+        log.info("auto sessions: forgot %s: %d file(s) removed (%s), %d slot(s) emptied%s", key, len(removed),
+                 fmt_bytes(freed), len(emptied), f"; slots running a request of it now: {running}" if running else "")
+        done = {"key": key, "freed": freed, "files": removed, "emptied_slots": emptied, "running_slots": running,
+                "kept": kept, "erase_failed": erase_failed}
+        ctx.events.emit("forgot", **done)
+        return done
+
+    def _files_of(self, key: str) -> list[str]:
+        """auto-<key>.bin and the files of its line (branches), as the directory has them."""
+        return sorted(e.name for e in self.ctx.store.scan()
+                      if e.key == key or (e.meta is not None and e.meta.line == key and not e.meta.prefix))
 
     async def save_at_stop(self, slot_id: int | None = None, why: str = "stop") -> bool:
         """Save the held conversation if it reached min tokens and the engine is idle (a running

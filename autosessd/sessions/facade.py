@@ -168,6 +168,7 @@ class Sessions:
         self.saver.after_final.append(self._turn.recall.saved)  # reply marks (recall.py)
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
+        self.saver.want_room = self.upkeep.schedule_prune  # a finalize short of space tries again after it
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
         # What each slot held last (held.json; behind a router, one file per model), kept as it changes.
         self.last = held.Recorder(cfg.effective_state_dir() / held.file_name(model if house is not None else None),
@@ -369,8 +370,10 @@ class Sessions:
     async def restore_now(self, what: str, slot_id: int | None = None) -> dict[str, Any]:
         return await self.commands.restore_now(what, slot_id)
 
-    def forget(self, key: str) -> int:
-        return self.commands.forget(key)
+    async def forget(self, key: str) -> dict[str, Any]:
+        done = await self.commands.forget(key)
+        self.last.forget(key, done["files"])  # nothing puts it back after a restart
+        return done
 
     async def save_at_stop(self, slot_id: int | None = None, why: str = "stop") -> bool:
         return await self.commands.save_at_stop(slot_id, why)

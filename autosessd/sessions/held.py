@@ -160,6 +160,15 @@ class Recorder:
         self._dirty = False
         _write(self.path, {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}})
 
+    def forget(self, key: str, names: Iterable[str] = ()) -> None:
+        """Conversation `key` forgotten: no entry names it, or a file of it, any more."""
+        gone = set(names)
+        drop = [slot for slot, e in self.entries.items() if e.get("key") == key or e.get("file") in gone]
+        for slot in drop:
+            del self.entries[slot]
+        if drop:
+            self._schedule()
+
     def last(self) -> list[tuple[int, dict[str, Any]]]:
         """(slot, entry) of every slot's last conversation, the most recently used first."""
         return sorted(self.entries.items(), key=lambda kv: -float(kv[1].get("at") or 0))

@@ -90,10 +90,11 @@ def test_autosessctl_against_the_real_engine(daemon, session_dir):
 
     ctl(d, "park")
     assert (session_dir / f"auto-{KA}.bin").exists()
-    assert "removed" in ctl(d, "forget", KA).stdout
+    out = ctl(d, "forget", KA).stdout
+    assert f"forgot {KA}: 1 file(s) removed" in out and "emptied" in out  # the slot held it: emptied too
     assert not (session_dir / f"auto-{KA}.bin").exists() and not (session_dir / f"auto-{KA}.json").exists()
     r = ctl(d, "forget", KA, check=False)
-    assert r.returncode == 1 and "no session" in r.stderr
+    assert r.returncode == 1 and f"no conversation {KA}" in r.stderr
     r = ctl(d, "restore", "../../etc/passwd", check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
 

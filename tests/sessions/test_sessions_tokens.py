@@ -130,7 +130,7 @@ async def test_a_shared_system_prompt_is_saved_on_its_own_and_restored_after_a_r
     turn, cache_n, n_prompt = await chat(s, c)
     head = tokenize(f"<system>{SYSTEM}<end><user>")
     assert s.engine.prefills == [head]
-    pname = f"auto-{prefix_key(head)}.bin"
+    pname = f"auto-{prefix_key(head, s.model)}.bin"
     assert turn.prefix["file"] == pname and header(s, pname) == head
     meta = s.store.read_meta(pname[5:21])
     assert meta.prefix and meta.line is None and meta.n_prompt == len(head)
@@ -157,7 +157,7 @@ async def test_no_prefix_read_when_the_slot_shares_more_or_the_part_is_short(tmp
     await chat(s, first)
     assert len(s.engine.prefills) == 1
     pname = next(r["name"] for r in s.ls() if r["kind"] == "prefix")
-    s.forget(pname[5:21])
+    await s.forget(pname[5:21])
     # An edited reply: same opener, tokens depart after the first user message, so the slot
     # shares more than the prefix; reading the prefix alone would throw that away.
     edited = body(("system", SYSTEM), ("user", TASK_1), ("assistant", "Done, boss."), ("user", "Again."))
@@ -185,7 +185,7 @@ async def test_the_index_follows_forget_and_prune_and_is_cached_for_the_next_sta
     await chat(s, X)
     names = conversation_files(s)
     assert len(names) == 2 and sorted(s.index.names()) == names
-    s.forget(K)
+    await s.forget(K)
     assert f"auto-{K}.bin" not in s.index
     await s.prune(keep=1, max_gb=1)  # nothing to remove: one file left
     await s.close()
@@ -262,7 +262,7 @@ async def test_two_slots_starting_with_one_system_prompt_save_one_whole_prefix_f
     await s.drain()
     assert slot_1 != slot_2
     head = tokenize(f"<system>{SYSTEM}<end><user>")
-    pname = f"auto-{prefix_key(head)}.bin"
+    pname = f"auto-{prefix_key(head, s.model)}.bin"
     assert s.counters.save_failures == 0 and s.counters.prefixes_saved == 1, (r1.errors, r2.errors)
     assert header(s, pname) == head and s.store.read_meta(pname[5:21]).prefix
     assert [p for p in eng.prefills if p == head] == [head]  # read once; the other request reads it live
@@ -318,7 +318,7 @@ async def test_a_file_removed_by_hand_is_forgotten_and_the_next_best_restored(tm
     await s.save_at_stop()
     await s.close()
     head = tokenize(f"<system>{SYSTEM}<end><user>")
-    pname, cname = f"auto-{prefix_key(head)}.bin", f"auto-{conversation_key(c)}.bin"
+    pname, cname = f"auto-{prefix_key(head, s.model)}.bin", f"auto-{conversation_key(c)}.bin"
     s2 = await make(tmp_path, engine=StubEngine(tmp_path / "sessions"))
     d = body(("system", SYSTEM), ("user", TASK_2))
     assert s2.index.lcp(cname, prompt(d)) > len(head)  # C's file would be the best
