@@ -66,8 +66,8 @@ class PrefixReader:
         head = tokens[:4 * n]
         if ctx.index.best(head, ctx.model, min_lcp=n, window=ctx.swa_window) is not None:
             return  # a file holds it
-        pkey = prefix_key(head)
-        if pkey in self._reading or self.saver.in_flight(pkey):
+        pkey = prefix_key(head, ctx.model)
+        if pkey in self._reading or self.saver.saving(pkey):
             return  # another slot reads or saves it now: this request reads it live
         self._reading.add(pkey)
         try:

@@ -27,11 +27,14 @@ def branch_key(key: str, tokens: Sequence[int] | bytes) -> str:
     return hashlib.sha1(b"autosessd branch\0" + key.encode() + b"\0" + data).hexdigest()[:16]
 
 
-def prefix_key(tokens: Sequence[int] | bytes) -> str:
+def prefix_key(tokens: Sequence[int] | bytes, model: str) -> str:
     """The owned key of a file that holds exactly a shared prefix (a system prompt and its
-    tools, read on its own before a new conversation): the same tokens, the same name."""
+    tools, read on its own before a new conversation) for `model` (its fingerprint): the same
+    tokens of the same model, the same name. The model is in it because behind a router two
+    models of one tokenizer each have their own save path, and nothing would keep them from
+    writing one temporary and one file (issue 38); a conversation's key has it already."""
     data = tokens if isinstance(tokens, bytes) else encode(tokens)
-    return hashlib.sha1(b"autosessd prefix\0" + data).hexdigest()[:16]
+    return hashlib.sha1(b"autosessd prefix\0" + model.encode() + b"\0" + data).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
