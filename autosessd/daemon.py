@@ -183,6 +183,8 @@ class Daemon(Starting):
                 held = [(m.id, m.sessions) for m in self.router.loaded() if m.sessions is not None]
             else:
                 held = [(None, self.sessions)] if self.sessions is not None else []
+            for _, sessions in held:  # its files into the page cache meanwhile (warm.py)
+                sessions.warmer.held_at_stop(name for _, _, name in StartRestore.plan(sessions))
             back = StartRestore(held)
             self.house.inputs[back.name] = back.describe
             self._comeback = asyncio.get_running_loop().create_task(back.run())

@@ -53,8 +53,6 @@ class Starting:
         await self.sessions.prepare()  # the token index, after cleanup removed what is not whole
         self.sessions.watch.at_start = await asyncio.get_running_loop().run_in_executor(
             None, self.sessions.watch.identity)  # its log's start lines are not a restart (watch.py)
-        # What the slots held at the last stop is restored first after a restart: warm it (warm.py).
-        self.sessions.warmer.held_at_stop(self.sessions.last.files()[0].values())
         if self.shared is not None:
             # After cleanup (only whole saves are queued) and once the model is known: the
             # worker first queues local saves of this model that the bucket lacks.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..base.keys import is_key
 from ..engines.base import EngineError, SlotState
-from ..store.directory import StoreError, auto_name, manual_name
+from ..store.directory import AUTO_BIN, StoreError, auto_name, manual_name
 from . import policy
 from .policy import Held, Occasion, Save, SaveOutcome, Skip
 from .report import TurnResult, fmt_bytes, fmt_tokens, skipped
@@ -63,7 +63,10 @@ class Commands:
                                  f"{': ' + v.why if v.why else ''})")
             res = TurnResult(key=held.key)
             outcome = await self.saver.save(s, held, res, target)
-            await self.saver.wait_file(held.key)
+            # The file it reports is on disk when it answers: a branch's name, a person's name
+            # (kept under the conversation's key while it is finalized), or the conversation's.
+            m = AUTO_BIN.match((res.saved or {}).get("file") or "")
+            await self.saver.wait_file(m.group(1) if m else held.key)
         if outcome is not SaveOutcome.SAVED:
             raise StoreError("; ".join(res.errors + res.skipped) or "save failed")
         return res.saved or {}
@@ -73,7 +76,7 @@ class Commands:
         if is_key(what):
             key: str | None = what
             name = auto_name(what)
-            if ctx.store.read_meta(what) is None:
+            if self.saver.facts(name).meta is None:  # a save still being finalized is one
                 raise StoreError(f"no session {name} in {ctx.store.path}")
         else:
             key, name = None, manual_name(what)
@@ -86,7 +89,7 @@ class Commands:
             if not await ctx.facts.ready(s.id):  # the model checked below is the engine's now
                 raise StoreError(f"not now: {ctx.facts.off or 'the engine restarted and does not answer yet'}")
             decided = ctx.facts.generation
-            meta = ctx.store.read_meta(what) if key is not None else None
+            meta = self.saver.facts(name).meta if key is not None else None
             if meta is not None and meta.model != ctx.model:
                 raise StoreError(f"{name} was saved for another model ({meta.model}, engine has {ctx.model})")
             res = TurnResult(key=key)

@@ -91,6 +91,9 @@ class Context:
     histograms: Histograms = field(default_factory=Histograms)
     turn_times: TurnTimes = field(default_factory=TurnTimes)  # where turns' time went (report.PHASES)
     savings: Savings = field(default_factory=Savings)  # the engine's rates; what was spared
+    # Files asked into the page cache lately (warm.py), name → (identity, when): one memory
+    # bound for the house, whatever model behind a router asked.
+    warmed: dict = field(default_factory=dict)
 
     @property
     def chat(self) -> ChatEngine | None:

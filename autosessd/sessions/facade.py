@@ -149,6 +149,7 @@ class Sessions:
                                           n_ctx=n_ctx, template=template))
         if house is not None:
             ctx.counters, ctx.events, ctx.index = house.counters, house.events, house.index
+            ctx.warmed = house.warmed  # one warming bound for every model (warm.py)
         self.started_at = time.time()
         ctx.savings = (house.savings.for_model(model) if house is not None
                        else Savings(model, cfg.effective_state_dir() / "savings.json"))

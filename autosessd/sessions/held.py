@@ -31,14 +31,16 @@ def file_name(model: str | None = None) -> str:
     return "held.json" if model is None else f"held-{hashlib.sha256(model.encode()).hexdigest()[:16]}.json"
 
 
-def record(path: Path, model: str, slots: Iterable[Slot], kept: dict[int, dict[str, Any]] | None = None) -> None:
+def record(path: Path, model: str, slots: Iterable[Slot],
+           kept: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
     """Remember the held conversations at a stop (logged, never raised, when it cannot); kept:
-    the Recorder's entries, for the slots that hold nothing to name now."""
+    the Recorder's entries, for the slots that hold nothing to name now. → the entries written."""
     now = round(time.time(), 3)
     entries = {k: dict(v) for k, v in (kept or {}).items()}
     entries.update({s.id: {"key": s.view.key, "n_tokens": s.view.n_tokens, "file": s.view.file, "at": now}
                     for s in slots if s.view.key and s.view.phase is not Phase.UNKNOWN})
     _write(path, {"model": model, "slots": {str(k): v for k, v in sorted(entries.items())}})
+    return entries
 
 
 def _write(path: Path, data: dict[str, Any]) -> bool:
@@ -84,6 +86,9 @@ class Recorder:
         self._timer: asyncio.TimerHandle | None = None
         self._writing: asyncio.Future | None = None
         self._dirty = False
+        self._stopped = False  # the stop's record is written: nothing after it replaces it
+        for left in path.parent.glob(f"{path.name}.*.tmp"):  # a write a crash cut short (_write's mkstemp)
+            left.unlink(missing_ok=True)
         try:
             data = json.loads(read_small(path))
             if data.get("model") == model:
@@ -97,6 +102,7 @@ class Recorder:
     async def record_stop(self, slots: Iterable[Slot]) -> None:
         """At a stop: the slots as they are now, over what each held last; after the write in
         flight, if any, and instead of the one waiting (an older record never lands after it)."""
+        self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -104,7 +110,7 @@ class Recorder:
         if self._writing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._writing)
-        record(self.path, self.model, slots, self.entries)
+        self.entries = record(self.path, self.model, slots, self.entries)
 
     def keys(self) -> dict[int, str]:
         """slot → the conversation it held last (the tail's restore, by key)."""
@@ -139,6 +145,8 @@ class Recorder:
         self._schedule()
 
     def _schedule(self) -> None:
+        if self._stopped:
+            return  # a change after the stop's record (a slot closed down) never replaces it
         self._dirty = True
         if self._timer is None:
             try:

@@ -14,8 +14,9 @@ it, in a worker thread; nothing waits for it), so that the restore finds it in m
     a start                the files the slots held at the last stop (held.json): the
                            conversations most recently used, restored first after a restart
 
-Bounds: a file is warmed only when it fits, with the files asked for in the last REPEAT_S, in
-half of the memory available now (psutil), so warming never pushes the engine's own memory
+Bounds: a file is warmed only when it fits, with the files asked for in the last REPEAT_S (by any
+model's Sessions behind a router: one record, Context.warmed), in half of the memory available
+now (psutil), so warming never pushes the engine's own memory
 out, and the same file (the same inode, size and
 ctime) is not asked for again within REPEAT_S. Counted in status (warmed_files,
 warmed_bytes, warm_skipped_memory). Where the platform has no posix_fadvise (macOS), nothing
@@ -53,7 +54,7 @@ class Warmer:
         self.saver = saver
         self.slots = placement.slots
         placement.on_wait.append(self.waiting)
-        self._asked: dict[str, tuple[files.Ident, float]] = {}  # name → (ident, when)
+        self._asked: dict[str, tuple[files.Ident, float]] = ctx.warmed  # name → (ident, when); the house's
         self.can = hasattr(os, "posix_fadvise")
 
     def waiting(self, key: str) -> None:

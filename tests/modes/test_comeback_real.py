@@ -107,6 +107,7 @@ def test_with_it_off_the_reboot_re_reads(engines, session_dir, tmp_path):
         p.reboot()
         time.sleep(1)
         assert "start_restore" not in status(p.d)["inputs"]
+        assert status(p.d)["counters"]["warmed_files"] == 0  # nothing put back: nothing warmed (issue 38)
         r2 = p.eng.post("/v1/chat/completions", going_on(C, r1))
         assert r2["timings"]["cache_n"] < 0.1 * r2["usage"]["prompt_tokens"]
     finally:

@@ -110,3 +110,28 @@ async def test_behind_a_router_each_model_keeps_its_own_record(tmp_path):
         await settled(r)
     for model, key in (("model-a", A), ("model-b", B)):
         assert held.Recorder(tmp_path / held.file_name(model), model, {}).keys() == {0: key}
+
+
+async def test_nothing_written_after_the_stop_record_replaces_it(tmp_path):
+    """Issue 38: a change after the stop's record (a slot closed down, a save landing) used to
+    schedule a flush of the Recorder's own entries, which lack what the stop recorded of slots
+    holding a conversation in no file: the stop's record stays as written."""
+    path = tmp_path / "held.json"
+    slots = {0: slot(0, Phase.HELD, A), 1: slot(1, Phase.EMPTY)}  # A in no file yet
+    r = held.Recorder(path, "m", slots)
+    await r.record_stop(slots.values())
+    stop = path.read_text()
+    assert json.loads(stop)["slots"]["0"]["key"] == A
+    slots[1].view = View(Phase.HELD, key=B, n_tokens=10, file=f"auto-{B}.bin")
+    r.changed(slots[1])
+    await asyncio.sleep(r.FLUSH_S * 4)
+    assert path.read_text() == stop
+
+
+def test_a_write_a_crash_cut_short_is_removed_at_the_next_start(tmp_path):
+    """Issue 38: _write's temporary (held.json.<random>.tmp), left by a crash, goes when the
+    record is next opened; nothing else in the state directory is touched."""
+    (tmp_path / "held.json.abc123.tmp").write_text("{")
+    (tmp_path / "other.json.tmp").write_text("mine")
+    held.Recorder(tmp_path / "held.json", "m", {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.json.tmp"]

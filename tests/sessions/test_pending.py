@@ -404,3 +404,68 @@ async def test_prune_never_drops_a_save_made_while_it_ran(tmp_path, monkeypatch,
     await s.prune(keep=1)
     assert header(tmp_path, name) == conv(A, 70)
     assert s.index.get(name) is not None and s.index.get(name).n_tokens == 70
+
+
+# -- item 7: the minor ones ------------------------------------------------------------------------
+async def test_park_answers_once_the_file_it_names_is_on_disk_even_a_branch(tmp_path, monkeypatch):
+    """park names the file the save went to (here a branch: another conversation of the same
+    first message holds auto-K.bin) and answers only once that file is final."""
+    from tokens_common import X, Y, chat, make as make_tokens
+
+    s = await make_tokens(tmp_path)
+    await chat(s, X)
+    await chat(s, Y)  # X saved as auto-K.bin; the slot holds Y, of the same first message
+    go, real = threading.Event(), Store.finalize
+
+    def held_finalize(self_, key, meta, digest=None):
+        assert go.wait(10)
+        return real(self_, key, meta, digest)
+
+    monkeypatch.setattr(Store, "finalize", held_finalize)
+    threading.Timer(0.3, go.set).start()
+    saved = await s.park()
+    assert saved["file"] != f"auto-{s.view().key}.bin"  # a branch's name
+    assert (s.store.path / saved["file"]).exists() and s.store.read_meta(saved["file"][5:21]) is not None
+
+
+async def test_restore_by_key_of_a_save_still_being_finalized(tmp_path):
+    """`autosessctl restore KEY` of a conversation whose save is finalizing restores it (its
+    temporary, as a turn does), instead of answering that there is no such session."""
+    s = make(tmp_path)
+    await request(s, A, 60)
+    go, real = threading.Event(), s.store.finalize
+
+    def held_finalize(key, meta, digest=None):
+        assert go.wait(10)
+        return real(key, meta, digest)
+
+    s.store.finalize = held_finalize
+    [saved] = await s.idle.save_now()
+    try:
+        await request(s, B, 30)
+        done = await s.restore_now(A)
+    finally:
+        go.set()
+    assert done["file"] == f"auto-{A}.bin" and s.engine.held[0] == conv(A, 60)
+    await s.drain()
+
+
+async def test_behind_a_router_the_warming_bound_is_the_houses(tmp_path, monkeypatch):
+    """Two models' Sessions share one record of what was warmed lately: a file one model warmed
+    counts against the memory bound when the other warms another."""
+    import psutil
+
+    from autosessd.sessions import warm
+
+    d = tmp_path
+    store = Store(d)
+    cfg = parse(f'slot_save_path = "{d}"\nstate_dir = "{tmp_path / "state"}"\n'.encode())
+    s1 = Sessions(cfg, StubEngine(d, model="m1"), store, "m1")
+    s2 = Sessions(cfg, StubEngine(d, model="m2"), store, "m2", house=s1.ctx, upkeep=s1.upkeep)
+    (d / "auto-1111111111111111.bin").write_bytes(b"x" * 1000)
+    (d / "auto-2222222222222222.bin").write_bytes(b"x" * 1000)
+    avail = type("VM", (), {"available": int(1500 / warm.MEMORY_SHARE)})()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: avail)
+    assert s1.warmer.warm("auto-1111111111111111.bin")
+    assert not s2.warmer.warm("auto-2222222222222222.bin")  # 2,000 bytes would not fit in 1,500
+    assert s1.counters.warm_skipped_memory == 1
