@@ -88,7 +88,8 @@ def ask(port: int, messages: list[dict]) -> dict:
         timings = d.get("timings") or timings
     c.close()
     return {"ttft": ttft or time.monotonic() - t0, "prompt": timings.get("prompt_n", 0) + timings.get("cache_n", 0),
-            "cache_n": timings.get("cache_n", 0), "text": text}
+            "cache_n": timings.get("cache_n", 0), "text": text, "prompt_ms": timings.get("prompt_ms"),
+            "prompt_n": timings.get("prompt_n")}
 
 
 class Stack:
