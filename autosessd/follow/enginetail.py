@@ -28,9 +28,9 @@ shows no launch on the slot meanwhile and the engine's task id for the slot did 
 (nor its count, but to 0: an engine that moves idle slots to its RAM cache when a request
 starts elsewhere empties it after the save wrote it).
 
-Restore after a restart: each slot's last saved file (kept in the state directory as
-engine-log-<digest>-slots.json, and held.json from the last stop when newer), the newest
-first, a file whose tokens another chosen file extends skipped, is restored into its slot
+Restore after a restart: each slot's last saved file (held.json, the one record of what each
+slot held last: sessions/held.py), the newest first, a file whose tokens another chosen file
+extends skipped (Recorder.plan, the start restore's rule too), is restored into its slot
 once the engine answers /health, when that slot is empty and idle and the log shows nothing
 running there; it is trusted by the same check as a save (counted in restores_not_trusted
 otherwise). The next request's cache_n (its timing lines, or GET /slots while it runs)
@@ -48,16 +48,13 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ..engines.base import EngineError, SlotState
 from ..sessions.facade import Sessions
-from ..store.directory import AUTO_BIN
 from . import enginelog
 from .enginelog import Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing
 from .tail import Following
@@ -89,11 +86,9 @@ class EngineTail(Following):
 
     def __init__(self, cfg: Any, sessions: Sessions, path: str):
         super().__init__(cfg, sessions, path, "engine-log")
-        self.files_path = self.state_path.with_name(self.state_path.stem + "-slots.json")
         self.running: dict[int, Run] = {}
         self.launches: collections.Counter[int] = collections.Counter()  # per slot, read since the start
         self.tasks_seen: dict[int, int] = {}  # per slot, the last task the log showed
-        self.last_files: dict[int, tuple[str, float]] = {}  # per slot: its last saved file, when (epoch)
         self.formats: collections.Counter[str] = collections.Counter()  # lines read: "text", "jsonl"
         self.unseen: dict[tuple[int, int], None] = {}  # requests the log did not show (counted)
         self.suspects: dict[tuple[int, int], float] = {}  # lines of a request whose launch we did not read
@@ -111,7 +106,6 @@ class EngineTail(Following):
         log.info("engine log: the parser was written against llama-server %s; it reads the launch, timing and "
                  "release lines of each request and the engine's start, and ignores the rest",
                  enginelog.WRITTEN_AGAINST)
-        self._load_files()
         self.sessions.on_engine_restart.append(self._engine_restarted)
         self._engine_tasks = await self._task_ids()
         await super().start()
@@ -126,37 +120,9 @@ class EngineTail(Following):
     def describe(self) -> dict[str, Any]:
         return {"engine_log": str(self.path), "written_against": enginelog.WRITTEN_AGAINST, "lines": self.lines,
                 "formats": dict(self.formats), "running": {s: r.task for s, r in sorted(self.running.items())},
-                "last_files": {s: f for s, (f, _) in sorted(self.last_files.items())},
+                "last_files": {s: e["file"] for s, e in sorted(self.sessions.last.entries.items())},
                 "engine_starts": self.engine_starts, "restored_after_start": self.restored,
                 "unseen_requests": len(self.unseen), "needed_lines_missing": self.warned_unseen}
-
-    # -- each slot's last saved file --------------------------------------------------------
-    def _load_files(self) -> None:
-        """Ours (written at every save behind), then held.json where the last stop is newer
-        (the stop save may have written a newer file of the slot)."""
-        try:
-            d = json.loads(self.files_path.read_text())
-            for k, v in d.get("slots", {}).items():
-                if isinstance(v, list) and len(v) == 2 and AUTO_BIN.match(str(v[0])):
-                    self.last_files[int(k)] = (str(v[0]), float(v[1]))
-        except (OSError, ValueError, TypeError, AttributeError):
-            pass
-        for slot, (name, at) in self.sessions.last.files_at().items():
-            if AUTO_BIN.match(name) and at > self.last_files.get(slot, ("", 0.0))[1]:
-                self.last_files[slot] = (name, at)
-
-    def _remember(self, slot: int, name: str) -> None:
-        if self.last_files.get(slot, ("",))[0] == name:
-            return
-        self.last_files[slot] = (name, time.time())
-        data = json.dumps({"slots": {str(s): [f, at] for s, (f, at) in self.last_files.items()}})
-        tmp = self.files_path.with_suffix(".tmp")
-        try:
-            self.files_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp.write_text(data)
-            os.replace(tmp, self.files_path)
-        except OSError as e:
-            log.warning("engine log: cannot record the slots' files in %s: %s", self.files_path, e)
 
     # -- the lines ----------------------------------------------------------------------------
     async def handle(self, line: bytes, last: bool = True) -> None:
@@ -331,10 +297,7 @@ class EngineTail(Following):
                 if st is None or not st.is_processing:
                     break
                 await asyncio.sleep(0.05)
-            await self.sessions.save_behind(slot, self._check(slot))
-            v = self.sessions.view(slot)
-            if v.conversation() is not None and v.file is not None:
-                self._remember(slot, v.file)
+            await self.sessions.save_behind(slot, self._check(slot))  # held.json follows the slot
         except Exception as e:
             log.warning("engine log: save behind on slot %d: %s", slot, e)
 
@@ -389,7 +352,7 @@ class EngineTail(Following):
                     return
                 with contextlib.suppress(OSError):
                     await self.read_new_lines()
-                for slot, name in self._plan():
+                for slot, _, name in self.sessions.last.plan(self.sessions.slots, self.sessions.index):
                     await self._restore_slot(slot, name)
         except Exception as e:
             log.warning("engine log: restore after the engine's restart: %s", e)
@@ -402,22 +365,6 @@ class EngineTail(Following):
                     return True
             await asyncio.sleep(0.1)
         return False
-
-    def _plan(self) -> list[tuple[int, str]]:
-        """(slot, file) to restore: newest first, each file once, none whose tokens another
-        chosen one extends (the engine places a request on the slot that shares most)."""
-        index = self.sessions.index
-        chosen: list[tuple[int, str, bytes | None]] = []
-        for slot, (name, _) in sorted(self.last_files.items(), key=lambda kv: -kv[1][1]):
-            if slot not in self.sessions.slots:
-                continue
-            e = index.get(name) if index is not None else None
-            tokens = e.tokens if e is not None else None
-            if any(n == name or (tokens is not None and t is not None and t.startswith(tokens))
-                   for _, n, t in chosen):
-                continue
-            chosen.append((slot, name, tokens))
-        return [(slot, name) for slot, name, _ in chosen]
 
     async def _restore_slot(self, slot: int, name: str) -> None:
         if slot in self.running:

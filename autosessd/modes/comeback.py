@@ -31,7 +31,6 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..engines.base import SlotState
-from ..store.directory import AUTO_BIN
 
 if TYPE_CHECKING:
     from ..sessions.facade import Sessions
@@ -53,17 +52,9 @@ class StartRestore:
 
     @staticmethod
     def plan(sessions: Sessions) -> list[tuple[int, str, str]]:
-        """(slot, key, file) from what each slot held last, the most recently used first, each
-        file once, slots the engine has."""
-        out, seen = [], set()
-        for slot, entry in sessions.last.last():
-            name = entry.get("file")
-            key = entry.get("key")
-            if slot in sessions.slots and isinstance(name, str) and AUTO_BIN.match(name) and \
-                    isinstance(key, str) and name not in seen:
-                seen.add(name)
-                out.append((slot, key, name))
-        return out
+        """(slot, key, file) from what each slot held last (held.Recorder.plan): the most
+        recently used first, each file once, none another chosen one extends, slots the engine has."""
+        return sessions.last.plan(sessions.slots, sessions.index)
 
     async def run(self) -> None:
         try:

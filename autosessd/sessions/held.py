@@ -1,10 +1,17 @@
 """What each slot held last (held.json in the state directory), for the restore after a
 restart (the tail's by key, the engine log's by file) and at a start (issue 33: after a
 reboot of the engine and autosessd, each slot's last conversation is back before its first
-request). Kept as the slots change (Recorder: a slot that holds a conversation in a file, its
-key, its file and when), and at every stop; written whole to a temporary, fsynced, renamed,
-the directory fsynced: a crash leaves the old record or the new one. A file of another model,
-or one that cannot be read, is as good as none."""
+request).
+
+One record, the Recorder's entries: per slot, the conversation it held last in a file of its
+own (its key, that file, and when the entry was made). An entry changes only when a slot's
+conversation or its file does (a request's end that changes neither writes nothing), and at
+the stop, which records the slots as they are then over what each held last. Every write is
+the same: the whole record to a temporary, fsynced, renamed, the directory fsynced, so a
+crash leaves the old record or the new one (a temporary a crash left is removed at the next
+open). A record of another model, or one that cannot be read, is as good as none. Nothing is
+written after the stop's record. `autosessctl forget` drops what names the conversation.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +24,14 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..base.files import read_small
+from ..store.names import AUTO_BIN
 from .slot import Phase, Slot
+
+if TYPE_CHECKING:
+    from ..store.index import TokenIndex
 
 log = logging.getLogger("autosessd")
 
@@ -29,18 +40,6 @@ def file_name(model: str | None = None) -> str:
     """held.json; behind a router, held-<digest of the model>.json: one per model, so that a
     model's record never overwrites another's."""
     return "held.json" if model is None else f"held-{hashlib.sha256(model.encode()).hexdigest()[:16]}.json"
-
-
-def record(path: Path, model: str, slots: Iterable[Slot],
-           kept: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
-    """Remember the held conversations at a stop (logged, never raised, when it cannot); kept:
-    the Recorder's entries, for the slots that hold nothing to name now. → the entries written."""
-    now = round(time.time(), 3)
-    entries = {k: dict(v) for k, v in (kept or {}).items()}
-    entries.update({s.id: {"key": s.view.key, "n_tokens": s.view.n_tokens, "file": s.view.file, "at": now}
-                    for s in slots if s.view.key and s.view.phase is not Phase.UNKNOWN})
-    _write(path, {"model": model, "slots": {str(k): v for k, v in sorted(entries.items())}})
-    return entries
 
 
 def _write(path: Path, data: dict[str, Any]) -> bool:
@@ -92,8 +91,9 @@ class Recorder:
         try:
             data = json.loads(read_small(path))
             if data.get("model") == model:
-                self.entries = {int(k): dict(v) for k, v in data.get("slots", {}).items() if isinstance(v, dict)}
-        except (OSError, ValueError, TypeError, AttributeError):
+                self.entries = {int(k): {"key": str(v["key"]), "file": v.get("file"), "at": float(v.get("at") or 0)}
+                                for k, v in data.get("slots", {}).items() if isinstance(v, dict) and v.get("key")}
+        except (OSError, ValueError, TypeError, AttributeError, KeyError):
             pass
         for sl in (slots or {}).values():
             sl.on_change = self.changed
@@ -101,7 +101,8 @@ class Recorder:
     # -- what the inputs ask ------------------------------------------------------------------
     async def record_stop(self, slots: Iterable[Slot]) -> None:
         """At a stop: the slots as they are now, over what each held last; after the write in
-        flight, if any, and instead of the one waiting (an older record never lands after it)."""
+        flight, if any, and instead of the one waiting (an older record never lands after it).
+        The last write: nothing after it replaces it."""
         self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
@@ -110,20 +111,46 @@ class Recorder:
         if self._writing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._writing)
-        self.entries = record(self.path, self.model, slots, self.entries)
+        now = round(time.time(), 3)
+        self.entries.update({s.id: {"key": s.view.key, "file": s.view.file, "at": now}
+                             for s in slots if s.view.key and s.view.phase is not Phase.UNKNOWN})
+        _write(self.path, self._data())
 
     def keys(self) -> dict[int, str]:
         """slot → the conversation it held last (the tail's restore, by key)."""
-        return recorded(self.path, self.model)
+        return {slot: e["key"] for slot, e in self.entries.items()}
 
-    def files(self) -> tuple[dict[int, str], float]:
-        """slot → the file holding what it held last, and when that was recorded."""
-        return recorded_files(self.path, self.model)
+    def plan(self, slots: Iterable[int], index: TokenIndex | None = None) -> list[tuple[int, str, str]]:
+        """(slot, key, file) to put back after a restart or at a start: each of `slots` whose
+        last conversation is in an auto file, the most recently used first, each file once, and
+        none whose tokens another chosen one extends (the engine places a request on the slot
+        that shares most with it; index: what the files hold, where known)."""
+        chosen: list[tuple[int, str, str, bytes | None]] = []
+        have = set(slots)
+        for slot, e in self.last():
+            name = e.get("file")
+            if slot not in have or not isinstance(name, str) or not AUTO_BIN.match(name):
+                continue
+            entry = index.get(name) if index is not None else None
+            tokens = entry.tokens if entry is not None else None
+            if any(n == name or (tokens is not None and t is not None and t.startswith(tokens))
+                   for _, _, n, t in chosen):
+                continue
+            chosen.append((slot, e["key"], name, tokens))
+        return [(slot, key, name) for slot, key, name, _ in chosen]
 
-    def files_at(self) -> dict[int, tuple[str, float]]:
-        """slot → (the file holding what it held last, when that slot's entry was made)."""
-        files, mtime = self.files()
-        return {slot: (name, float(self.entries.get(slot, {}).get("at") or mtime)) for slot, name in files.items()}
+    def forget(self, key: str, names: Iterable[str] = ()) -> None:
+        """Conversation `key` forgotten: no entry names it, or a file of it, any more."""
+        gone = set(names)
+        drop = [slot for slot, e in self.entries.items() if e.get("key") == key or e.get("file") in gone]
+        for slot in drop:
+            del self.entries[slot]
+        if drop:
+            self._schedule()
+
+    def last(self) -> list[tuple[int, dict[str, Any]]]:
+        """(slot, entry) of every slot's last conversation, the most recently used first."""
+        return sorted(self.entries.items(), key=lambda kv: -float(kv[1].get("at") or 0))
 
     # -- keeping it ----------------------------------------------------------------------------
     def changed(self, s: Slot) -> None:
@@ -139,10 +166,12 @@ class Recorder:
                 self._schedule()
             return
         if old is not None and (old.get("key"), old.get("file")) == (v.key, v.file):
-            if old.get("n_tokens") == v.n_tokens:
-                return
-        self.entries[s.id] = {"key": v.key, "n_tokens": v.n_tokens, "file": v.file, "at": round(time.time(), 3)}
+            return  # the same conversation in the same file: nothing a restart needs changed
+        self.entries[s.id] = {"key": v.key, "file": v.file, "at": round(time.time(), 3)}
         self._schedule()
+
+    def _data(self) -> dict[str, Any]:
+        return {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}}
 
     def _schedule(self) -> None:
         if self._stopped:
@@ -152,7 +181,8 @@ class Recorder:
             try:
                 self._timer = asyncio.get_running_loop().call_later(self.FLUSH_S, self._flush)
             except RuntimeError:  # no loop (a test calling it directly): now
-                self._write_now()
+                self._dirty = False
+                _write(self.path, self._data())
 
     def _flush(self) -> None:
         self._timer = None
@@ -161,46 +191,4 @@ class Recorder:
                 self._timer = asyncio.get_running_loop().call_later(self.FLUSH_S, self._flush)
             return
         self._dirty = False
-        data = {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}}
-        self._writing = asyncio.get_running_loop().run_in_executor(None, _write, self.path, data)
-
-    def _write_now(self) -> None:
-        self._dirty = False
-        _write(self.path, {"model": self.model, "slots": {str(k): dict(v) for k, v in sorted(self.entries.items())}})
-
-    def forget(self, key: str, names: Iterable[str] = ()) -> None:
-        """Conversation `key` forgotten: no entry names it, or a file of it, any more."""
-        gone = set(names)
-        drop = [slot for slot, e in self.entries.items() if e.get("key") == key or e.get("file") in gone]
-        for slot in drop:
-            del self.entries[slot]
-        if drop:
-            self._schedule()
-
-    def last(self) -> list[tuple[int, dict[str, Any]]]:
-        """(slot, entry) of every slot's last conversation, the most recently used first."""
-        return sorted(self.entries.items(), key=lambda kv: -float(kv[1].get("at") or 0))
-
-
-def recorded(path: Path, model: str) -> dict[int, str]:
-    """slot → the conversation it held at the last stop, for this model."""
-    try:
-        data = json.loads(read_small(path))
-        if data.get("model") != model:
-            return {}
-        return {int(k): str(v["key"]) for k, v in data.get("slots", {}).items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-
-
-def recorded_files(path: Path, model: str) -> tuple[dict[int, str], float]:
-    """slot → the session file that held its conversation at the last stop (the engine log's
-    restore, by file), for this model; and when that was recorded (0: never)."""
-    try:
-        data = json.loads(path.read_text())
-        if data.get("model") != model:
-            return {}, 0.0
-        files = {int(k): v["file"] for k, v in data.get("slots", {}).items() if isinstance(v.get("file"), str)}
-        return files, path.stat().st_mtime
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}, 0.0
+        self._writing = asyncio.get_running_loop().run_in_executor(None, _write, self.path, self._data())

@@ -4,24 +4,7 @@ The directory is shared with the engine. autosessd owns exactly `auto-<16 hex>.b
 and `auto-<16 hex>.json`, plus its temporaries `.autosessd-*`; every other file is a
 person's and is never touched.
 
-How a save becomes visible (no torn `auto-*.bin`, ever):
-
-    engine writes  .autosessd-<key>.partial           (a name no reader looks at)
-    verify_temp    size == engine's n_written, header magic if the engine has one
-    read_temp      (only while the finalize runs) the temporary held for a restore that
-                   cannot wait for the fsync: the bytes are whole, and read from the page cache;
-                   the finalize renames it only once every such reader let go (done_reading)
-    finalize       digest (files.DIGEST, the bytes are in the page cache) → chmod(temp) →
-                   fsync(temp) → rename to auto-<target>.bin once no restore reads the
-                   temporary → fsync(dir) → metadata (with the digest and the file's identity)
-                   to .autosessd-<target>.json.partial → fsync → rename → fsync(dir)
-
-Nothing but the finalize changes the temporary's inode while it runs: no link to it is made
-(a link or an unlink moves its ctime, which the digest and the recorded identity watch).
-A try that fails after the digest leaves the bytes where they are (the temporary, or the
-final name once renamed) and says the digest (Unfinished): the next try copies them into a
-fresh temporary checked against it, instead of trusting a second fsync of the same file, which
-can report success for pages the first one failed to write.
+How a save becomes visible (no torn `auto-*.bin`, ever): saving.py, Store's save path.
 
 Before a restore, check_whole() says whether the file is still the one saved: a regular
 file (never a link), its size that of its metadata, always; and when its identity (inode,
@@ -53,7 +36,6 @@ the lock is let go. See install() for what a crash leaves.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -68,14 +50,15 @@ from ..base import files
 from ..base.files import Ident
 from .integrity import Integrity
 from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, TEMP_PREFIX, InUse, Meta, NewerHere, StoreError,
-                    Unfinished, auto_name, fsync_dir, manual_name, meta_name, temp_name)
+                    auto_name, fsync_dir, manual_name, meta_name, temp_name)  # names re-exported for callers
 from .prune import Entry, PrunePlan, plan_prune
+from .saving import Saving
 from .space import Space
 
 log = logging.getLogger("autosessd")
 
 
-class Store(Integrity, Space):
+class Store(Saving, Integrity, Space):
     """The session directory. Used from the event loop and from worker threads (finalize,
     prune, status, ls and the shared tier's downloads run in threads).
 
@@ -151,185 +134,6 @@ class Store(Integrity, Space):
             yield
         finally:
             self.release(name)
-
-    # -- space -------------------------------------------------------------
-    # -- the save path -----------------------------------------------------
-    def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> int:
-        """The engine said it wrote n_written bytes to the temporary: check it did. Returns the
-        temporary's inode (what read_temp hands a restore, and only that file)."""
-        temp = self.temp_path(key)
-        try:
-            st = temp.stat()
-        except FileNotFoundError:
-            raise StoreError(f"the engine reported a save but {temp.name} is not in {self.path}") from None
-        size = st.st_size
-        if size != n_written:
-            raise StoreError(f"{temp.name} has {size:,} bytes, the engine reported {n_written:,}")
-        if magic:
-            with open(temp, "rb") as f:
-                head = f.read(len(magic))
-            if head != magic:
-                raise StoreError(f"{temp.name} does not start with the engine's magic {magic!r}")
-        return st.st_ino
-
-    def read_temp(self, key: str, ino: int, size: int) -> str | None:
-        """The verified temporary of `key`, held for the engine to read while its finalize runs
-        (a restore that does not wait for the fsync): the finalize renames it, or drops it after
-        a failure, only once every reader let go (done_reading). None when the temporary is no
-        longer that file (its inode or size differ, or the rename has come): the caller waits
-        for the finalize and reads the final name instead."""
-        temp = self.temp_path(key)
-        with self._lock:
-            try:
-                st = os.lstat(temp)
-            except FileNotFoundError:
-                return None
-            if st.st_ino != ino or st.st_size != size:
-                return None
-            self._temp_readers[temp.name] += 1
-        return temp.name
-
-    def done_reading(self, name: str) -> None:
-        """A read_temp name, once the engine has read it."""
-        with self._unread:
-            self._temp_readers[name] -= 1
-            if self._temp_readers[name] <= 0:
-                del self._temp_readers[name]
-            self._unread.notify_all()
-
-    @contextlib.contextmanager
-    def _unread_temp(self, temp: Path) -> Iterator[None]:
-        """Holds _lock with no restore reading `temp` (waits for them, the lock let go meanwhile):
-        a rename or unlink of it comes under this, never while the engine reads it by name."""
-        with self._unread:
-            self._unread.wait_for(lambda: not self._temp_readers.get(temp.name))
-            yield
-
-    def finalize(self, key: str, meta: Meta, digest: str | None = None) -> Meta:
-        """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
-        or the name branches.save_key chose for it), then its metadata, with the file's digest.
-        Returns the metadata written. Blocking.
-
-        digest: what an earlier try read of these bytes before a later step of it failed
-        (Unfinished.digest): they are copied from where that try left them into a fresh
-        temporary, checked against it, and finalized from there. A failure after the digest is
-        raised as Unfinished, which carries it."""
-        temp, final = self.temp_path(key), self.bin_path(meta.key)
-        again = digest is not None
-        if digest is None:
-            digest, _ = files.digest_file(temp)  # the bytes are in the page cache now
-        try:
-            if again:
-                temp = self._fresh_copy(key, final, digest)
-            self._seal(temp)
-            with self._unread_temp(temp):
-                os.replace(temp, final)
-            fsync_dir(self.path)
-            ident = files.regular_ident(final)  # after the rename, which moves the ctime
-            meta = dataclasses.replace(meta, digest=digest, ident=ident)
-            self._write_meta(meta)
-        except OSError as e:
-            raise Unfinished(e, digest) from e
-        self._saw(meta)
-        return meta
-
-    def _fresh_copy(self, key: str, final: Path, digest: str) -> Path:
-        """The bytes an earlier finalize of `key` left (its temporary, or auto-<...>.bin when it
-        had renamed them), copied to a temporary of their own whose digest must be `digest`."""
-        src = self.temp_path(key)
-        if not src.exists():
-            src = final
-        dst = self.path / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.again.partial"
-        h = files.Hasher()
-        f, _ = files.open_regular(src)
-        try:
-            with f, open(dst, "xb") as out:
-                while chunk := f.read(files.CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-            if h.hexdigest() != digest:
-                raise StoreError(f"{src.name} no longer holds the bytes the engine saved (its digest is "
-                                 f"{h.hexdigest()}, {digest} was read before the failure)")
-        except BaseException:
-            self._unlink(dst)
-            raise
-        if src != final:
-            with self._unread_temp(src):
-                self._unlink(src)
-        return dst
-
-    def drop_temp(self, key: str) -> None:
-        """A failed finalize's temporary, once no restore reads it (blocking: run it in a thread)."""
-        temp = self.temp_path(key)
-        with self._unread_temp(temp):
-            self._unlink(temp)
-
-    def finalize_manual(self, key: str, name: str) -> None:
-        """A parked session under a person's name: the same atomic rename, no metadata."""
-        temp = self.temp_path(key)
-        self._seal(temp)
-        os.replace(temp, self.path / manual_name(name))
-        fsync_dir(self.path)
-
-    def _seal(self, path: Path) -> None:
-        """The engine's file: our mode (and group), then fsync. An engine running as another
-        user keeps its file; a save is not failed for that, but it is said once."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self._own(fd, path)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _own(self, fd: int, path: Path) -> None:
-        try:
-            if self.group is not None:
-                os.fchown(fd, -1, self.group)
-            os.fchmod(fd, self.mode)
-        except PermissionError as e:
-            if not self._mode_warned:
-                self._mode_warned = True
-                log.warning("auto sessions: cannot set mode %o on %s (%s): it keeps the engine's mode %o; run "
-                            "the engine as autosessd's user, or with UMask=0077", self.mode, path.name,
-                            e.strerror, os.fstat(fd).st_mode & 0o777)
-
-    def _write_meta(self, meta: Meta) -> None:
-        tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
-        written = self._meta_temp(meta, tmp)
-        os.replace(tmp, self.meta_path(meta.key))
-        self._remember_meta(meta.key, written)
-        fsync_dir(self.path)
-
-    def _meta_temp(self, meta: Meta, tmp: Path) -> tuple[int, bytes]:
-        """The metadata, whole and fsynced, under the temporary name tmp; (its inode, its bytes)."""
-        data = meta.to_json()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        try:
-            self._own(fd, tmp)  # the umask may have taken more than we asked, or less
-            os.write(fd, data)
-            os.fsync(fd)
-            return os.fstat(fd).st_ino, data
-        finally:
-            os.close(fd)
-
-    def _remember_meta(self, key: str, written: tuple[int, bytes]) -> None:
-        """The metadata just renamed into place, cached under its identity after the rename
-        (which moves the ctime): the next turn's read_meta is two lstats, not a read and a
-        parse. Only if the file there is still the one written (its inode); cached as a
-        reader would parse it (the bytes written, parsed here in the writer's thread)."""
-        path = self.meta_path(key)
-        ino, data = written
-        with contextlib.suppress(OSError, ValueError):  # only a cache: the write is done
-            ident = files.regular_ident(path)
-            if ident is not None and ident.ino == ino:
-                read = Meta.from_json(data)
-                with self._lock:
-                    self._meta_cache[path.name] = (ident, read)
-
-    def write_meta(self, meta: Meta) -> None:
-        """Write auto-<key>.json atomically, for a .bin put in place by other means (tests,
-        tools); a local save writes it in finalize, a download in install."""
-        self._write_meta(meta)
 
     def install(self, temp: Path, name: str, meta: Meta | None, *, claimed: bool) -> None:
         """Put `temp` (in this directory, whole and fsynced: a download from the shared tier)

@@ -40,7 +40,6 @@ def make(tmp_path, n_slots=1, min_tokens=10, clears_idle=False):
     s = Sessions(cfg, StubEngine(d, n_slots=n_slots, clears_idle=clears_idle), Store(d), "stub-model",
                  n_slots=n_slots, empties_idle_slots=clears_idle)
     tail = EngineTail(cfg, s, cfg.engine.log)
-    tail._load_files()
     s.on_engine_restart.append(tail._engine_restarted)
     return s, tail, d
 
@@ -264,7 +263,8 @@ async def test_several_slots_each_get_their_last_file_and_a_file_another_extends
     assert s.engine.held == {0: [], 1: A2, 2: B} and s.counters.restores == 2
     # Recorded across a restart of autosessd: the next start has the same plan.
     s2, tail2, _ = make(tmp_path, n_slots=3)
-    assert tail2.last_files.keys() == {0, 1, 2} and tail2._plan() == [(1, first), (2, s.view(2).file)]
+    assert s2.last.entries.keys() == {0, 1, 2}  # held.json: the one record of what each slot held last
+    assert s2.last.plan(s2.slots, s2.index) == [(1, LINE, first), (2, LINE, s.view(2).file)]
 
 
 async def test_the_file_the_stop_save_wrote_is_the_one_restored_after_the_next_start(tmp_path):
@@ -278,8 +278,8 @@ async def test_the_file_the_stop_save_wrote_is_the_one_restored_after_the_next_s
     await s.drain()
     await s.last.record_stop(s.slots.values())
     kb = branch_key(LINE, encode(B[:len(OPENER) + 1]))
-    _, tail2, _ = make(tmp_path)
-    assert tail2.last_files[0][0] == f"auto-{kb}.bin"
+    s2, _, _ = make(tmp_path)
+    assert s2.last.entries[0]["file"] == f"auto-{kb}.bin"
 
 
 async def test_garbage_rotation_and_truncation_are_counted_and_followed(tmp_path):
@@ -335,6 +335,7 @@ async def test_a_log_written_again_from_its_start_past_the_offset_is_read_from_i
     await served(s, tail, A)
     await settle(s, tail)
     await tail.stop(1)
+    await s.last.record_stop(s.slots.values())  # as the daemon's stop does
     for slot in s.engine.held:
         s.engine.held[slot], s.engine.task_ids[slot] = [], None
     with open(tail.path, "wb") as f:  # a new engine (its times differ), a longer log than before
@@ -342,7 +343,6 @@ async def test_a_log_written_again_from_its_start_past_the_offset_is_read_from_i
                          for i, x in enumerate([*STARTED, *[f"srv  load: filler {i}" for i in range(50)]])))
     s2 = Sessions(s.cfg, s.engine, s.store, "stub-model")
     tail2 = EngineTail(s.cfg, s2, str(tail.path))
-    tail2._load_files()
     s2.on_engine_restart.append(tail2._engine_restarted)
     await tail2.read_new_lines()
     await settle(s2, tail2)
@@ -400,9 +400,11 @@ async def test_the_restore_plan_skips_a_file_another_chosen_one_extends(tmp_path
                          ("auto-cccccccccccccccc.bin", B)):
         (d / name).write_bytes(slotfile.build(tokens, b""))
         s.index.add(name, tokens, "stub-model")
-    tail.last_files = {0: ("auto-aaaaaaaaaaaaaaaa.bin", 1.0), 1: ("auto-bbbbbbbbbbbbbbbb.bin", 2.0),
-                       2: ("auto-cccccccccccccccc.bin", 0.5)}
-    assert tail._plan() == [(1, "auto-bbbbbbbbbbbbbbbb.bin"), (2, "auto-cccccccccccccccc.bin")]
+    s.last.entries = {0: {"key": LINE, "file": "auto-aaaaaaaaaaaaaaaa.bin", "at": 1.0},
+                      1: {"key": LINE, "file": "auto-bbbbbbbbbbbbbbbb.bin", "at": 2.0},
+                      2: {"key": LINE, "file": "auto-cccccccccccccccc.bin", "at": 0.5}}
+    assert s.last.plan(s.slots, s.index) == [(1, LINE, "auto-bbbbbbbbbbbbbbbb.bin"),
+                                             (2, LINE, "auto-cccccccccccccccc.bin")]
 
 
 @pytest.mark.parametrize("toml, why", [

@@ -72,8 +72,8 @@ async def test_the_stop_record_keeps_what_slots_that_hold_nothing_now_held_last(
     await settled(r)
     slots[1].view = View(Phase.UNKNOWN, why="the engine restarted")
     await r.record_stop(slots.values())
-    files, _ = r.files()
-    assert files == {0: f"auto-{A}.bin", 1: f"auto-{B}.bin"}
+    assert {slot: e["file"] for slot, e in held.Recorder(path, "m").entries.items()} == {
+        0: f"auto-{A}.bin", 1: f"auto-{B}.bin"}
 
 
 def test_a_torn_or_foreign_record_is_as_good_as_none(tmp_path):
