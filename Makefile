@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test docs engine s3-packages prometheus-packages bench bench-slots bench-models soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages bench bench-slots bench-models soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ test: $(BIN)/.installed engine s3-packages prometheus-packages
 # The references in it are checked against the code by tests/project/test_docs_*.py.
 docs: $(BIN)/.installed
 	$(MKDOCS) build --strict
+
+# The man pages autosessd(1) and autosessctl(1), written from the click commands into man/ (committed:
+# the wheel installs them; tests/project/test_docs_cli.py fails when they are not what this writes).
+man: $(BIN)/.installed
+	$(BIN)/python scripts/manpages.py
 
 # Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some. Scenario 1
 # also draws bench/results/switch-back.png (matplotlib, the `bench` extra), the README's plot.
