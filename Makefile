@@ -35,11 +35,11 @@ prometheus-packages:
 
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
 # First the layers (pyproject.toml's import-linter contracts) and the import graph's circles, then
-# the documentation site (make docs, quietly).
+# the documentation site (make docs; not --quiet: it hides the warnings --strict counts).
 test: $(BIN)/.installed engine s3-packages prometheus-packages
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python scripts/import_cycles.py
-	$(MKDOCS) build --strict --quiet
+	$(MKDOCS) build --strict
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The documentation site (docs/, mkdocs.yml) into site/: --strict, so a broken link or anchor fails.
