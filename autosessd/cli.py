@@ -51,7 +51,8 @@ def autosessd_main() -> None:
 
 
 @autosessd_main.command(context_settings={"allow_interspersed_args": False})
-@click.option("--config", "config_path", metavar="PATH", help="TOML config file (default: search order of DESIGN §6).")
+@click.option("--config", "config_path", metavar="PATH", help="TOML config file (default: $AUTOSESSD_CONFIG, else "
+              "$XDG_CONFIG_HOME/autosessd/autosessd.toml, else /etc/autosessd/autosessd.toml)")
 @click.option("--engine-kind", type=click.Choice(config_mod.ENGINE_KINDS), help="engine.kind")
 @click.option("--engine-url", metavar="URL", help="engine.url, e.g. http://127.0.0.1:8080")
 @click.option("--engine-control", metavar="ADDR", help="engine.control: unix:/path or tcp:host:port")
@@ -73,8 +74,9 @@ def autosessd_main() -> None:
                                                "after a reply (0: off)")
 @click.option("--stop-timeout-s", type=float, metavar="SECONDS", help="stop_timeout_s: the whole stop's deadline")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+              show_default=True, help="the lowest level of line the daemon logs (to stderr)")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: one line a record; json: one JSON object a line (for a log collector)")
 @click.option("--exec", "exec_", is_flag=True,
               help="start the engine command given after -- as autosessd's child, on a private loopback port, "
                    "with the gate on the command's --host/--port (e.g. as llama-swap's cmd, --port ${PORT})")

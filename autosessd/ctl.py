@@ -259,7 +259,8 @@ def forget(ctx: click.Context, key: str, sock: str | None, as_json: bool | None)
 
 @cli.command()
 @click.option("-f", "--follow", is_flag=True, help="keep printing events as they happen")
-@click.option("-n", "--limit", type=click.IntRange(min=0), default=100, show_default=True)
+@click.option("-n", "--limit", type=click.IntRange(min=0), default=100, show_default=True,
+              help="print at most this many of the recent events first")
 @common
 def events(ctx: click.Context, follow: bool, limit: int, sock: str | None, as_json: bool | None) -> None:
     """Recent events (saves, restores, skips, failures), or follow them live."""

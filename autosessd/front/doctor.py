@@ -115,7 +115,7 @@ def checks(f: Facts) -> list[Finding]:
                            "keeps only the window's last cells, so such a prompt is read again (a restore made "
                            "without its tokens, after a restart through a tail, is even reused with the window's "
                            "oldest cells missing); a client's next message is restored as always",
-                           "no flag fixes it in llama-server b11434 (README: Limits); a model without a "
+                           "no flag fixes it in llama-server b11434 (docs: Limits); a model without a "
                            "sliding window restores retries too"))
     # --cache-idle-slots with a unified KV cache
     if f.n_slots > 1 and f.empties_idle:

@@ -41,7 +41,7 @@ def statuses(f):
     ({"files_over_ctx": 2, "largest_file": 12000, "n_slots": 4}, "-c", "problem",
      "start llama-server with -c 52,096 or more"),
     ({"swa_retries": 2}, "sliding window", "problem",
-     "no flag fixes it in llama-server b11434 (README: Limits); a model without a sliding window restores retries too"),
+     "no flag fixes it in llama-server b11434 (docs: Limits); a model without a sliding window restores retries too"),
     ({"arch": "mamba2", "recurrent": True}, "model", "problem",
      "no flag fixes it: auto_sessions = false saves the disk, or serve a transformer model"),
 ])
