@@ -1,0 +1,239 @@
+"""A llama-server slot file read as far as cutting it into token blocks needs (issue 39).
+
+The layout (b11434; DESIGN §9, read in llama.cpp's `llama_kv_cache::state_write` and tried on
+the engine): the header and the server's payload (slotfile.py), then one KV cache's state:
+
+    u32 n_stream; per stream u32 cell_count and, when it is not 0, that stream's cells:
+      per cell  i32 pos, u32 n_seq_id (1 for a slot's save), [12 bytes of cell extension:
+                M-RoPE models], i32 seq id          (cache order, not position order)
+      data      u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v;
+                per layer K: i32 type, u64 row size, cells × row;
+                per layer V: v_trans 0: i32 type, u64 row size, cells × row;
+                             v_trans 1: i32 type, u32 element size, u32 n_embd_v,
+                                        n_embd_v runs of cells × element size
+
+A file is cut into blocks only when all of that holds and nothing else is in it: the server's
+payload holds text tokens only (no media), exactly one stream holds cells, each cell belongs
+to one sequence, the positions are 0 … n−1 each once (no context shift), at most one token
+more than cells (the last sampled token has no KV yet), every layer has its V, and the file
+ends where that one cache's state ends. Anything else stays a whole file, with the reason:
+a sliding-window model writes a second cache (its window's cells) after the first, a hybrid or
+recurrent model another state altogether.
+
+The loader checks counts, types, row sizes, n_rot and that the file is long enough; it checks
+neither positions nor that the token list matches the KV, and it discards a cell's seq id (it
+restores into the slot it is asked to). So a file assembled from blocks is right only if each
+block is the KV of exactly its tokens at exactly its positions: blocks.py keys them so.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..base.files import open_regular
+from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
+
+
+class NotSliceable(ValueError):
+    """A slot file that stays whole; says why, in words for `ls` and status. whole: the reading
+    got through one whole cache's state (what follows it is what does not fit)."""
+
+    def __init__(self, why: str, whole: bool = False):
+        super().__init__(why)
+        self.whole = whole
+
+
+@dataclass(frozen=True)
+class Layer:
+    k_type: int
+    k_row: int
+    v_type: int
+    v_row: int  # v_trans 0: a cell's V row; v_trans 1: the element size
+    n_embd_v: int  # v_trans 1 only (0 otherwise)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What makes blocks of one engine's files loadable together, and how big a cell is: in
+    every block key (blocks.chain) and in the manifest, from which a file is assembled."""
+
+    n_stream: int
+    cell_bytes: int  # 12, or 24 with the cell extension (M-RoPE)
+    v_trans: int
+    n_rot_k: int
+    n_rot_v: int
+    layers: tuple[Layer, ...]
+
+    def fingerprint(self) -> str:
+        """Everything the loader checks of a cell's data, and the cell's size: blocks of shapes
+        whose fingerprints differ never share a key (n_stream is the file's framing, not a
+        block's: the assembled file takes the manifest's)."""
+        per = ";".join(f"{x.k_type},{x.k_row},{x.v_type},{x.v_row},{x.n_embd_v}" for x in self.layers)
+        return f"c{self.cell_bytes}-v{self.v_trans}-r{self.n_rot_k},{self.n_rot_v}-L{len(self.layers)}:{per}"
+
+    def cell_size(self) -> int:
+        """Bytes one cell takes in a block: its meta, its K rows and its V (rows or elements)."""
+        v = sum(x.v_row * (x.n_embd_v if self.v_trans else 1) for x in self.layers)
+        return self.cell_bytes + sum(x.k_row for x in self.layers) + v
+
+    def to_json(self) -> dict:
+        return {"n_stream": self.n_stream, "cell_bytes": self.cell_bytes, "v_trans": self.v_trans,
+                "n_rot": [self.n_rot_k, self.n_rot_v],
+                "layers": [[x.k_type, x.k_row, x.v_type, x.v_row, x.n_embd_v] for x in self.layers]}
+
+    @classmethod
+    def from_json(cls, d: object) -> "Shape":
+        if not isinstance(d, dict):
+            raise ValueError("kv: not an object")
+        layers = tuple(Layer(*(int(v) for v in x)) for x in d["layers"])
+        if not layers:
+            raise ValueError("kv: no layers")
+        shape = cls(int(d["n_stream"]), int(d["cell_bytes"]), int(d["v_trans"]), int(d["n_rot"][0]),
+                    int(d["n_rot"][1]), layers)
+        if shape.cell_bytes not in (12, 24) or shape.v_trans not in (0, 1) or not 0 < shape.n_stream <= 4096:
+            raise ValueError("kv: implausible shape")
+        return shape
+
+
+@dataclass(frozen=True)
+class KVFile:
+    """Where everything is in one sliceable slot file (offsets into it)."""
+
+    size: int
+    tokens: tuple[int, ...]
+    shape: Shape
+    n_cells: int
+    cells_at: int  # the first cell's meta
+    k_at: tuple[int, ...]  # per layer: its K data
+    v_at: tuple[int, ...]  # per layer: its V data
+    order: np.ndarray  # cell index in the file of position 0, 1, … (cells are in cache order)
+
+
+def _u32(mm: memoryview, at: int) -> int:
+    return struct.unpack_from("<I", mm, at)[0]
+
+
+def parse(path: str | Path, max_tokens: int | None = None) -> KVFile:
+    """The file's layout, or NotSliceable saying why it stays whole (OSError: unreadable)."""
+    f, st = open_regular(path)
+    with f:
+        size = st.st_size
+        if size < 16:
+            raise NotSliceable("too short for a slot file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                return _parse(view, size, max_tokens)
+            finally:
+                view.release()
+
+
+def _parse(mm: memoryview, size: int, max_tokens: int | None) -> KVFile:
+    magic, version, n_words = struct.unpack_from("<III", mm, 0)
+    if magic != MAGIC or version != VERSION:
+        raise NotSliceable(f"not a llama-server slot file of version {VERSION}")
+    if 12 + 4 * n_words + 4 > size or (max_tokens is not None and n_words > max_tokens + 4):
+        raise NotSliceable(f"its header claims {n_words:,} words")
+    head = struct.unpack_from("<3i", mm, 12) if n_words >= 3 else ()
+    if len(head) < 3 or head[0] != TOKEN_NULL or head[1] != PAYLOAD_VERSION:
+        raise NotSliceable("an older server's header (a plain token list)")
+    n_tok = head[2]
+    if n_tok < 0 or n_words != 4 + n_tok:
+        raise NotSliceable("its payload holds media (images) or more than tokens")
+    tokens = struct.unpack_from(f"<{n_tok}i", mm, 24)
+    if _u32(mm, 24 + 4 * n_tok) != 0:
+        raise NotSliceable("its payload holds media (images)")
+    at = 12 + 4 * n_words
+    n_stream = _u32(mm, at)
+    if not 0 < n_stream <= 4096:
+        raise NotSliceable(f"{n_stream} KV streams is not a plausible count")
+    at += 4
+    for s in range(n_stream):
+        if at + 4 > size:
+            raise NotSliceable("it ends inside its KV stream counts")
+        n_cells = _u32(mm, at)
+        at += 4
+        if n_cells:
+            break
+    else:
+        raise NotSliceable("it holds no cells (an empty slot)")
+    if n_cells > n_tok or n_tok - n_cells > 1:
+        raise NotSliceable(f"{n_cells:,} cells for {n_tok:,} tokens (a sliding window, or a context shift)")
+    why: list[NotSliceable] = []
+    for cell_bytes in (12, 24):
+        try:
+            found = _data(mm, size, at, n_cells, cell_bytes, s, n_stream)
+        except NotSliceable as e:
+            why.append(e)
+            continue
+        shape, k_at, v_at = found
+        cells = np.frombuffer(bytes(mm[at:at + n_cells * cell_bytes]), dtype=np.int32)  # a copy: mm closes
+        cells = cells.reshape(n_cells, cell_bytes // 4)
+        if not np.all(cells[:, 1] == 1):
+            raise NotSliceable("a cell belongs to more than one sequence")
+        pos = cells[:, 0]
+        order = np.argsort(pos, kind="stable")
+        if not np.array_equal(pos[order], np.arange(n_cells, dtype=np.int32)):
+            raise NotSliceable("its positions are not 0 … n−1 each once (a context shift)")
+        return KVFile(size, tuple(tokens), shape, n_cells, at, k_at, v_at, order)
+    # The reason of the reading that got through a whole cache, if one did; else the first's.
+    raise next((e for e in why if e.whole), why[0])
+
+
+def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: int,
+          n_stream: int) -> tuple[Shape, tuple[int, ...], tuple[int, ...]]:
+    at = cells_at + n * cell_bytes
+    if at + 16 > size:
+        raise NotSliceable("it ends inside its cells")
+    v_trans, n_layer, n_rot_k, n_rot_v = struct.unpack_from("<IIII", mm, at)
+    if v_trans > 1 or not 0 < n_layer <= 4096:
+        raise NotSliceable("its KV state is not a plain cache this code can cut")
+    at += 16
+    ks, k_at = [], []
+    for _ in range(n_layer):
+        if at + 12 > size:
+            raise NotSliceable("it ends inside its K data")
+        k_type, k_row = struct.unpack_from("<iQ", mm, at)
+        if not 0 <= k_type < 256 or not 0 < k_row < 1 << 30:
+            raise NotSliceable("its K data is not a plain cache's")
+        at += 12
+        k_at.append(at)
+        ks.append((k_type, k_row))
+        at += n * k_row
+    layers, v_at = [], []
+    for k_type, k_row in ks:
+        if at + 12 > size:
+            raise NotSliceable("it ends inside its V data (a layer without V?)")
+        v_type = struct.unpack_from("<i", mm, at)[0]
+        if not 0 <= v_type < 256:
+            raise NotSliceable("its V data is not a plain cache's")
+        if v_trans:
+            el, n_embd = struct.unpack_from("<II", mm, at + 4)
+            if not 0 < el <= 64 or not 0 < n_embd < 1 << 20:
+                raise NotSliceable("its V data is not a plain cache's")
+            at += 12
+            v_at.append(at)
+            at += n_embd * n * el
+            layers.append(Layer(k_type, k_row, v_type, el, n_embd))
+        else:
+            v_row = struct.unpack_from("<Q", mm, at + 4)[0]
+            if not 0 < v_row < 1 << 30:
+                raise NotSliceable("its V data is not a plain cache's")
+            at += 12
+            v_at.append(at)
+            at += n * v_row
+            layers.append(Layer(k_type, k_row, v_type, v_row, 0))
+    rest = n_stream - s - 1
+    if at + 4 * rest > size:
+        raise NotSliceable("it ends inside its KV state")
+    if any(_u32(mm, at + 4 * i) for i in range(rest)):
+        raise NotSliceable("more than one stream holds cells", whole=True)
+    at += 4 * rest
+    if at != size:
+        raise NotSliceable("it holds more than one KV cache (a sliding-window or hybrid model)", whole=True)
+    return Shape(n_stream, cell_bytes, v_trans, n_rot_k, n_rot_v, tuple(layers)), tuple(k_at), tuple(v_at)

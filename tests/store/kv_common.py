@@ -1,0 +1,59 @@
+"""Slot files in llama-server's layout with a real KV section (kvfile.py's docstring), written
+here for the block store's tests: each cell's bytes a function of its layer, its position and
+its token alone, so that the same tokens at the same positions give the same bytes in any
+file (as the engine's prompt reads do), and a file's cells in any cache order."""
+
+import struct
+
+import numpy as np
+
+from autosessd.store.slotfile import MAGIC, VERSION
+
+
+def cell_bytes_of(layer, pos, tok, n, salt=0):
+    """n deterministic bytes for one cell's row in one layer."""
+    rng = np.random.default_rng(abs(hash((layer, pos, tok, salt))) % (2**32))
+    return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def slot_file(tokens, *, n_layer=3, k_row=16, v_row=16, v_trans=0, n_embd_v=8, el=2, cell_ext=False,
+              order=None, n_cells=None, n_stream=1, stream=0, media=False, extra=b"", seq=0, salt=0,
+              positions=None):
+    """The bytes of a slot file holding `tokens` (the first n_cells with KV; default all), its
+    cells written in `order` (a permutation of positions; default 0 … n−1)."""
+    n_tok = len(tokens)
+    n = n_tok if n_cells is None else n_cells
+    order = list(range(n)) if order is None else list(order)
+    pos_of = list(range(n)) if positions is None else list(positions)
+    words = [-1, 1, n_tok, *tokens, 1 if media else 0]
+    out = bytearray(struct.pack(f"<III{len(words)}i", MAGIC, VERSION, len(words), *words))
+    out += struct.pack("<I", n_stream)
+    for s in range(n_stream):
+        if s != stream:
+            if s < stream:
+                out += struct.pack("<I", 0)
+            continue
+        out += struct.pack("<I", n)
+        for i in order:
+            out += struct.pack("<iI", pos_of[i], 1)
+            if cell_ext:
+                out += struct.pack("<iii", 0, 0, tokens[i])
+            out += struct.pack("<i", seq)
+        out += struct.pack("<IIII", v_trans, n_layer, 0, 0)
+        for layer in range(n_layer):
+            out += struct.pack("<iQ", 1, k_row)
+            for i in order:
+                out += cell_bytes_of(("k", layer), pos_of[i], tokens[i], k_row, salt)
+        for layer in range(n_layer):
+            if v_trans:
+                out += struct.pack("<iII", 1, el, n_embd_v)
+                cols = {i: cell_bytes_of(("v", layer), pos_of[i], tokens[i], n_embd_v * el, salt) for i in order}
+                for j in range(n_embd_v):
+                    for i in order:
+                        out += cols[i][j * el:(j + 1) * el]
+            else:
+                out += struct.pack("<iQ", 1, v_row)
+                for i in order:
+                    out += cell_bytes_of(("v", layer), pos_of[i], tokens[i], v_row, salt)
+    out += struct.pack("<I", 0) * (n_stream - stream - 1)
+    return bytes(out) + extra
