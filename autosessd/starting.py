@@ -83,7 +83,7 @@ class Starting:
                         self.engine.address)
         elif not managed:
             raise StartupError(f"none of the models of the router at {self.engine.address} saves its slots into "
-                               f"{self.store.path}: start llama-server with --slot-save-path {self.store.path}")
+                               f"{self.store.staging}: start llama-server with --slot-save-path {self.store.staging}")
         await self.router.upkeep.prepare(swa=False)  # the one token index; each model's window as it loads
         log.info("engine: a router (--models-max %s) serving %s; autosessd keeps the conversations of %s",
                  checked.max_loaded or "unlimited", ", ".join(sorted(self.router.models)), ", ".join(managed))

@@ -42,7 +42,10 @@ class StubEngine:
     address = "http://stub"
     magic = b"qsgg"
 
-    def __init__(self, directory, model="stub-model", slots_visible=True, n_slots=1, clears_idle=False):
+    def __init__(self, directory, model="stub-model", slots_visible=True, n_slots=1, clears_idle=False, kv=False):
+        """kv: its files carry a KV section in llama-server's layout (kv_common.slot_file: two
+        layers, 64-byte rows), so that the block store cuts them; otherwise zeros, kept whole."""
+        self.kv = kv
         self.dir = directory
         self.model = model
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
@@ -79,7 +82,12 @@ class StubEngine:
         self.held[slot] = list(range(1, tokens + 1)) if isinstance(tokens, int) else list(tokens)
 
     async def save(self, slot, name):
-        data = slotfile.build(self.held[slot], b"\0" * (len(self.held[slot]) * 10))
+        if self.kv and self.held[slot]:
+            from kv_common import slot_file
+
+            data = slot_file(self.held[slot], n_layer=2, k_row=64, v_row=64)
+        else:
+            data = slotfile.build(self.held[slot], b"\0" * (len(self.held[slot]) * 10))
         (self.dir / name).write_bytes(data)
         self.saves.append(name)
         return SaveResult(len(self.held[slot]), len(data), 1.0)

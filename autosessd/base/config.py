@@ -101,6 +101,17 @@ class ControlConfig:
 @dataclass(frozen=True)
 class Config:
     slot_save_path: str = ""
+    # The store (issue 39): where saves are kept durable, as token blocks with a manifest each
+    # (store_blocks) or as whole files. None: slot_save_path itself. Set it to a directory on
+    # disk when slot_save_path, the engine's, is on tmpfs (staging): the engine's whole-file
+    # writes then never reach the disk, only the blocks a save adds do.
+    store_path: str | None = None
+    # Keep each save as blocks of token KV (shared prompts held once, a save writing about
+    # its new tokens) where the engine's file allows it; false: whole files, as before.
+    store_blocks: bool = True
+    # Copies kept in staging for a quick return (the engine's own file of a conversation kept
+    # as blocks), the least recently used going first: "auto" = 10% of the machine's memory.
+    staging_max_gb: float | str = AUTO
     auto_sessions: bool = True
     # "auto": save a conversation when re-reading it would cost more than saving and restoring
     # it, by the engine's measured rates (savings.py, policy.auto_min_tokens); a number overrides.
@@ -140,6 +151,18 @@ class Config:
         if d["engine"]["api_key"]:
             d["engine"]["api_key"] = "***"
         return d
+
+    def effective_store(self) -> Path:
+        """Where saves are kept durable: store_path, else slot_save_path itself."""
+        return Path(self.store_path or self.slot_save_path)
+
+    def hot_budget(self) -> int:
+        """Bytes of copies kept in staging (staging_max_gb; "auto": 10% of the memory)."""
+        if self.staging_max_gb == AUTO:
+            import psutil
+
+            return psutil.virtual_memory().total // 10
+        return int(float(self.staging_max_gb) * 1e9)
 
     def effective_state_dir(self) -> Path:
         if self.state_dir:
@@ -227,6 +250,8 @@ def _build(raw: dict[str, Any], source: str) -> Config:
             top[key] = _build_section(_SECTIONS[key], key, value, source)
         elif key == "auto_sessions_min_tokens":
             top[key] = min_tokens_value(value, source)
+        elif key == "staging_max_gb":
+            top[key] = staging_value(value, source)
         elif key in top_fields:
             top[key] = _coerce(top_fields[key], key, value, source)
         else:
@@ -295,6 +320,21 @@ def min_tokens_value(value: Any, source: str = "--min-tokens") -> int | str:
                                                          f"{_typename(value)} {value!r}")
 
 
+def staging_value(value: Any, source: str = "--staging-max-gb") -> float | str:
+    """staging_max_gb: "auto" or a number of GB, 0 or more."""
+    if isinstance(value, str):
+        try:
+            value = AUTO if value.strip() == AUTO else float(value)
+        except ValueError:
+            pass
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise ConfigError(source, "staging_max_gb", f'must be "auto" or a number of GB, 0 or more, got '
+                                                f"{_typename(value)} {value!r}")
+
+
 def _typename(v: Any) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "table"}.get(
         type(v), type(v).__name__
@@ -325,6 +365,8 @@ def _validate(c: Config, source: str) -> None:
         bad("idle_save_switched_s", f"must be 0 (always) or more (seconds), got {c.idle_save_switched_s}")
     if c.state_dir is not None and not os.path.isabs(c.state_dir):
         bad("state_dir", f"must be an absolute path, got {c.state_dir!r}")
+    if c.store_path is not None and not os.path.isabs(c.store_path):
+        bad("store_path", f"must be an absolute path, got {c.store_path!r}")
 
     e = c.engine
     if e.kind not in ENGINE_KINDS:

@@ -33,7 +33,7 @@ from typing import BinaryIO
 import xxhash
 
 CHUNK = 1 << 20
-META_MAX = 1 << 20  # metadata and small state files: 1 MiB at most
+META_MAX = 32 << 20  # metadata (a manifest holds its tokens: 4 bytes each) and small state files
 DIGEST = "xxh3-128"
 
 

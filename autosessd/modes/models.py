@@ -109,7 +109,7 @@ class Router:
 
     # -- what the router says ------------------------------------------------------------
     def _seen(self, listed: list[dict]) -> None:
-        root = Path(self.store.path).resolve()
+        root = Path(self.store.staging).resolve()  # the engine's directory: its children save there
         for m in listed:
             model = self.models.get(m["id"])
             if model is None:

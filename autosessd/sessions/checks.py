@@ -111,7 +111,7 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         layout = await probe_save(engine, store, cfg.engine.slot)
     except SlotSavingOff:
         raise StartupError(f"slot saving is off in the engine at {engine.address}: start llama-server with "
-                           f"--slot-save-path {store.path}") from None
+                           f"--slot-save-path {store.staging}") from None
     except EngineError as e:
         raise StartupError(f"the probe save failed: {e}") from None
     if not visible:
@@ -201,18 +201,18 @@ async def probe_save(engine: Engine, store: Store, slot: int) -> KVLayout | None
     tells how many KV streams the engine's state files carry (what makes them loadable)."""
     # One name per probe: behind a router two models' probes may run at once (facts.py).
     name = f"{TEMP_PREFIX}probe-{os.getpid()}-{next(_probes)}.partial"
-    path = store.path / name
+    path = store.staging / name
     try:
         res = await engine.save(slot, name)
         if not path.exists():
-            raise SavesElsewhere(f"the engine saves its sessions somewhere other than slot_save_path={store.path}: "
-                               f"start the engine with --slot-save-path {store.path} (the probe file {name} it "
+            raise SavesElsewhere(f"the engine saves its sessions somewhere other than slot_save_path={store.staging}: "
+                               f"start the engine with --slot-save-path {store.staging} (the probe file {name} it "
                                f"wrote is in the engine's directory; it can be removed)")
         size = path.stat().st_size
         if size != res.n_bytes:
             raise StartupError(f"probe save: the engine reported {res.n_bytes:,} bytes, {name} has {size:,}")
         log.info("engine check: probe save of %s tokens (%s) landed in %s", f"{res.n_tokens:,}",
-                 fmt_bytes(res.n_bytes), store.path)
+                 fmt_bytes(res.n_bytes), store.staging)
         if engine.magic != slotfile.MAGIC_BYTES:
             return None
         try:
@@ -241,7 +241,16 @@ def check_store(cfg: Config) -> Store:
                            f"--slot-save-path {path}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"slot_save_path {path} is not writable by uid {os.getuid()}")
+    home = cfg.effective_store()
+    if home != path:
+        try:
+            home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise StartupError(f"store_path {home}: cannot create it: {e.strerror or e}") from None
+        if not os.access(home, os.W_OK | os.X_OK):
+            raise StartupError(f"store_path {home} is not writable by uid {os.getuid()}")
     import grp
 
     # Session files share the socket's audience: the owner, or with control.group its members too.
-    return Store(path, grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None)
+    return Store(home, grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None, staging=path,
+                 blocks=cfg.store_blocks, hot_budget=cfg.hot_budget())

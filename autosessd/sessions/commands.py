@@ -80,7 +80,7 @@ class Commands:
                 raise StoreError(f"no session {name} in {ctx.store.path}")
         else:
             key, name = None, manual_name(what)
-            if not (ctx.store.path / name).is_file():
+            if not (ctx.store.path / name).is_file() and not (ctx.store.staging / name).is_file():
                 raise StoreError(f"no session {name} in {ctx.store.path}")
         async with await self.placement.admit(slot_id) as t:
             s = self.placement.slot_of(t)

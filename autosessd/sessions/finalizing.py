@@ -36,7 +36,8 @@ from ..store import slotfile
 from ..store.branches import SavedFile
 from ..store.directory import AUTO_BIN, Meta, StoreError, auto_name
 from ..store.names import Unfinished
-from ..store.runs import common_prefix, swa_usable
+from ..store.runs import common_prefix, decode, swa_usable
+from ..store.slotfile import comparable, encode
 from .policy import FileInfo
 
 if TYPE_CHECKING:
@@ -126,6 +127,8 @@ class Finalizing:
         if f.meta is not None and f.tokens is not None and (f.pending is not None or
                                                             len(f.tokens) // 4 == f.meta.n_tokens):
             return SavedFile(f.tokens, f.meta.n_prompt)
+        if f.meta is not None and f.meta.in_blocks:  # a manifest holds its tokens
+            return SavedFile(encode(comparable(decode(f.meta.tokens or b""))), f.meta.n_prompt)
         try:
             header = slotfile.read_header(self.ctx.store.bin_path(key), self.ctx.max_tokens)
         except FileNotFoundError:
@@ -229,7 +232,11 @@ class Finalizing:
         people's parked names stay local."""
         self._drop(p)
         if meta is not None and self.ctx.remote is not None:
-            self.ctx.remote.upload_later(self.ctx.store.bin_path(meta.key), meta)
+            store = self.ctx.store
+            # Whole files go up as they are; a conversation kept as blocks as its copy in
+            # staging (assembled again by the upload if it went meanwhile).
+            store_file = store.hot_path(meta.key) if meta.in_blocks else store.bin_path(meta.key)
+            self.ctx.remote.upload_later(store_file, meta)
         self.ctx.events.emit("finalized", key=p.temp, file=p.final)
         if meta is not None and p.saved is not None:
             for hook in self.after_final:
@@ -260,6 +267,8 @@ class Finalizing:
         if self._finalizing.get(p.key) is p:
             del self._finalizing[p.key]
         self.ctx.store.release(p.final)
+        # Copies in staging beyond their budget go now that this one is no longer held.
+        asyncio.get_running_loop().run_in_executor(None, self.ctx.store.trim_hot)
 
     # -- waiting for finalizes ------------------------------------------------------------------
     async def wait_file(self, key: str) -> FileInfo | None:

@@ -140,7 +140,7 @@ class Primer:
     async def put(self, slot_id: int, prefill: Callable[[int, list[int]], Awaitable[PrefillResult]]) -> bool:
         """Fill the (empty, held exclusively) slot with the primer; False when it is off."""
         engine, chat = self.ctx.engine, self.ctx.chat
-        if self.name is not None and files.regular_ident(self.ctx.store.path / self.name) != self.ident:
+        if self.name is not None and files.regular_ident(self.ctx.store.staging / self.name) != self.ident:
             log.warning("auto sessions: the primer %s changed since it was made (or is gone): made again", self.name)
             self.drop()
         if self.name is not None:
@@ -152,7 +152,7 @@ class Primer:
                 # make it again on this slot (a failed restore leaves the slot empty).
                 log.info("auto sessions: slot %d: restoring the primer: %s; making it again", slot_id, e)
                 self.drop()
-        path = self.ctx.store.path / self.NAME
+        path = self.ctx.store.staging / self.NAME
         try:
             if chat is None:
                 raise EngineError("the engine cannot read a prompt into a slot")
@@ -187,7 +187,7 @@ class Primer:
     def drop(self) -> None:
         if self.name is not None:
             with contextlib.suppress(OSError):
-                (self.ctx.store.path / self.name).unlink(missing_ok=True)
+                (self.ctx.store.staging / self.name).unlink(missing_ok=True)
             self.name = self.ident = None
 
 

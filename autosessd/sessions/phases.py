@@ -8,9 +8,10 @@ little else; when it does not, the phases say where the rest went.
                 writing the outgoing conversation, then its checks), "tokens"
                 (/apply-template + /tokenize beyond what the save hid), "fetch" (a download
                 from the shared bucket), "launch" (the launch gate: an engine that empties
-                idle slots), "check" (the file's integrity: a stat, or a digest when it
-                changed), "restore" (the engine reading the file), "prefix" (a shared prefix
-                read on its own)
+                idle slots), "assemble" (a file kept as token blocks, assembled into staging
+                when no copy of it is there), "check" (the file's integrity: a stat, or a digest
+                when it changed), "restore" (the engine reading the file), "prefix" (a shared
+                prefix read on its own)
     timed       adds a block's time to a turn result's phases
     TurnTimes   per slot the last timed turn that saved or restored, with the engine's own
                 prompt and reply times of its request (engine_prompt_ms, engine_reply_ms:
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("look", "facts", "wait", "save", "tokens", "fetch", "launch", "check", "restore", "prefix")
+PHASES = ("look", "facts", "wait", "save", "tokens", "fetch", "launch", "assemble", "check", "restore", "prefix")
 
 
 @contextlib.contextmanager

@@ -124,6 +124,10 @@ class Counters:
                                      "Finalizes tried again after a failed try (each failed try is also a save "
                                      "failure); its bytes were kept")
     forgets: int = _counter("forgets_total", "Conversations forgotten (autosessctl forget)")
+    assemblies: int = _counter("assemblies_total",
+                               "Restores of a conversation kept as token blocks with no copy in staging: the file "
+                               "(or the first tokens a request shares) assembled from its blocks")
+    bytes_assembled: int = _counter("assembled_bytes_total", "Block bytes read to assemble those files")
     warmed_files: int = _counter("warmed_files_total",
                                  "Session files asked into the page cache before a restore (warm.py)")
     warmed_bytes: int = _counter("warmed_bytes_total", "Bytes of those files")

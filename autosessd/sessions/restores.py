@@ -37,6 +37,7 @@ from ..engines.base import EngineError, EngineRefused
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, auto_name
 from ..store.integrity import NEEDS_READ
+from ..store.staging import Refused, Staged
 from .observe import SLEPT, UNLOADED
 from .phases import timed
 from .policy import Occasion
@@ -76,24 +77,32 @@ class Restorer:
         after = s.view.why  # a model switch or a sleep emptied the slot: counted once reused
         t0 = time.monotonic()
         reading = None  # the name the engine reads: `name`, or its pending temporary, held
+        staged: Staged | None = None  # or what staging holds of it (a copy, an assembly of its blocks)
         try:
             with ctx.store.using(name):
                 if self._overtaken(name, decided, result):
                     return False
                 reading = await self._pending_temp(name, result)
+                if reading is None:
+                    with timed(result, "assemble"):
+                        staged = await self._stage(s, key, name, expect, result)
+                    if staged is None:
+                        return False
                 with timed(result, "check"):
-                    refused = await self._refused(s, key, name, result, pending=reading is not None)
+                    refused = await self._refused(s, key, name, result,
+                                                  pending=reading is not None or self._checked_in_staging(name))
                 if refused or self._overtaken(name, decided, result):
                     return False
+                engine_name = reading or (staged.name if staged is not None else name)
                 with timed(result, "restore"):
                     try:
-                        res = await ctx.engine.restore(s.id, reading or name)
+                        res = await ctx.engine.restore(s.id, engine_name)
                     except EngineRefused as e:
                         # A unified KV cache shared by every slot can be too full for the file; the
                         # engine never evicts another slot itself. Make room once, then try again.
                         if NO_KV_ROOM not in str(e) or not await self._make_room(s, name):
                             raise
-                        res = await ctx.engine.restore(s.id, reading or name)
+                        res = await ctx.engine.restore(s.id, engine_name)
         except EngineError as e:
             ctx.counters.restore_failures += 1
             log.warning("auto sessions: restore of %s: %s", name, e)
@@ -115,6 +124,10 @@ class Restorer:
         finally:
             if reading is not None:
                 ctx.store.done_reading(reading)
+            if staged is not None and staged.temporary:
+                asyncio.get_running_loop().run_in_executor(None, ctx.store.unstage, staged)
+            elif staged is not None:
+                asyncio.get_running_loop().run_in_executor(None, ctx.store.trim_hot)  # no longer held
         ms = (time.monotonic() - t0) * 1000
         ctx.counters.restores += 1
         if reading is not None:
@@ -127,6 +140,13 @@ class Restorer:
                   name, ms)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
+        if staged is not None and staged.assembled:
+            # Assembled from its blocks: what was read of them (only the blocks of the tokens used).
+            info.update(assembled_bytes=staged.bytes_read, assemble_ms=round(staged.ms, 2))
+            ctx.counters.assemblies += 1
+            ctx.counters.bytes_assembled += staged.bytes_read
+            if staged.n_tokens is not None and tokens is not None:
+                tokens = tokens[:4 * staged.n_tokens]  # the slot holds only the first n_tokens of the file
         ctx.events.emit_soon("restored", slot=s.id, **info)
         if not s.at_rest():
             # A request the log showed starting meanwhile (the tail): the engine ran the
@@ -141,6 +161,29 @@ class Restorer:
         if result is not None:
             result.restored = info
         return True
+
+    async def _stage(self, s: Slot, key: str | None, name: str, expect: int | None,
+                     result: TurnResult | None) -> Staged | None:
+        """What the engine reads for `name` (Store.stage: its copy in staging, or its first
+        `expect` tokens assembled from its blocks). None: none can be read (said, counted)."""
+        ctx = self.ctx
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, ctx.store.stage, name, expect)
+        except (Refused, OSError) as e:
+            ctx.counters.restores_refused += 1
+            log.warning("auto sessions: restore of %s refused: %s", name, e)
+            ctx.events.emit("restore_refused", slot=s.id, key=key, file=name, why=str(e))
+            if result is not None:
+                result.errors.append(f"restore of {name} refused: {e}")
+            if ctx.index is not None and isinstance(e, Refused) and e.bad:
+                ctx.index.forget_if_gone(name)
+            return None
+
+    def _checked_in_staging(self, name: str) -> bool:
+        """The file is kept as blocks: stage() checked what the engine reads (its copy, or the
+        blocks it was assembled from), so only the context is checked here."""
+        meta = self.saver.facts(name).meta
+        return meta is not None and meta.in_blocks
 
     def _overtaken(self, name: str, decided: int, result: TurnResult | None) -> bool:
         """The file was chosen under the facts of an engine that has restarted since (facts.py):

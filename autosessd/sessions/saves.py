@@ -160,7 +160,7 @@ class Saver(Finalizing):
             header = self._check_header(key, res.n_tokens)
         except StoreError as e:
             if not store.temp_path(key).exists():  # the first save since a restart is the probe too
-                ctx.facts.saves_elsewhere(f"the engine saves its sessions somewhere other than {store.path}",
+                ctx.facts.saves_elsewhere(f"the engine saves its sessions somewhere other than {store.staging}",
                                           generation)
             store.discard_temp(key)
             c.save_failures += 1

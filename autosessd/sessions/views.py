@@ -67,6 +67,7 @@ def slot_entries(s: Reported) -> list[dict[str, Any]]:
 def status(s: Reported) -> dict[str, Any]:
     """GET /autosessd/status and `autosessctl status`. Blocking: scans the directory."""
     entries = s.store.scan(with_meta=False)
+    usage = s.store.usage()
     try:
         free = s.store.free_bytes()
     except OSError:
@@ -88,7 +89,9 @@ def status(s: Reported) -> dict[str, Any]:
         "last_not_reused": s.restore_log.not_reused,
         "last_swa_retry": s.restore_log.swa_retry,
         "turn_phases": s.ctx.turn_times.status(),
-        "store": {"path": str(s.store.path), "auto_files": len(entries), "auto_bytes": sum(e.bytes for e in entries),
+        "store": {"path": str(s.store.path), "staging": str(s.store.staging), "auto_files": len(entries),
+                  "auto_bytes": sum(e.bytes for e in entries if not e.blocks) + usage["block_bytes"],
+                  "blocks": blocks_status(s, usage), "hot": usage["hot"],
                   "free_bytes": free, "min_tokens": s.ctx.min_tokens, "min_tokens_auto": not auto_min_is_number(cfg),
                   "min_tokens_why": s.ctx.savings.min_tokens()[1] if not auto_min_is_number(cfg) else "set in the config",
                   "keep": cfg.auto_sessions_keep, "max_gb": cfg.auto_sessions_max_gb,
@@ -101,6 +104,15 @@ def status(s: Reported) -> dict[str, Any]:
         "inputs": {name: describe() for name, describe in s.inputs.items()},
         "shared": None if s.remote is None else s.remote.status(),
     }
+
+
+def blocks_status(s: Reported, usage: dict[str, Any]) -> dict[str, Any]:
+    """The block store as status shows it (issue 39): what the engine wrote against what the store
+    wrote, the blocks (each held once) and how much of them several conversations share."""
+    return {"on": s.store.blocks is not None, "manifests": usage["manifests"], "blocks": usage["blocks"],
+            "bytes": usage["block_bytes"], "shared_bytes": usage["shared_block_bytes"],
+            "engine_bytes_written": s.counters.bytes_saved, "store_bytes_written": usage["block_bytes_written"],
+            "assembled": s.counters.assemblies, "assembled_bytes": s.counters.bytes_assembled}
 
 
 def auto_min_is_number(cfg: Any) -> bool:
@@ -144,10 +156,13 @@ class Listing:
         if index is not None:
             index.scan()
         held = {sl.view.file for sl in s.slots.values() if sl.view.conversation() and sl.view.file}
+        refs = s.store.block_refs()
+        sizes = s.store.blocks.scan() if s.store.blocks is not None else {}
         rows = [{"name": e.name, "kind": "prefix" if e.meta and e.meta.prefix else "auto", "key": e.key,
                  "line": e.meta.line if e.meta else None, "bytes": e.bytes, "saved_at": e.saved_at,
                  "n_tokens": e.meta.n_tokens if e.meta else None,
-                 "model_ok": bool(e.meta and e.meta.model == s.model), "held": e.name in held}
+                 "model_ok": bool(e.meta and e.meta.model == s.model), "held": e.name in held,
+                 **stored_as(e, refs, sizes)}
                 for e in s.store.scan()]
         rows += [{"name": name, "kind": "manual", "key": None, "line": None, "bytes": size, "saved_at": mtime,
                   "n_tokens": None, "model_ok": None, "held": name in held}
@@ -227,6 +242,16 @@ def _shared_rows(sh: dict[str, Any]) -> list[tuple[str, str, str, int | float]]:
     ]
 
 
+def stored_as(e: Any, refs: dict[str, int], sizes: dict[str, int]) -> dict[str, Any]:
+    """How `ls` says a conversation is kept: as blocks (its own bytes, and those it shares with
+    other conversations, each block counted once), or whole, with why it could not be cut."""
+    if e.blocks:
+        own = sum(sizes.get(k, 0) for k in set(e.blocks) if refs.get(k, 0) <= 1)
+        shared = sum(sizes.get(k, 0) for k in set(e.blocks) if refs.get(k, 0) > 1)
+        return {"stored": "blocks", "blocks": len(e.blocks), "own_bytes": own, "shared_bytes": shared}
+    return {"stored": "whole", "whole_why": e.meta.whole if e.meta is not None else None}
+
+
 # A metric row: (name without the prefix, kind, help, value, or [(labels, value), ...] for a labelled one).
 Row = tuple[str, str, str, Any]
 PREFIX = "autosessd_"
@@ -240,6 +265,7 @@ def _gauges(s: Reported) -> list[Row]:
 
     cfg = s.cfg
     entries = s.store.scan(with_meta=False)
+    usage = s.store.usage()
     try:
         free: int | None = s.store.free_bytes()
     except OSError:
@@ -252,8 +278,18 @@ def _gauges(s: Reported) -> list[Row]:
         ("start_time_seconds", "gauge", "When autosessd started, in seconds since the epoch", s.started_at),
         ("engine_healthy", "gauge", "1 when the engine answered its last health check", int(bool(s.engine_healthy))),
         ("engine_slots", "gauge", "Engine slots autosessd drives", len(slots)),
-        ("session_files", "gauge", "Auto session files in the session directory", len(entries)),
-        ("session_bytes", "gauge", "Bytes of auto session files", sum(e.bytes for e in entries)),
+        ("session_files", "gauge", "Auto session files in the session directory (conversations kept whole or as "
+                                   "blocks)", len(entries)),
+        ("session_bytes", "gauge", "Bytes of auto session files (whole files, and blocks each counted once)",
+         sum(e.bytes for e in entries if not e.blocks) + usage["block_bytes"]),
+        ("store_blocks", "gauge", "Token blocks in the store (each held once, whatever shares it)", usage["blocks"]),
+        ("store_shared_block_bytes", "gauge", "Bytes of blocks more than one conversation holds",
+         usage["shared_block_bytes"]),
+        ("store_block_bytes_written_total", "counter", "Bytes of blocks written to the store (a save writes the "
+                                                       "blocks not stored yet)", usage["block_bytes_written"]),
+        ("staging_hot_bytes", "gauge", "Bytes of copies kept in staging for a quick return", usage["hot"]["bytes"]),
+        ("staging_hot_budget_bytes", "gauge", "staging_max_gb: what those copies are kept under",
+         usage["hot"]["budget"]),
         ("session_budget_bytes", "gauge", "auto_sessions_max_gb: what prune keeps the auto files under",
          int(cfg.auto_sessions_max_gb * 1e9)),
         ("session_keep_files", "gauge", "auto_sessions_keep: the newest auto files prune keeps", cfg.auto_sessions_keep),

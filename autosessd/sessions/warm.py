@@ -79,10 +79,12 @@ class Warmer:
         platform without readahead advice."""
         if not self.can:
             return False
-        path = self.ctx.store.path / name
-        ident = files.regular_ident(path)
-        if ident is None or ident.size == 0:
+        # What a restore of it reads: the file, its copy in staging, or its blocks (issue 39).
+        found = [(p, i) for p in self.ctx.store.block_paths(name) if (i := files.regular_ident(p)) is not None]
+        if not found or not sum(i.size for _, i in found):
             return False
+        first = found[0][1]
+        ident = files.Ident(first.ino, first.ctime_ns, sum(i.size for _, i in found))  # the set, by its first
         now = time.monotonic()
         last = self._asked.get(name)
         if last is not None and last[0] == ident and now - last[1] < REPEAT_S:
@@ -100,10 +102,11 @@ class Warmer:
             del self._asked[old]
         self.ctx.counters.warmed_files += 1
         self.ctx.counters.warmed_bytes += ident.size
-        try:
-            asyncio.get_running_loop().run_in_executor(None, _advise, path, ident)
-        except RuntimeError:  # no loop (a test calling it directly): now
-            _advise(path, ident)
+        for path, one in found:
+            try:
+                asyncio.get_running_loop().run_in_executor(None, _advise, path, one)
+            except RuntimeError:  # no loop (a test calling it directly): now
+                _advise(path, one)
         return True
 
 

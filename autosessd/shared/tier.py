@@ -115,6 +115,7 @@ class SharedStore(Uploads, Downloads, BucketPrune):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reconcile: tuple[Store, str] | None = None
+        self._store: Store | None = None  # the local store, once started: an upload may assemble a copy
         self._down_rate: float | None = None  # bytes/s, moving average of downloads (failed ones too)
         # After a failed download no other is tried until this time.monotonic() (doubling per
         # failure up to retry_max_s, reset by a success): a dead or crawling bucket costs one

@@ -78,6 +78,7 @@ class Uploads:
                 return
             self._stopping = False
             self._reconcile = (store, model) if store is not None and model else None
+            self._store = store
             self._thread = threading.Thread(target=self._work, name="autosessd-shared-upload", daemon=True)
             self._thread.start()
 
@@ -215,7 +216,7 @@ class Uploads:
         meta = job.meta
         key = self.object_key(meta, job.path.name)
         try:
-            f = open(job.path, "rb")
+            f = self._open(job)
         except FileNotFoundError:
             return "superseded: the local file is gone"
         with f:
@@ -296,6 +297,20 @@ class Uploads:
             if u["Key"] == key:
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=u["UploadId"])
 
+    def _open(self, job: _Job):
+        """The save's bytes: its file, or for a conversation kept as token blocks whose copy
+        in staging went meanwhile, that copy assembled again (held while it is opened; an open
+        file stays readable when the copy is later let go)."""
+        try:
+            return open(job.path, "rb")
+        except FileNotFoundError:
+            store = self._store
+            if store is None or not job.meta.in_blocks:
+                raise
+            with store.using(job.path.name):
+                staged = store.stage(job.path.name)
+                return open(store.staging / staged.name, "rb")
+
     def _requeue_missing(self, store: Store, model: str) -> None:
         """Queue this host's local saves the bucket lacks, of those its prune would keep.
 
@@ -311,7 +326,8 @@ class Uploads:
                 continue
             r = remote.get(e.name)
             if r is None or round(r.saved_at * 1e6) < round(e.meta.saved_at * 1e6):
-                candidates[self.object_key(e.meta, e.name)] = (store.bin_path(e.key), e.meta)
+                path = store.hot_path(e.key) if e.meta.in_blocks else store.bin_path(e.key)
+                candidates[self.object_key(e.meta, e.name)] = (path, e.meta)
         if not candidates:
             return
         now = time.time()

@@ -400,13 +400,15 @@ def assemble(store: BlockStore, shape: Shape, tokens: bytes, refs: Sequence[Bloc
     return h.hexdigest()
 
 
-def split(store: BlockStore, kv: KVFile, path: Path, model: str) -> tuple[list[BlockRef], int]:
+def split(store: BlockStore, kv: KVFile, path: Path, model: str,
+          keys: Sequence[str] | None = None) -> tuple[list[BlockRef], int]:
     """Cut the file at `path` (parsed as kv) into blocks, storing those not stored yet:
-    → (its blocks, bytes written). The blocks' directories are fsynced before it returns."""
+    → (its blocks, bytes written). keys: its chain(), when the caller has it (to pin them).
+    The blocks' directories are fsynced before it returns."""
     from .slotfile import encode
 
-    tokens = encode(kv.tokens[:kv.n_cells])
-    keys = chain(model, kv.shape, tokens, kv.n_cells)
+    if keys is None:
+        keys = chain(model, kv.shape, encode(kv.tokens[:kv.n_cells]), kv.n_cells)
     refs, written = [], 0
     f, st = files.open_regular(path)
     with f:

@@ -51,14 +51,17 @@ from ..base.files import Ident
 from .integrity import Integrity
 from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, TEMP_PREFIX, InUse, Meta, NewerHere, StoreError,
                     auto_name, fsync_dir, manual_name, meta_name, temp_name)  # names re-exported for callers
+from .blocks import BlockStore
 from .prune import Entry, PrunePlan, plan_prune
+from .references import References
 from .saving import Saving
+from .staging import Staging
 from .space import Space
 
 log = logging.getLogger("autosessd")
 
 
-class Store(Saving, Integrity, Space):
+class Store(Saving, Staging, References, Integrity, Space):
     """The session directory. Used from the event loop and from worker threads (finalize,
     prune, status, ls and the shared tier's downloads run in threads).
 
@@ -76,11 +79,24 @@ class Store(Saving, Integrity, Space):
     from before its finalize to after it, which is what install() looks for.
     """
 
-    def __init__(self, path: str | Path, group: int | None = None):
-        """group: the gid of control.group; files are then 0640 and belong to it."""
+    def __init__(self, path: str | Path, group: int | None = None, staging: str | Path | None = None,
+                 blocks: bool = True, hot_budget: int = 4 << 30):
+        """path: the store (store_path: manifests, blocks, whole files); staging: the engine's
+        directory (slot_save_path; default: the store itself). group: the gid of control.group;
+        files are then 0640 and belong to it. blocks: cut saves into token blocks where the
+        engine's file allows it (blocks.py); hot_budget: bytes of hot copies kept in staging."""
         self.path = Path(path)
+        self.staging = Path(staging) if staging is not None else self.path
         self.group = group
         self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
+        self.blocks = BlockStore(self.path, self.mode) if blocks else None
+        # Block manifests by key → their blocks' keys, and how many manifests name each block:
+        # what prune may remove (none named, none pinned). Built at start (cleanup), kept by
+        # finalize and remove. Under _lock.
+        self._uses: dict[str, tuple[str, ...]] = {}
+        self._refs: Counter[str] = Counter()
+        self.block_bytes_written = 0  # bytes of blocks written since the start (the store's side)
+        self._staging_init(hot_budget)
         self._mode_warned = False
         # Bytes per token of the densest file seen (None: not looked yet). Set by the first
         # scan with metadata, raised by every finalize: a save's space check reads it
@@ -108,7 +124,7 @@ class Store(Saving, Integrity, Space):
         return self.path / meta_name(key)
 
     def temp_path(self, key: str) -> Path:
-        return self.path / temp_name(key)
+        return self.staging / temp_name(key)
 
     def acquire(self, name: str) -> None:
         """Mark a name as being written or read: prune, remove and install leave it alone.
@@ -178,6 +194,9 @@ class Store(Saving, Integrity, Space):
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
                     self._remember_meta(meta.key, written)
+                    self._referenced(meta.key, meta)  # a whole file now, where a manifest may have been
+                    with self._lock:
+                        self._hot.pop(name, None)  # no longer a copy: the store's own file
                     now = files.regular_ident(final)
                     if meta.digest is not None and now is not None:
                         # The rename moved the ctime the metadata recorded: checked as it arrived.
@@ -200,8 +219,10 @@ class Store(Saving, Integrity, Space):
         or a huge file under the name is refused, never waited on), and cached by the
         metadata file's identity: a turn on the loop costs two lstats."""
         try:
-            ident = files.regular_ident(self.bin_path(key))
-            meta = self._meta_at(self.meta_path(key)) if ident is not None else None
+            meta = self._meta_at(self.meta_path(key))
+            if meta is not None and meta.key == key and meta.in_blocks:
+                return meta  # a manifest: its blocks are the file; a .bin is only a copy
+            ident = files.regular_ident(self.bin_path(key)) if meta is not None else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if meta is None or ident is None or meta.key != key or meta.bytes != ident.size:
@@ -222,15 +243,19 @@ class Store(Saving, Integrity, Space):
         return meta
 
     def scan(self, with_meta: bool = True) -> list[Entry]:
-        """The auto files. Without metadata (status, prune: sizes and ages are enough) a scan
-        of 10,000 sessions costs half as much; an entry's age is then its file's mtime."""
+        """The auto files: whole files and block manifests. Without metadata (status, prune:
+        sizes and ages are enough) a scan of 10,000 sessions costs half as much; an entry's age
+        is then its file's mtime, and a manifest's blocks are the ones kept in memory."""
         entries = []
         metas: dict[str, Meta] = {}
         bins: dict[str, os.stat_result] = {}
+        jsons: dict[str, os.stat_result] = {}
         try:
             it = os.scandir(self.path)
         except FileNotFoundError:
             return []
+        with self._lock:
+            uses = dict(self._uses)
         with it:
             for d in it:
                 if m := AUTO_BIN.match(d.name):
@@ -238,18 +263,29 @@ class Store(Saving, Integrity, Space):
                         bins[m.group(1)] = d.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         pass
-                elif with_meta and (m := AUTO_META.match(d.name)):
+                elif m := AUTO_META.match(d.name):
                     try:
-                        metas[m.group(1)] = self._cached_meta(d)
+                        if m.group(1) in uses:
+                            jsons[m.group(1)] = d.stat(follow_symlinks=False)
+                        if with_meta:
+                            metas[m.group(1)] = self._cached_meta(d)
                     except (OSError, ValueError, KeyError, TypeError):
                         pass
         if with_meta and len(self._meta_cache) > len(metas):
             live = {meta_name(k) for k in metas}
             with self._lock:  # another thread's scan may be adding to it
                 self._meta_cache = {k: v for k, v in self._meta_cache.items() if k in live}
-        for key, st in bins.items():
+        for key, st in jsons.items():  # a manifest: its blocks hold it; a .bin of it is a copy
             meta = metas.get(key)
-            if meta is not None and (meta.bytes != st.st_size or meta.key != key):
+            if with_meta and (meta is None or not meta.in_blocks or meta.key != key):
+                continue
+            entries.append(Entry(key=key, bytes=meta.bytes if meta else 0, mtime=st.st_mtime, meta=meta,
+                                 ident=(st.st_ino, st.st_mtime_ns, st.st_size), blocks=uses[key]))
+        for key, st in bins.items():
+            if key in jsons:
+                continue
+            meta = metas.get(key)
+            if meta is not None and (meta.bytes != st.st_size or meta.key != key or meta.in_blocks):
                 meta = None
             entries.append(Entry(key=key, bytes=st.st_size, mtime=st.st_mtime, meta=meta,
                                  ident=(st.st_ino, st.st_mtime_ns, st.st_size)))
@@ -282,37 +318,98 @@ class Store(Saving, Integrity, Space):
 
     # -- cleanup and removal -----------------------------------------------
     def cleanup(self) -> list[str]:
-        """At start: remove leftover temporaries, metadata without a .bin, and .bin files
-        whose metadata is missing or stale (an interrupted finalize). Returns what went."""
-        removed = []
+        """At start: remove leftover temporaries (the store's, staging's, the blocks'), metadata
+        whose file is gone (a manifest's file is its blocks: it stays while they are all
+        there), .bin files whose metadata is missing or stale (an interrupted finalize), copies
+        in staging nothing vouches for, and blocks no manifest names. Learns the manifests'
+        blocks and the hot copies. Returns what went."""
+        removed: list[str] = []
         self._per_token = self._per_token or 0.0
         names = set(os.listdir(self.path))
+        blocks_there = self.blocks.scan() if self.blocks is not None else {}
         for name in sorted(names):
             why = None
             if name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
                 why = "leftover temporary"
             elif m := AUTO_META.match(name):
-                if auto_name(m.group(1)) not in names:
+                key = m.group(1)
+                try:
+                    meta = self._meta_at(self.path / name)
+                except (OSError, ValueError, KeyError, TypeError):
+                    meta = None
+                if meta is not None and meta.key == key and meta.in_blocks:
+                    missing = [b[0] for b in meta.blocks if b[0] not in blocks_there]
+                    if missing:
+                        why = f"a manifest naming {len(missing)} missing block(s)"
+                        self._unlink(self.bin_path(key))  # no copy outlives its manifest
+                    else:
+                        self._referenced(key, meta)
+                        self._saw(meta)
+                elif auto_name(key) not in names:
                     why = "metadata without a session file"
             elif m := AUTO_BIN.match(name):
                 meta = self.read_meta(m.group(1))
                 if meta is None:
                     why = "no valid metadata (interrupted save)"
                     self._unlink(self.meta_path(m.group(1)))
+                elif meta.in_blocks:
+                    pass  # a copy kept in staging (the same directory): looked at below
                 else:
                     self._saw(meta)  # the start's look at every file primes the space estimate
             if why and self._unlink(self.path / name):
                 removed.append(f"{name} ({why})")
+        removed += self._cleanup_staging()
+        if self.blocks is not None:
+            removed += self.blocks.cleanup()
+            n, freed = self.unused_blocks()
+            if n:
+                removed.append(f"{n} block(s) no manifest names ({freed:,} bytes)")
         if removed:
             fsync_dir(self.path)
         return removed
 
+    def _cleanup_staging(self) -> list[str]:
+        """Staging's temporaries go; its copies stay as hot copies when their metadata vouches
+        for them (size), the oldest first in the budget's order."""
+        removed = []
+        try:
+            names = sorted(os.listdir(self.staging))
+        except FileNotFoundError:
+            return removed
+        hot = []
+        for name in names:
+            path = self.staging / name
+            if self.staging != self.path and name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
+                if self._unlink(path):
+                    removed.append(f"{name} (leftover temporary in staging)")
+                continue
+            m = AUTO_BIN.match(name)
+            if m is None:
+                continue
+            meta = self._meta_at(self.meta_path(m.group(1))) if self.meta_path(m.group(1)).exists() else None
+            if self.staging == self.path and (meta is None or not meta.in_blocks):
+                continue  # a whole file: the store's own, looked at above
+            ident = files.regular_ident(path)
+            if meta is None or ident is None or ident.size != meta.bytes:
+                if self._unlink(path):
+                    removed.append(f"{name} (a copy in staging nothing vouches for)")
+                continue
+            hot.append((ident, name))
+        with self._lock:
+            for ident, name in sorted(hot, key=lambda x: x[0].ctime_ns):
+                self._hot[name] = ident.size
+        self.trim_hot()
+        return removed
+
     def remove(self, key: str, ident: tuple[int, int, int] | None = None) -> int:
-        """Remove auto-<key>.bin and its metadata (bin first: no session without metadata
-        is ever left for a reader). Returns the bytes freed. Refuses a file in use, and with
-        `ident` (inode, mtime_ns, size), a file that is not that one (saved again since the
-        caller looked)."""
-        path = self.bin_path(key)
+        """Remove conversation `key`: auto-<key>.bin and its metadata (bin first: no session
+        without metadata is ever left for a reader), or a manifest (first: its name is gone at
+        once), its copy in staging, and the blocks no other manifest names. Returns the bytes
+        freed. Refuses a file in use, and with `ident` (inode, mtime_ns, size), a file that is
+        not that one (saved again since the caller looked: of the .bin, or of a manifest)."""
+        with self._lock:
+            in_blocks = key in self._uses
+        path = self.meta_path(key) if in_blocks else self.bin_path(key)
         doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
         with self._lock:  # no acquire() between the check and the rename away
             if auto_name(key) in self.in_use:
@@ -326,16 +423,26 @@ class Store(Saving, Integrity, Space):
             except FileNotFoundError:
                 size = 0
         self._unlink(doomed)
-        self._unlink(self.meta_path(key))
+        if in_blocks:
+            self._referenced(key, None)
+            size += self.forget_hot(auto_name(key))
+            size += self.unused_blocks()[1]
+            self._unlink(self.bin_path(key))  # a copy in the same directory, not registered yet
+        else:
+            self._unlink(self.meta_path(key))
+            if self.staging != self.path:
+                size += self.forget_hot(auto_name(key))
         return size
 
     def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
         """Apply plan_prune (in a worker thread: see the class docstring); free_target: bytes
-        that should be free on the disk afterwards. Returns what was really removed."""
+        that should be free on the disk afterwards. Blocks count once, whichever conversations
+        share them. Returns what was really removed."""
         must_free = max(0, free_target - self.free_bytes()) if free_target else 0
         with self._lock:
             in_use = set(self.in_use)  # a snapshot: the loop changes in_use meanwhile
-        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, in_use, must_free)
+        block_bytes = self.blocks.scan() if self.blocks is not None else {}
+        plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, in_use, must_free, block_bytes)
         if dry_run:
             return plan
         removed, kept = [], list(plan.keep)
@@ -345,7 +452,8 @@ class Store(Saving, Integrity, Space):
                 removed.append(e)
             except StoreError:  # taken into use, or saved again, since the plan: kept
                 kept.append(e)
-        return PrunePlan(remove=removed, keep=kept)
+        self.unused_blocks()  # blocks of a manifest a crash left half-removed, say
+        return PrunePlan(remove=removed, keep=kept, block_bytes=plan.block_bytes)
 
     @staticmethod
     def _unlink(path: Path) -> bool:

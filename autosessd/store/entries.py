@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..base.files import read_small
-from .names import Mark, marks_from
+from .names import Mark, Meta, auto_name, marks_from
 from .runs import decode
+from .slotfile import comparable, encode
 
 # Cache file layout: MAGIC, u32 version, u32 length of a JSON description, the JSON, every
 # entry's token bytes one after another, u32 crc32 of all that precedes it.
@@ -54,6 +55,26 @@ def fitting(marks: tuple[Mark, ...], tokens: bytes) -> tuple[Mark, ...]:
     ends them), none that claims more."""
     n = len(tokens) // 4
     return tuple(m for m in marks if m.n_tokens <= n)
+
+
+def manifest_entry(directory: Path, name: str, meta_ident: Ident) -> Entry | None:
+    """The entry of a manifest (issue 39: a conversation kept as token blocks, its tokens in its
+    metadata), known by the manifest's identity (ident == meta_ident); None for a whole file's
+    metadata."""
+    meta = Meta.from_json(read_small(directory / (name[:-4] + ".json")))
+    if not meta.in_blocks or auto_name(meta.key) != name:
+        return None
+    tokens = encode(comparable(decode(meta.tokens or b"")))
+    return Entry(name=name, model=meta.model, n_tokens=meta.n_tokens, tokens=tokens, ident=meta_ident,
+                 meta_ident=meta_ident, marks=fitting(meta.marks, tokens))
+
+
+def is_manifest(directory: Path, name: str) -> bool:
+    """auto-<key>.json of `name` is a manifest (its .bin, if any, only a copy)."""
+    try:
+        return Meta.from_json(read_small(directory / (name[:-4] + ".json"))).in_blocks
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def write_cache(path: Path, directory: Path, entries: list[Entry]) -> None:

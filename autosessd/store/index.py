@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..base.files import read_small, regular_ident
-from .entries import Entry, Ident, check_name, fitting, read_cache, write_cache
+from .entries import Entry, Ident, check_name, fitting, is_manifest, manifest_entry, read_cache, write_cache
 from .names import AUTO_BIN, Mark, marks_from
 from .runs import common_prefix, swa_usable, TokenRun
 from .slotfile import BadSlotFile, comparable, encode, read_header
@@ -152,7 +152,29 @@ class TokenIndex:
                     elif d.name.startswith("auto-") and d.name.endswith(".json"):
                         metas[d.name] = st
         entries: dict[str, Entry] = {}
+        for jname, mst in metas.items():
+            # A manifest (issue 39): its tokens are in it, and a .bin under its name is only a
+            # copy. Known by the manifest's identity (ident == meta_ident).
+            name = jname[:-5] + ".bin"
+            meta_ident = _ident(mst)
+            old = known.get(name)
+            if old is not None and old.ident == meta_ident and old.meta_ident == meta_ident:
+                entries[name] = old
+                report.from_cache += 1
+                continue
+            if name in bins and (old is None or old.ident != meta_ident):
+                continue  # most likely a whole file's metadata: read by its header below
+            try:
+                e = manifest_entry(self.directory, name, meta_ident)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                skipped[name] = f"{jname}: {err}"
+                continue
+            if e is not None:
+                entries[name] = e
+                report.read += 1
         for name, st in bins.items():
+            if name in entries:
+                continue
             meta_st = metas.get(name[:-4] + ".json") if AUTO_BIN.match(name) else None
             ident, meta_ident = _ident(st), _ident(meta_st) if meta_st else None
             old = known.get(name)
@@ -220,10 +242,18 @@ class TokenIndex:
         """A file that was just made final under `name`, holding `tokens`, for `model` (marks:
         its metadata's). The file must exist (its identity is what keeps the cache honest)."""
         check_name(name)
-        st = os.stat(self.directory / name, follow_symlinks=False)
+        meta_ident = self._meta_ident(name)
+        try:
+            ident = _ident(os.stat(self.directory / name, follow_symlinks=False))
+        except FileNotFoundError:
+            if meta_ident is None:
+                raise
+            ident = meta_ident  # a manifest: its blocks are the file (issue 39)
+        if meta_ident is not None and is_manifest(self.directory, name):
+            ident = meta_ident
         data = encode(comparable(tokens))
-        entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=data, ident=_ident(st),
-                      meta_ident=self._meta_ident(name), marks=fitting(tuple(marks), data))
+        entry = Entry(name=name, model=model, n_tokens=len(tokens), tokens=data, ident=ident,
+                      meta_ident=meta_ident, marks=fitting(tuple(marks), data))
         self._put(entry)
         return entry
 
@@ -287,8 +317,12 @@ class TokenIndex:
 
     def forget_if_gone(self, name: str) -> bool:
         """Forget `name` when it is no longer a regular file in the directory (removed behind
-        autosessd's back: rm, another tool). A stat. → whether it was forgotten now."""
+        autosessd's back: rm, another tool), nor a manifest (issue 39). A stat or two. →
+        whether it was forgotten now."""
         if regular_ident(self.directory / name) is not None:
+            return False
+        if AUTO_BIN.match(name) and regular_ident(self.directory / (name[:-4] + ".json")) is not None \
+                and is_manifest(self.directory, name):
             return False
         log.info("auto sessions: %s is gone from the session directory (removed by hand?): the index forgets it",
                  name)

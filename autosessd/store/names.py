@@ -12,6 +12,7 @@ the rest of the code reads it from.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -162,6 +163,15 @@ class Meta:
     # by them without asking the engine for its tokens. (): not known (older metadata, a
     # prefix, a state no request of ours made).
     marks: tuple[Mark, ...] = ()
+    # Kept as token blocks (store/blocks.py, issue 39): its blocks ((key, cells, digest) each, in
+    # position order), its KV's shape (kvfile.Shape.to_json) and its tokens (little-endian int32):
+    # the metadata is then the manifest the file is assembled from, and auto-<key>.bin, when
+    # there is one, only a copy kept for a quick return (its bytes are `bytes`, its digest
+    # `digest`). (): a whole file; `whole` may say why it could not be cut.
+    blocks: tuple[tuple[str, int, str], ...] = ()
+    kv: dict | None = None
+    tokens: bytes | None = None
+    whole: str | None = None
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
@@ -174,7 +184,10 @@ class Meta:
                    n_prompt=int(n_prompt) if n_prompt is not None else None, prefix=bool(d.get("prefix", False)),
                    host=str(d["host"]) if d.get("host") is not None else None,
                    digest=digest if isinstance(digest, str) else None, ident=Ident.from_list(d.get("ident")),
-                   marks=marks_from(d.get("marks")))
+                   marks=marks_from(d.get("marks")), blocks=_blocks_from(d.get("blocks")),
+                   kv=d["kv"] if isinstance(d.get("kv"), dict) else None,
+                   tokens=base64.b64decode(d["tokens"], validate=True) if isinstance(d.get("tokens"), str) else None,
+                   whole=str(d["whole"]) if d.get("whole") is not None else None)
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -187,7 +200,38 @@ class Meta:
             d["marks"] = [m.to_list() for m in self.marks]
         else:
             del d["marks"]
+        for k in ("blocks", "kv", "tokens", "whole"):
+            if not d[k]:
+                del d[k]  # a whole file's metadata, as before the block store
+        if self.blocks:
+            d["blocks"] = [list(b) for b in self.blocks]
+        if self.tokens is not None:
+            d["tokens"] = base64.b64encode(self.tokens).decode()
         return json.dumps(d, sort_keys=True).encode() + b"\n"
+
+    @property
+    def in_blocks(self) -> bool:
+        """Kept as token blocks: its .bin, if any, is a copy that may go at any time."""
+        return bool(self.blocks) and self.kv is not None and self.tokens is not None
+
+    @property
+    def n_cells(self) -> int:
+        return sum(b[1] for b in self.blocks)
+
+
+def _blocks_from(v: object) -> tuple[tuple[str, int, str], ...]:
+    """A manifest's blocks as metadata holds them; ValueError for anything else."""
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise ValueError("blocks: not a list")
+    out = []
+    for b in v:
+        if not (isinstance(b, list) and len(b) == 3 and isinstance(b[0], str) and len(b[0]) == 32
+                and type(b[1]) is int and b[1] > 0 and isinstance(b[2], str)):
+            raise ValueError(f"blocks: not a block reference: {b!r}")
+        out.append((b[0], b[1], b[2]))
+    return tuple(out)
 
 
 # Every file autosessd makes visible holds a conversation: its owner's only (0640 with control.group).

@@ -36,7 +36,10 @@ from typing import TYPE_CHECKING, Iterator
 
 from ..base import files
 from ..base.files import Ident
-from .names import FILE_MODE, TEMP_PREFIX, Meta, StoreError, Unfinished, fsync_dir, manual_name
+from . import blocks, kvfile
+from .kvfile import KVFile
+from .slotfile import MAGIC_BYTES
+from .names import FILE_MODE, TEMP_PREFIX, Meta, StoreError, Unfinished, auto_name, fsync_dir, manual_name
 
 log = logging.getLogger("autosessd")
 
@@ -45,6 +48,8 @@ class Saving:
     """Store's save path (see the module's docstring)."""
 
     path: Path
+    staging: Path
+    blocks: blocks.BlockStore | None
     group: int | None
     mode: int
     _mode_warned: bool
@@ -54,6 +59,12 @@ class Saving:
     _unread: threading.Condition
 
     def temp_path(self, key: str) -> Path: ...  # Store's
+
+    if TYPE_CHECKING:  # the other rooms' own: a stub here would come before them in Store's MRO
+        def hot_path(self, key: str) -> Path: ...
+        def _referenced(self, key: str, meta: Meta | None) -> None: ...
+        def _hot_added(self, name: str) -> None: ...
+        def written_blocks(self, n: int) -> None: ...
     def bin_path(self, key: str) -> Path: ...  # Store's
     def meta_path(self, key: str) -> Path: ...  # Store's
     if TYPE_CHECKING:  # Space's own: a stub here would come before it in Store's MRO
@@ -113,40 +124,127 @@ class Saving:
             yield
 
     def finalize(self, key: str, meta: Meta, digest: str | None = None) -> Meta:
-        """Make the verified temporary of `key` visible as auto-<meta.key>.bin (the same key,
-        or the name branches.save_key chose for it), then its metadata, with the file's digest.
-        Returns the metadata written. Blocking.
+        """Make the verified temporary of `key` durable as conversation meta.key (the same key,
+        or the name branches.save_key chose for it): cut into token blocks with its manifest
+        when it can be (the temporary then kept as the copy for a quick return,
+        staging/auto-<key>.bin), else as the whole file auto-<key>.bin with its metadata; the
+        digest of the engine's bytes with either. Returns the metadata written. Blocking.
 
         digest: what an earlier try read of these bytes before a later step of it failed
-        (Unfinished.digest): they are copied from where that try left them into a fresh
-        temporary, checked against it, and finalized from there. A failure after the digest is
-        raised as Unfinished, which carries it."""
-        temp, final = self.temp_path(key), self.bin_path(meta.key)
+        (Unfinished.digest): the bytes are found where that try left them and checked against
+        it; a whole file is copied into a fresh temporary first (a second fsync of the same
+        file can report success for pages the first failed to write). A failure after the
+        digest is raised as Unfinished, which carries it."""
+        temp = self.temp_path(key)
         again = digest is not None
         if digest is None:
             digest, _ = files.digest_file(temp)  # the bytes are in the page cache now
         try:
-            if again:
-                temp = self._fresh_copy(key, final, digest)
-            self._seal(temp)
-            with self._unread_temp(temp):
-                os.replace(temp, final)
-            fsync_dir(self.path)
-            ident = files.regular_ident(final)  # after the rename, which moves the ctime
-            meta = dataclasses.replace(meta, digest=digest, ident=ident)
-            self._write_meta(meta)
+            kv, why = self._cuttable(temp if temp.exists() or not again else self.hot_path(meta.key))
+            if kv is not None:
+                meta = self._finalize_blocks(key, meta, digest, kv, again)
+            else:
+                if again:
+                    self._fresh_copy(key, meta.key, digest)
+                meta = self._finalize_whole(key, dataclasses.replace(meta, whole=why), digest)
         except OSError as e:
             raise Unfinished(e, digest) from e
         self._saw(meta)
         return meta
 
-    def _fresh_copy(self, key: str, final: Path, digest: str) -> Path:
-        """The bytes an earlier finalize of `key` left (its temporary, or auto-<...>.bin when it
-        had renamed them), copied to a temporary of their own whose digest must be `digest`."""
-        src = self.temp_path(key)
+    def _cuttable(self, path: Path) -> tuple[KVFile | None, str | None]:
+        """The file's layout when it is cut into blocks here; else (None, why it stays whole;
+        None where there is no block store or the engine's files are not llama-server's)."""
+        if self.blocks is None:
+            return None, None
+        with open(path, "rb") as f:
+            if f.read(4) != MAGIC_BYTES:
+                return None, None  # another engine's file (the control stream's): always whole
+        try:
+            return kvfile.parse(path), None
+        except kvfile.NotSliceable as e:
+            return None, str(e)
+
+    def _finalize_whole(self, key: str, meta: Meta, digest: str) -> Meta:
+        temp, final = self.temp_path(key), self.bin_path(meta.key)
+        self._seal(temp)
+        if self.staging != self.path:
+            # The durable copy in the store, the engine's file kept in staging for a return.
+            self._copy_durable(temp, final)
+            with self._unread_temp(temp):
+                os.replace(temp, self.hot_path(meta.key))
+            self._hot_added(auto_name(meta.key))
+        else:
+            with self._unread_temp(temp):
+                os.replace(temp, final)
+        fsync_dir(self.path)
+        ident = files.regular_ident(final)  # after the rename, which moves the ctime
+        meta = dataclasses.replace(meta, digest=digest, ident=ident, blocks=(), kv=None, tokens=None)
+        self._write_meta(meta)
+        return meta
+
+    def _finalize_blocks(self, key: str, meta: Meta, digest: str, kv: KVFile, again: bool) -> Meta:
+        """Its blocks stored (those not stored yet), then the engine's file kept as the copy for a
+        quick return (not fsynced: the blocks are the durable copy), then the manifest: a crash
+        before the manifest leaves blocks no manifest names (the next start removes them) and a
+        copy without metadata (removed too)."""
+        from .slotfile import encode
+
+        temp, hot = self.temp_path(key), self.hot_path(meta.key)
+        src = temp if temp.exists() else hot  # a retry may find it renamed already
+        if again:
+            now, _ = files.digest_file(src)
+            if now != digest:
+                raise StoreError(f"{src.name} no longer holds the bytes the engine saved")
+        assert self.blocks is not None
+        cells = encode(kv.tokens[:kv.n_cells])
+        keys = blocks.chain(meta.model, kv.shape, cells, kv.n_cells)
+        with self.blocks.pinned(keys):  # no prune takes a block this manifest is about to name
+            refs, written = blocks.split(self.blocks, kv, src, meta.model, keys)
+            if src == temp:
+                fd = os.open(temp, os.O_RDONLY)
+                try:
+                    self._own(fd, temp)
+                finally:
+                    os.close(fd)
+                with self._unread_temp(temp):
+                    os.replace(temp, hot)
+            ident = files.regular_ident(hot)
+            meta = dataclasses.replace(meta, digest=digest, ident=ident, whole=None,
+                                       blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
+                                       kv=kv.shape.to_json(), tokens=encode(kv.tokens))
+            self._write_meta(meta)
+            self._referenced(meta.key, meta)
+        self.written_blocks(written)
+        self._hot_added(auto_name(meta.key))
+        return meta
+
+    def _copy_durable(self, src: Path, final: Path) -> None:
+        """src's bytes as `final` in the store: a temporary of its own, fsynced, renamed."""
+        tmp = self.path / f"{TEMP_PREFIX}{final.stem[5:]}.{uuid.uuid4().hex[:8]}.copy.partial"
+        try:
+            f, _ = files.open_regular(src)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
+            with f, os.fdopen(fd, "wb") as out:
+                self._own(out.fileno(), tmp)
+                while chunk := f.read(files.CHUNK):
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+
+    def _fresh_copy(self, key: str, file_key: str, digest: str) -> None:
+        """The bytes an earlier finalize of `key` left (its temporary, or auto-<file_key>.bin
+        when it had renamed them), copied into a fresh temporary whose digest must be `digest`,
+        which then takes the temporary's name: the retry goes on from there."""
+        temp = self.temp_path(key)
+        src = temp
         if not src.exists():
-            src = final
-        dst = self.path / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.again.partial"
+            src = self.hot_path(file_key) if self.hot_path(file_key).exists() else self.bin_path(file_key)
+        dst = self.staging / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.again.partial"
         h = files.Hasher()
         f, _ = files.open_regular(src)
         try:
@@ -157,13 +255,11 @@ class Saving:
             if h.hexdigest() != digest:
                 raise StoreError(f"{src.name} no longer holds the bytes the engine saved (its digest is "
                                  f"{h.hexdigest()}, {digest} was read before the failure)")
+            with self._unread_temp(temp):
+                os.replace(dst, temp)
         except BaseException:
             self._unlink(dst)
             raise
-        if src != final:
-            with self._unread_temp(src):
-                self._unlink(src)
-        return dst
 
     def drop_temp(self, key: str) -> None:
         """A failed finalize's temporary, once no restore reads it (blocking: run it in a thread)."""
@@ -172,10 +268,16 @@ class Saving:
             self._unlink(temp)
 
     def finalize_manual(self, key: str, name: str) -> None:
-        """A parked session under a person's name: the same atomic rename, no metadata."""
-        temp = self.temp_path(key)
+        """A parked session under a person's name: the same atomic rename, no metadata; with a
+        separate store, its durable copy there and the engine's file kept in staging."""
+        temp, final = self.temp_path(key), self.path / manual_name(name)
         self._seal(temp)
-        os.replace(temp, self.path / manual_name(name))
+        if self.staging != self.path:
+            self._copy_durable(temp, final)
+            with self._unread_temp(temp):
+                os.replace(temp, self.staging / manual_name(name))
+        else:
+            os.replace(temp, final)
         fsync_dir(self.path)
 
     def _seal(self, path: Path) -> None:

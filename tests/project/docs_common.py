@@ -51,7 +51,8 @@ def type_name(f: dataclasses.Field) -> str:
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     base = t.replace("| None", "").strip()
     names = {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
-             "tuple[str, ...]": "string or list of strings", "int | str": '"auto" or integer'}
+             "tuple[str, ...]": "string or list of strings", "int | str": '"auto" or integer',
+             "float | str": '"auto" or number'}
     assert base in names, f"a config type the reference does not know how to write: {t} ({f.name})"
     return names[base]
 
