@@ -95,6 +95,7 @@ def run(config_path: str | None, log_level: str, log_format: str, exec_: bool, e
         overrides, child = _exec_plan(exec_, exec_log, command, overrides)
     cfg = _load_or_exit(config_path, overrides)
     if child is not None:
+        cfg = config_mod.tmpfs_staging(cfg)
         child = _exec_child(cfg, child, exec_log)
     logs.setup_logging(log_level, log_format)
     exit_after_stop(daemon.run(cfg, config_path, overrides, child))

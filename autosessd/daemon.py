@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from .base import config as config_mod
@@ -140,6 +141,9 @@ class Daemon(Starting):
             # The engine refuses a --slot-save-path that is not a directory; a new model's
             # directory under llama-swap is made here, for its user only.
             try:
+                staging = Path(self.cfg.slot_save_path)
+                if self.cfg.store_path is not None and staging.parent.name == f"autosessd-{os.getuid()}":
+                    staging.parent.mkdir(mode=0o700, exist_ok=True)  # tmpfs staging (config.tmpfs_staging)
                 os.makedirs(self.cfg.slot_save_path, mode=0o700, exist_ok=True)
             except OSError as e:
                 raise StartupError(f"slot_save_path {self.cfg.slot_save_path}: cannot create it: "

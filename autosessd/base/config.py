@@ -176,6 +176,28 @@ class Config:
         return Path(self.control.socket) if self.control.socket else default_socket_path()
 
 
+def tmpfs_staging(cfg: Config, shm: str = "/dev/shm") -> Config:
+    """--exec (issue 39): the engine autosessd starts writes its saves to a staging directory on
+    tmpfs, and slot_save_path becomes the store on disk, where only the blocks a save adds are
+    written. Only where store_path is not set (then the user chose) and `shm` is a tmpfs; the
+    directory is the user's own (0700), one per store."""
+    if cfg.store_path is not None or not _is_tmpfs(shm):
+        return cfg
+    import hashlib
+
+    tag = hashlib.sha1(os.path.realpath(cfg.slot_save_path).encode()).hexdigest()[:12]
+    staging = os.path.join(shm, f"autosessd-{os.getuid()}", tag)
+    return dataclasses.replace(cfg, store_path=cfg.slot_save_path, slot_save_path=staging)
+
+
+def _is_tmpfs(path: str) -> bool:
+    try:
+        with open("/proc/mounts") as f:
+            return any(len(p) > 2 and p[1] == path and p[2] == "tmpfs" for p in (line.split() for line in f))
+    except OSError:
+        return False
+
+
 def default_socket_path() -> Path:
     if os.geteuid() == 0:
         return Path("/run/autosessd/autosessd.sock")

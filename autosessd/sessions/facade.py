@@ -400,6 +400,7 @@ class Sessions:
     async def prepare(self) -> None:
         await self.upkeep.prepare()
         await self.check_template()
+        self.upkeep.start_import()  # whole files from before the block store, as blocks (in the background)
 
     async def check_template(self) -> None:  # may returns be matched by messages that go on (recall.py)?
         await self._turn.recall.check_appends()
@@ -414,6 +415,7 @@ class Sessions:
         """At stop, after drain(): keep the index for the next start (index=False: the house
         keeps it, behind a router)."""
         self.idle.close()
+        self.upkeep.stop_import()
         if self.sleep is not None:
             self.sleep.stop()
         if index:

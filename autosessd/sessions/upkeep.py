@@ -30,6 +30,7 @@ class Upkeep:
         self.ctx = ctx
         self.savers: list[Saver] = [saver] if saver is not None else []
         self._prune_task: asyncio.Task | None = None
+        self._import_task: asyncio.Task | None = None
 
     # -- the token index -----------------------------------------------------------------
     async def prepare(self, swa: bool = True) -> None:
@@ -50,6 +51,39 @@ class Upkeep:
             log.warning("auto sessions: not indexed: %s: %s", name, why)
         if swa:  # behind a router each model learns its own as it loads
             ctx.swa_window = await facts.swa_window(ctx)
+
+    def start_import(self) -> None:
+        """Whole files saved before the block store, kept as blocks now (Store.import_whole), one
+        at a time in a worker thread, after the start: nothing a user saved is lost, and the
+        upgrade costs no start its time."""
+        if self.ctx.store.blocks is not None and (self._import_task is None or self._import_task.done()):
+            self._import_task = asyncio.get_running_loop().create_task(self._import())
+
+    async def _import(self) -> None:
+        store, loop = self.ctx.store, asyncio.get_running_loop()
+        try:
+            entries = await loop.run_in_executor(None, store.scan)
+            todo = [e for e in entries if e.meta is not None and not e.blocks and e.meta.whole is None]
+            n = 0
+            for e in todo:
+                done = await loop.run_in_executor(None, store.import_whole, e.key)
+                if done is None:
+                    continue
+                log.info("auto sessions: %s", done)
+                meta = store.read_meta(e.key)
+                if meta is not None and meta.in_blocks and self.ctx.index is not None:
+                    from ..store.runs import decode
+
+                    self.ctx.index.add(e.name, decode(meta.tokens or b""), meta.model, meta.marks)
+                n += meta is not None and meta.in_blocks
+            if n:
+                log.info("auto sessions: %d whole file(s) from before the block store kept as blocks now", n)
+        except Exception as e:  # never the daemon's end: the files stay whole
+            log.warning("auto sessions: keeping older whole files as blocks: %s", e)
+
+    def stop_import(self) -> None:
+        if self._import_task is not None:
+            self._import_task.cancel()
 
     async def save_index(self) -> None:
         index = self.ctx.index

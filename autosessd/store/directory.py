@@ -353,7 +353,8 @@ class Store(Saving, Staging, References, Integrity, Space):
                     why = "no valid metadata (interrupted save)"
                     self._unlink(self.meta_path(m.group(1)))
                 elif meta.in_blocks:
-                    pass  # a copy kept in staging (the same directory): looked at below
+                    if self.staging != self.path:  # a whole file of it from before its blocks
+                        why = "a whole file its blocks replaced"
                 else:
                     self._saw(meta)  # the start's look at every file primes the space estimate
             if why and self._unlink(self.path / name):

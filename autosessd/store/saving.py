@@ -215,9 +215,66 @@ class Saving:
                                        kv=kv.shape.to_json(), tokens=encode(kv.tokens))
             self._write_meta(meta)
             self._referenced(meta.key, meta)
+        if self.staging != self.path:
+            self._unlink(self.bin_path(meta.key))  # a whole file of it from before: the blocks hold it now
         self.written_blocks(written)
         self._hot_added(auto_name(meta.key))
         return meta
+
+    def import_whole(self, key: str) -> str | None:
+        """A whole auto file saved before the block store (or while it was off), kept as blocks
+        now when it can be cut: its blocks stored, then its manifest written in place of its
+        metadata, unless a save of it landed meanwhile (its metadata changed). In the store's
+        own directory the .bin stays as its copy; in a separate store it goes. → what was done,
+        for the log; None: nothing to do. Blocking."""
+        if self.blocks is None:
+            return None
+        path, meta_path = self.bin_path(key), self.meta_path(key)
+        ident0 = files.regular_ident(meta_path)
+        meta = self._meta_at(meta_path) if ident0 is not None else None
+        if meta is None or meta.key != key or meta.in_blocks or meta.whole is not None:
+            return None
+        kv, why = self._cuttable(path)
+        if kv is None:
+            meta = dataclasses.replace(meta, whole=why or "not a llama-server slot file")
+        else:
+            from .slotfile import encode
+
+            keys = blocks.chain(meta.model, kv.shape, encode(kv.tokens[:kv.n_cells]), kv.n_cells)
+            with self.blocks.pinned(keys):
+                refs, written = blocks.split(self.blocks, kv, path, meta.model, keys)
+                self.written_blocks(written)
+                meta = dataclasses.replace(meta, blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
+                                           kv=kv.shape.to_json(), tokens=encode(kv.tokens), whole=None,
+                                           ident=files.regular_ident(path))
+                if not self._replace_meta(meta, ident0):
+                    return None
+                self._referenced(key, meta)
+        if kv is None:
+            if not self._replace_meta(meta, ident0):
+                return None
+            return f"{auto_name(key)} stays whole: {meta.whole}"
+        if self.staging != self.path:
+            self._unlink(path)
+        else:
+            self._hot_added(auto_name(key))
+        return f"{auto_name(key)} kept as {len(meta.blocks)} blocks ({written:,} bytes written)"
+
+    def _replace_meta(self, meta: Meta, ident0: Ident) -> bool:
+        """Write `meta` in place of the metadata whose identity was ident0, unless it changed
+        (a save landed meanwhile): then nothing is written. → whether it was."""
+        tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.import.json.partial"
+        written = self._meta_temp(meta, tmp)
+        try:
+            with self._lock:
+                if files.regular_ident(self.meta_path(meta.key)) != ident0 or auto_name(meta.key) in self.in_use:
+                    return False
+                os.replace(tmp, self.meta_path(meta.key))
+                self._remember_meta(meta.key, written)
+        finally:
+            self._unlink(tmp)
+        fsync_dir(self.path)
+        return True
 
     def _copy_durable(self, src: Path, final: Path) -> None:
         """src's bytes as `final` in the store: a temporary of its own, fsynced, renamed."""

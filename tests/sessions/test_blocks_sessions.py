@@ -180,3 +180,37 @@ async def test_a_restart_finds_the_manifests_and_their_copies(tmp_path):
     assert s2.index.get(f"auto-{A}.bin") is not None and manifest(s2, A).in_blocks
     r = await request(s2, A, conv(A, 50))
     assert r.restored is not None and s2.counters.assemblies == 1 and s2.engine.held[0] == conv(A, 50)
+
+
+async def test_whole_files_from_before_the_block_store_are_kept_as_blocks_after_a_start(tmp_path):
+    """Files saved with store_blocks off (as every save before issue 39): the next start keeps
+    them as blocks, in the background; the conversation restores as before."""
+    s = make(tmp_path)
+    s.store.blocks = None  # the store of an older autosessd
+    await s.prepare()
+    await request(s, A, conv(A, 40))
+    await request(s, B2, conv(B2, 30))
+    assert not manifest(s, A).in_blocks and manifest(s, A).whole is None
+    await s.close()
+    s2 = make(tmp_path)
+    await s2.prepare()
+    for _ in range(200):
+        if manifest(s2, A).in_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert manifest(s2, A).in_blocks and len(manifest(s2, A).blocks) == 3
+    r = await request(s2, A, conv(A, 40))
+    assert r.restored is not None and s2.engine.held[0] == conv(A, 40)
+
+
+def test_exec_puts_the_engines_files_on_tmpfs_and_the_store_on_disk(tmp_path, monkeypatch):
+    from autosessd.base import config
+
+    cfg = parse(f'slot_save_path = "{tmp_path}"\n'.encode())
+    monkeypatch.setattr(config, "_is_tmpfs", lambda p: True)
+    staged = config.tmpfs_staging(cfg, "/dev/shm")
+    assert staged.store_path == str(tmp_path) and staged.slot_save_path.startswith("/dev/shm/autosessd-")
+    chosen = parse(f'slot_save_path = "{tmp_path}"\nstore_path = "/srv/store"\n'.encode())
+    assert config.tmpfs_staging(chosen, "/dev/shm") is chosen  # the user chose: left alone
+    monkeypatch.setattr(config, "_is_tmpfs", lambda p: False)
+    assert config.tmpfs_staging(cfg, "/dev/shm") is cfg
