@@ -41,7 +41,7 @@ from ..store.staging import Refused, Staged
 from .observe import SLEPT, UNLOADED
 from .phases import timed
 from .policy import Occasion
-from .report import TurnResult, fmt_tokens
+from .report import TurnResult, fmt_bytes, fmt_tokens
 from .slot import Phase, Slot
 
 if TYPE_CHECKING:
@@ -136,8 +136,10 @@ class Restorer:
         ctx.counters.ms_restored += res.ms
         ctx.savings.saw_restore(res.n_tokens, res.n_bytes, res.ms)
         ctx.histograms.restore.observe(res.ms / 1000)
-        logs.soon(log, logging.INFO, "auto sessions: restored %s tokens from %s in %.0f ms", fmt_tokens(res.n_tokens),
-                  name, ms)
+        how = "" if staged is None or not staged.assembled else \
+            f" (assembled from its blocks: {fmt_bytes(staged.bytes_read)} read in {staged.ms:.0f} ms)"
+        logs.soon(log, logging.INFO, "auto sessions: restored %s tokens from %s in %.0f ms%s", fmt_tokens(res.n_tokens),
+                  name, ms, how)
         info = {"key": key, "file": name, "n_tokens": res.n_tokens, "bytes": res.n_bytes,
                 "engine_ms": round(res.ms, 2), "ms": round(ms, 2)}
         if staged is not None and staged.assembled:
