@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from .base.config import ConfigError, default_socket_path
-from .ctl_text import forgot, gb, show_bucket_prune, show_doctor, show_event, show_status, table, tokens, when
+from .ctl_text import forgot, gb, show_bucket_prune, stored, show_doctor, show_event, show_status, table, tokens, when
 from .front import protocol
 from .front.protocol import Code, ProtocolError
 
@@ -183,12 +183,13 @@ def ls(ctx: click.Context, model: str | None, sock: str | None, as_json: bool | 
             return "no sessions"
         models = any("model" in r for r in rows)  # a router's: the model column
         return table([[r["name"] + (" *" if r["held"] else ""), r["kind"], r.get("line") or "-",
-                       tokens(r["n_tokens"]), gb(r["bytes"]), when(r["saved_at"]),
+                       tokens(r["n_tokens"]), gb(r["bytes"]), stored(r), when(r["saved_at"]),
                        {True: "yes", False: "OTHER MODEL", None: "-"}[r["model_ok"]],
                        r.get("words") or (f"({r['why']})" if r["kind"] == "quarantined" else "")
                        or (f"(no words: {r['words_error']})" if r.get("words_error") else "")]
                       + ([r.get("model") or "-"] if models else [])
-                      for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "SAVED", "THIS MODEL", "FIRST WORDS"]
+                      for r in rows], ["NAME", "KIND", "LINE", "TOKENS", "SIZE", "STORED", "SAVED", "THIS MODEL",
+                                       "FIRST WORDS"]
                      + (["MODEL"] if models else []))
 
     run(lambda: c.out(call(c.path, "ls", timeout=60, model=model), human))

@@ -117,7 +117,9 @@ def show_status(st: dict[str, Any]) -> str:
             if r.get("spared_ms") is not None:
                 reused += f", spared ~{seconds(r['spared_ms'] / 1000)}"
             out.append(f"          last restore {r['file']} (by {r.get('chosen_by', 'key')}){shared}{reused}")
-    out.append(f"sessions  {store['path']}")
+    out.append(f"sessions  {store['path']}" + (f"  (the engine's: {store['staging']})"
+                                               if store.get("staging") and store["staging"] != store["path"] else ""))
+    out += store_lines(store)
     out.append("inputs    " + (", ".join(st["inputs"]) or "none"))
     if st.get("shared"):
         out += shared_lines(st["shared"])
@@ -138,6 +140,29 @@ def show_status(st: dict[str, Any]) -> str:
         out.append(f"warning   restored {tokens(n['n_restored'])} tokens of {n['key']} but the engine reused "
                    f"{tokens(n['cache_n'])}: {n['likely_cause']}")
     return "\n".join(out)
+
+
+def stored(r: dict[str, Any]) -> str:
+    """How `ls` says a file is kept: blocks (its own bytes / shared), whole (why), or -."""
+    if r.get("stored") == "blocks":
+        return f"blocks: {gb(r['own_bytes'])} own, {gb(r['shared_bytes'])} shared"
+    if r.get("stored") == "whole":
+        return f"whole ({r['whole_why']})" if r.get("whole_why") else "whole"
+    return "-"
+
+
+def store_lines(store: dict[str, Any]) -> list[str]:
+    """The block store and the copies in staging (issue 39), in one or two lines."""
+    b, hot = store.get("blocks") or {}, store.get("hot") or {}
+    if not b.get("on"):
+        return ["store     whole files (store_blocks = false)"]
+    out = [f"store     {b['manifests']:,} conversation(s) as {b['blocks']:,} token blocks ({gb(b['bytes'])}, "
+           f"{gb(b['shared_bytes'])} of them shared); written since start: the engine {gb(b['engine_bytes_written'])}, "
+           f"the store {gb(b['store_bytes_written'])}"]
+    if hot:
+        out.append(f"staging   {hot['files']:,} copy(ies) for a quick return ({gb(hot['bytes'])} of "
+                   f"{gb(hot['budget'])}); assembled from blocks: {b['assembled']:,} ({gb(b['assembled_bytes'])} read)")
+    return out
 
 
 def shared_lines(sh: dict[str, Any]) -> list[str]:

@@ -28,6 +28,9 @@ Scenarios (each competitor is measured in the same run, interleaved with autoses
                      cold with and without warming, the disk's read speed (bench/kv8b.py)
   13 write volume   saves per hour of two conversations taking turns every 30 s and of one alone
                     every 5 min, under three idle-save settings, priced at 8B sizes (bench/writes.py)
+  14 token blocks   on the real engine, whole files against token blocks with staging on tmpfs:
+                    bytes written per turn, a shared system prompt's store, the block size
+                    (bench/blocks.py)
 
 Writes bench/results/<date>-<host>.json and prints Markdown tables; with scenario 1, also
 bench/results/switch-back.png (bench/plot.py), the README's plot.
@@ -62,6 +65,7 @@ from run_costs import s4_disk, s5_gate, t4, t5  # noqa: E402  (scenarios 4-5: on
 from run_daemon import s6_tail, s7_scale, s8_footprint, t6, t7, t8  # noqa: E402  (6-8: off it)
 from run_switch import s1_switch_back, s2_many, s3_restart, t1, t2, t3  # noqa: E402  (1-3: switches)
 from writes import s13_writes, t13  # noqa: E402  (scenario 13: what saving writes, per hour)
+from blocks import s14_blocks, t14  # noqa: E402  (scenario 14: the store of token blocks)
 
 
 SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
@@ -76,6 +80,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[
     "11": ("Switches at real sizes: 1 GB and 4 GB state files, saved at the switch or while idle", s11_gb, t11),
     "12": ("Switches at real sizes on the real engine: Llama 3 8B's KV shape, 2k to 16k tokens", s12_kv8b, t12),
     "13": ("What saving writes: two usage patterns, three settings, priced at 8B sizes", s13_writes, t13),
+    "14": ("Token blocks on the real engine: write volume, a shared system prompt, the block size", s14_blocks,
+           t14),
 }
 
 

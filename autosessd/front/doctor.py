@@ -72,6 +72,10 @@ class Facts:
     not_reused: int
     not_reused_cause: str | None  # the last one's likely cause
     swa_retries: int = 0  # requests that ended inside a file on a sliding-window model (retries)
+    # The store (issue 39): blocks on; the engine's directory on tmpfs; conversations kept whole and why.
+    blocks: bool = False
+    staging_tmpfs: bool | None = None
+    whole: dict[str, int] | None = None
 
 
 def _flag(flags: dict[str, str | bool] | None, *names: str) -> str | bool | None:
@@ -133,6 +137,17 @@ def checks(f: Facts) -> list[Finding]:
     else:
         out.append(Finding("ok", "--slot-save-path", f"{f.save_path}" + (
             " (checked at start by a probe save)" if path is None else "")))
+    # the store: token blocks, the engine's writes on tmpfs
+    if f.blocks and f.staging_tmpfs is False:
+        out.append(Finding("problem", "staging", f"the engine saves into {f.save_path}, on the disk: every save "
+                           "is written whole there (the store then keeps only its new blocks)",
+                           "put slot_save_path on tmpfs (/dev/shm/...) and store_path on the disk, or run the "
+                           "engine through `autosessd --exec`, which does so"))
+    elif f.blocks and f.staging_tmpfs:
+        out.append(Finding("ok", "staging", "the engine saves on tmpfs; the store writes only new blocks"))
+    if f.whole:
+        why = "; ".join(f"{n:,} {w}" for w, n in sorted(f.whole.items(), key=lambda kv: -kv[1])[:3])
+        out.append(Finding("unknown", "store", f"conversation(s) kept whole, not as blocks: {why}"))
     # --no-slots
     if not f.slots_visible or _flag(f.flags, "--no-slots") is True:
         out.append(Finding("problem", "--no-slots", "GET /slots is off: autosessd cannot see requests that "
@@ -217,16 +232,36 @@ async def facts(s: Sessions) -> Facts:
     flags = parse_flags(*proc) if proc is not None else None
     arch, recurrent = await loop.run_in_executor(None, _model_facts, info.model_path if info else "")
     entries = await loop.run_in_executor(None, lambda: s.store.scan())
+    whole: dict[str, int] = {}
+    for e in entries:
+        if e.meta is not None and not e.blocks and e.meta.whole:
+            whole[e.meta.whole] = whole.get(e.meta.whole, 0) + 1
+    tmpfs = await loop.run_in_executor(None, on_tmpfs, str(s.store.staging))
     sizes = [e.meta.n_tokens for e in entries if e.meta is not None and e.meta.model == s.model]
     n_ctx = info.n_ctx if info is not None else None
     c, nr = s.counters, s.restore_log.not_reused
     return Facts(flags=flags, swa_window=ctx.swa_window if ctx.swa_window is not None else (
                      0 if ctx.cfg.engine.swa_window == 0 else None),
                  empties_idle=s.launch.empties_idle, n_slots=len(s.slots), slots_visible=ctx.slots_visible,
-                 save_path=str(s.store.path), n_ctx=n_ctx, largest_file=max(sizes) if sizes else None,
+                 save_path=str(s.store.staging), n_ctx=n_ctx, largest_file=max(sizes) if sizes else None,
                  files_over_ctx=sum(1 for n in sizes if n_ctx is not None and n >= n_ctx), arch=arch,
                  recurrent=recurrent, reused=c.restores_reused, not_reused=c.restores_not_reused,
-                 not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries)
+                 not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries,
+                 blocks=s.store.blocks is not None, staging_tmpfs=tmpfs, whole=whole or None)
+
+
+def on_tmpfs(path: str, mounts_file: str = "/proc/mounts") -> bool | None:
+    """Whether `path` lies on a tmpfs (the longest mount point of /proc/mounts that holds it);
+    None: not known (no /proc/mounts)."""
+    try:
+        with open(mounts_file) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max((m for m in mounts if len(m) > 2 and (real == m[1] or real.startswith(m[1].rstrip("/") + "/"))),
+               key=lambda m: len(m[1]), default=None)
+    return None if best is None else best[2] == "tmpfs"
 
 
 # -- where a prompt departed from the file ---------------------------------------------------------

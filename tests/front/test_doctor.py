@@ -107,3 +107,24 @@ async def test_doctor_names_the_edited_message_of_an_unreused_restore(tmp_path):
 
     text = show_doctor(r)
     assert "message 3 (assistant) differs" in text and text.splitlines()[0].startswith("engine http://stub")
+
+
+def test_the_store_findings_say_where_the_engine_writes_and_what_stays_whole():
+    """Issue 39: with token blocks on, an engine saving onto the disk writes each save whole there
+    (a problem, with the fix); on tmpfs it is fine; conversations kept whole are counted by why."""
+    on_disk = dataclasses.replace(GOOD, blocks=True, staging_tmpfs=False,
+                                  whole={"it holds more than one KV cache (a sliding-window or hybrid model)": 3})
+    by = {x.setting: x for x in checks(on_disk)}
+    assert by["staging"].status == "problem" and "tmpfs" in by["staging"].fix and "--exec" in by["staging"].fix
+    assert by["store"].status == "unknown" and "3 it holds more than one KV cache" in by["store"].says
+    assert {x.setting: x.status for x in checks(dataclasses.replace(on_disk, staging_tmpfs=True))}["staging"] == "ok"
+    assert "staging" not in {x.setting for x in checks(GOOD)}  # blocks off: nothing said
+
+
+def test_a_path_is_on_tmpfs_by_its_longest_mount(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n/dev/vdb /dev/shm/disk ext4 rw 0 0\n")
+    assert doctor.on_tmpfs("/dev/shm/autosessd-0/x", str(mounts)) is True
+    assert doctor.on_tmpfs("/dev/shm/disk/x", str(mounts)) is False  # the longest mount point wins
+    assert doctor.on_tmpfs("/srv/sessions", str(mounts)) is False
+    assert doctor.on_tmpfs("/srv", str(tmp_path / "none")) is None
