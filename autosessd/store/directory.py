@@ -194,7 +194,7 @@ class Store(Saving, Staging, References, Integrity, Space):
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
                     self._remember_meta(meta.key, written)
-                    self._referenced(meta.key, meta)  # a whole file now, where a manifest may have been
+                    self._remove_blocks(self._referenced(meta.key, meta))  # a whole file now, where a manifest was
                     with self._lock:
                         self._hot.pop(name, None)  # no longer a copy: the store's own file
                     now = files.regular_ident(final)
@@ -425,9 +425,8 @@ class Store(Saving, Staging, References, Integrity, Space):
                 size = 0
         self._unlink(doomed)
         if in_blocks:
-            self._referenced(key, None)
+            size += self._remove_blocks(self._referenced(key, None))
             size += self.forget_hot(auto_name(key))
-            size += self.unused_blocks()[1]
             self._unlink(self.bin_path(key))  # a copy in the same directory, not registered yet
         else:
             self._unlink(self.meta_path(key))

@@ -27,18 +27,30 @@ class References:
         def remove(self, key: str, ident: tuple[int, int, int] | None = None) -> int: ...
         def hot_copies(self) -> dict[str, int]: ...
 
-    def _referenced(self, key: str, meta: Meta | None) -> None:
-        """auto-<key>.json is now `meta` (None: gone, or a whole file's): the blocks it names."""
+    def _referenced(self, key: str, meta: Meta | None) -> list[str]:
+        """auto-<key>.json is now `meta` (None: gone, or a whole file's): the blocks it names.
+        → the blocks no manifest names any more (the caller may remove them)."""
         new = tuple(b[0] for b in meta.blocks) if meta is not None and meta.in_blocks else ()
+        unused = []
         with self._lock:
             old = self._uses.pop(key, ())
             if new:
                 self._uses[key] = new
             self._refs.update(new)
             self._refs.subtract(old)
-            for k in old:
+            for k in set(old):
                 if self._refs[k] <= 0:
                     del self._refs[k]
+                    unused.append(k)
+        return unused
+
+    def _remove_blocks(self, keys: list[str]) -> int:
+        """Of `keys`, the blocks still named by no manifest and held by nobody, removed: → bytes."""
+        if self.blocks is None or not keys:
+            return 0
+        with self._lock:
+            gone = [k for k in keys if k not in self._refs]
+        return self.blocks.remove_keys(gone)
 
     def written_blocks(self, n: int) -> None:
         with self._lock:

@@ -62,7 +62,8 @@ class Saving:
 
     if TYPE_CHECKING:  # the other rooms' own: a stub here would come before them in Store's MRO
         def hot_path(self, key: str) -> Path: ...
-        def _referenced(self, key: str, meta: Meta | None) -> None: ...
+        def _referenced(self, key: str, meta: Meta | None) -> list[str]: ...
+        def _remove_blocks(self, keys: list[str]) -> int: ...
         def _hot_added(self, name: str) -> None: ...
         def written_blocks(self, n: int) -> None: ...
     def bin_path(self, key: str) -> Path: ...  # Store's
@@ -214,7 +215,7 @@ class Saving:
                                        blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
                                        kv=kv.shape.to_json(), tokens=encode(kv.tokens))
             self._write_meta(meta)
-            self._referenced(meta.key, meta)
+            self._remove_blocks(self._referenced(meta.key, meta))  # e.g. its last partial block of before
         if self.staging != self.path:
             self._unlink(self.bin_path(meta.key))  # a whole file of it from before: the blocks hold it now
         self.written_blocks(written)
@@ -249,7 +250,7 @@ class Saving:
                                            ident=files.regular_ident(path))
                 if not self._replace_meta(meta, ident0):
                     return None
-                self._referenced(key, meta)
+                self._remove_blocks(self._referenced(key, meta))
         if kv is None:
             if not self._replace_meta(meta, ident0):
                 return None
