@@ -208,7 +208,7 @@ def with_autosessd(ctx: Ctx, gate: int, sock: Path, sessions: Path, a: list[dict
             t = _last_turn(sock)
             saves.append({"save_ms": t.get("save"), "turn_ms": t.get("ms"), "b_ttft_s": rb["ttft_s"]})
             settle(sock, bound_s=max(30.0, min(600.0, ctx.left())))  # the file final (fsync, digest, rename)
-            files = sorted(sessions.glob("auto-*.bin"), key=lambda p: p.stat().st_size)
+            files = sorted(sessions.glob("*.bin"), key=lambda p: p.stat().st_size)
             if files:
                 out["file_bytes"] = files[-1].stat().st_size
             if mode == "cold":
@@ -222,7 +222,7 @@ def with_autosessd(ctx: Ctx, gate: int, sock: Path, sessions: Path, a: list[dict
         out[m].update({k: med([x[k] for x in rows]) for k in ("ttft_s", "turn_ms", "restore_ms", "engine_restore_ms")})
         out[m]["reused"] = all(x["cache_n"] * 2 >= x["prompt"] - 64 for x in rows)
     out["switch_save"].update(save_ms=med([x["save_ms"] for x in saves]), b_ttft_s=med([x["b_ttft_s"] for x in saves]))
-    files = sorted(sessions.glob("auto-*.bin"), key=lambda p: p.stat().st_size)
+    files = sorted(sessions.glob("*.bin"), key=lambda p: p.stat().st_size)
     if files and ctx.left() > 30:
         out["disk_read_mb_s"] = round(disk_read_mb_s(files[-1]), 1)  # A's file read plainly, evicted first
 
