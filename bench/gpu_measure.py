@@ -58,6 +58,7 @@ class Ctx:
     env: dict[str, str] = field(default_factory=dict)  # for the engine (LD_LIBRARY_PATH) and daemon
     procs: list[subprocess.Popen] = field(default_factory=list)
     scratch: list[Path] = field(default_factory=list)  # the daemons' socket folders
+    threads: int | None = None  # the engine's -t (None: its default)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -116,7 +117,8 @@ def start_engine(ctx: Ctx, model: Path, n_ctx: int, sessions: Path, cache_ram_mi
             "--slot-save-path", str(sessions), "--no-webui", "--cache-ram", str(cache_ram_mib), "-fit", "off"]
     # Every layer on the GPU; on a CPU one thread: a loaded 2-core machine's threads wait for each
     # other at ggml's barriers (scripts/engine_build.py), and --cpu checks the code, not the speed.
-    args += ["-ngl", "999"] if ctx.gpu else ["-t", "1"]
+    args += ["-ngl", "999"] if ctx.gpu else []
+    args += ["-t", str(ctx.threads)] if ctx.threads else []
     log = open(ctx.work / f"engine-{tag}.log", "ab")
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **ctx.env})
     ctx.procs.append(p)

@@ -244,3 +244,42 @@ def test_a_source_the_trim_does_not_know_is_left_whole(cuda_sources):
     with pytest.raises(gb.TrimMismatch, match="should_use_mmq"):
         gb.trim(cuda.parent.parent.parent)
     assert {p: p.read_bytes() for p in cuda.rglob("*.cu")} == before
+
+
+@pytest.mark.engine
+def test_the_gpu_path_with_the_build_faked_measures_and_a_second_call_reuses(tmp_path, monkeypatch):
+    """The GPU run's own steps (the models written while the engine builds, the build kept for a
+    second call on a warm machine, every layer offloaded) around the CPU engine as the 'build'."""
+    server = engine_paths()["LLAMA_SERVER"]
+    builds = []
+
+    def fake_build(sdist, work, arch, cuda, jobs, log, timeout_s, trimmed=True):
+        builds.append((arch, trimmed))
+        log.write_text("a fake build\n")
+        return {"binary": server, "arch": arch, "configure_s": 0.1, "compile_s": 0.2, "trim": {"removed files": 32}}
+
+    monkeypatch.setattr(gb, "gpu_arch", lambda: ("90", "NVIDIA Fake"))
+    monkeypatch.setattr(gb, "find_cuda", lambda: gb.Cuda(Path("/cuda/bin/nvcc"), Path("/cuda"), tmp_path,
+                                                          tmp_path / "libcublas.so.13", tmp_path / "libcublasLt.so.13", None))
+    monkeypatch.setattr(gb, "build", fake_build)
+    monkeypatch.setattr(gpu, "BUILD", tmp_path / "gpu-engine")
+    monkeypatch.setattr(gpu, "MODELS", tmp_path / "gpu-models")
+    sdist = gpu.find_sdist(None, may_download=True)
+    args = ["--work", str(tmp_path), "--sdist", str(sdist), "--plan", "cpu-8b:400", "--threads", "1", "--reps", "1"]
+    assert gpu.main(["--out", str(tmp_path / "one"), *args]) == 0
+    assert gpu.main(["--out", str(tmp_path / "two"), *args]) == 0
+    assert builds == [("90", True)]
+    one, two = (json.loads((tmp_path / d / "gpu.json").read_text()) for d in ("one", "two"))
+    assert "build" in one["timeline"] and "build (reused)" in two["timeline"]
+    assert two["models"]["cpu-8b"]["file"].get("reused") and not one["models"]["cpu-8b"]["file"].get("reused")
+    assert one["machine"].startswith("NVIDIA Fake (sm_90)") and one["cuda"]["libcuda"] == "None"
+    for res in (one, two):
+        s = res["models"]["cpu-8b"]["sizes"]["400"]
+        assert s["autosessd"]["warm"]["reused"] and s["autosessd"]["cold"]["reused"] and s["ram_hit"]["reused"]
+    assert not list(tmp_path.glob("autosessd-gpu-*"))
+
+
+def test_big_files_get_one_return_of_each_kind_the_rest_two():
+    assert gpu.default_reps(False, 2.1e9) == 2  # 8b at 16k
+    assert gpu.default_reps(False, 5.4e9) == 1  # 70b-kv at 16k
+    assert gpu.default_reps(True, 1e6) == 1  # --cpu: the code, not the numbers
