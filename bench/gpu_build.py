@@ -109,7 +109,8 @@ def cmake_args(src: Path, build_dir: Path, arch: str, cuda: Cuda | None) -> list
              "-DGGML_CUDA_FA_QUANTS=f16-f16", "-DGGML_CUDA_NCCL=OFF",
              f"-DCMAKE_CUDA_COMPILER={cuda.nvcc}", f"-DCUDAToolkit_ROOT={cuda.root}",
              f"-DCUDA_cublas_LIBRARY={cuda.cublas}", f"-DCUDA_cublasLt_LIBRARY={cuda.cublas_lt}",
-             f"-DCMAKE_CUDA_FLAGS=-I{cuda.cublas_include}"]
+             # a host gcc newer than nvcc 13.0 knows would stop the build at its first file
+             f"-DCMAKE_CUDA_FLAGS=-I{cuda.cublas_include} -allow-unsupported-compiler"]
     if cuda.libcuda is None:
         args.append("-DGGML_CUDA_NO_VMM=ON")
     else:

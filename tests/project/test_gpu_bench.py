@@ -56,7 +56,7 @@ def test_the_cuda_build_is_trimmed_to_one_arch_and_the_f16_kernels(tmp_path):
                  "-DGGML_CUDA_FA_QUANTS=f16-f16", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_NATIVE=OFF",
                  "-DGGML_CUDA_NCCL=OFF", "-DGGML_CUDA_NO_VMM=ON", "-DCMAKE_CUDA_COMPILER=/cuda/bin/nvcc",
-                 f"-DCUDA_cublas_LIBRARY={tmp_path / 'libcublas.so.13'}", f"-DCMAKE_CUDA_FLAGS=-I{tmp_path / 'inc'}"):
+                 f"-DCUDA_cublas_LIBRARY={tmp_path / 'libcublas.so.13'}", f"-DCMAKE_CUDA_FLAGS=-I{tmp_path / 'inc'} -allow-unsupported-compiler"):
         assert flag in args
     with_driver = gb.cmake_args(Path("/src"), Path("/b"), "90", _cuda(tmp_path, Path("/usr/lib/libcuda.so.1")))
     assert "-DGGML_CUDA_NO_VMM=ON" not in with_driver
