@@ -323,12 +323,15 @@ class Bench:
                 self.res["skipped"] += [f"{nm} at {k:,} tokens" + (f" (cut: {e})" if j == i else "")
                                         for j, (nm, k) in enumerate(plan) if j >= i]
                 break
+            except gm.NoGPU:
+                raise
             except Exception as e:  # this size failed (the JSON says how); the next may not
                 size["error"] = f"{type(e).__name__}: {e}"[-2000:]
                 self.res["skipped"].append(f"{name} at {n:,} tokens (failed: {str(e)[:200]})")
                 print(f"gpu bench: {name} at {n:,} tokens failed: {e}", file=sys.stderr, flush=True)
             finally:
                 m["daemon_rates"] = _rates(self.work / f"state-{name}")
+                self.res["engine_devices"] = ctx.devices
                 self.mark(f"{name} at {n:,} tokens", t)
                 self.write()
         self.res["summary"] = gpu_table.summarize(self.res)

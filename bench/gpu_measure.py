@@ -45,6 +45,13 @@ MIN_TOKENS = 256
 REPLY_TOKENS = 8
 
 
+class NoGPU(Exception):
+    """The CUDA engine started on the CPU (a driver it cannot use): every number would be the CPU's."""
+
+
+GPU_FAILED = ("no usable GPU found", "failed to initialize CUDA")
+
+
 class OutOfTime(Exception):
     """The global deadline: what is measured stays, the rest is skipped."""
 
@@ -59,6 +66,7 @@ class Ctx:
     procs: list[subprocess.Popen] = field(default_factory=list)
     scratch: list[Path] = field(default_factory=list)  # the daemons' socket folders
     threads: int | None = None  # the engine's -t (None: its default)
+    devices: list[str] = field(default_factory=list)  # what the engine's log says of the GPU
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -122,7 +130,15 @@ def start_engine(ctx: Ctx, model: Path, n_ctx: int, sessions: Path, cache_ram_mi
     log = open(ctx.work / f"engine-{tag}.log", "ab")
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **ctx.env})
     ctx.procs.append(p)
-    _wait(port, "/health", p, f"llama-server ({tag})", ctx.work / f"engine-{tag}.log", max(10.0, min(300.0, ctx.left())))
+    log_path = ctx.work / f"engine-{tag}.log"
+    _wait(port, "/health", p, f"llama-server ({tag})", log_path, max(10.0, min(300.0, ctx.left())))
+    if ctx.gpu:
+        text = log_path.read_text(errors="replace")
+        bad = [ln for ln in text.splitlines() if any(b in ln for b in GPU_FAILED)]
+        if bad:
+            raise NoGPU(f"llama-server runs without the GPU: {' / '.join(bad)[:500]}")
+        ctx.devices = ctx.devices or [ln.strip()[:200] for ln in text.splitlines() if "CUDA0" in ln or "found " in ln
+                                      and "CUDA devices" in ln][:4]
     return port
 
 

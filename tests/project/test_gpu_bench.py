@@ -266,12 +266,20 @@ def test_the_gpu_path_with_the_build_faked_measures_and_a_second_call_reuses(tmp
     monkeypatch.setattr(gpu, "MODELS", tmp_path / "gpu-models")
     sdist = gpu.find_sdist(None, may_download=True)
     args = ["--work", str(tmp_path), "--sdist", str(sdist), "--plan", "cpu-8b:400", "--threads", "1", "--reps", "1"]
+    # an engine that says it found no usable GPU (as this CPU one does) stops the run: CPU numbers
+    # must never pass for a GPU's
+    assert gpu.main(["--out", str(tmp_path / "cpu"), *args]) == 1
+    assert "NoGPU: llama-server runs without the GPU" in json.loads((tmp_path / "cpu" / "gpu.json").read_text())["error"]
+    import gpu_measure
+
+    monkeypatch.setattr(gpu_measure, "GPU_FAILED", ())
     assert gpu.main(["--out", str(tmp_path / "one"), *args]) == 0
     assert gpu.main(["--out", str(tmp_path / "two"), *args]) == 0
     assert builds == [("90", True)]
-    one, two = (json.loads((tmp_path / d / "gpu.json").read_text()) for d in ("one", "two"))
-    assert "build" in one["timeline"] and "build (reused)" in two["timeline"]
-    assert two["models"]["cpu-8b"]["file"].get("reused") and not one["models"]["cpu-8b"]["file"].get("reused")
+    first, one, two = (json.loads((tmp_path / d / "gpu.json").read_text()) for d in ("cpu", "one", "two"))
+    assert "build" in first["timeline"] and not first["models"]["cpu-8b"]["file"].get("reused")
+    for res in (one, two):  # later calls, as on a machine still warm: nothing built or written again
+        assert "build (reused)" in res["timeline"] and res["models"]["cpu-8b"]["file"].get("reused")
     assert one["machine"].startswith("NVIDIA Fake (sm_90)") and one["cuda"]["libcuda"] == "None"
     for res in (one, two):
         s = res["models"]["cpu-8b"]["sizes"]["400"]
