@@ -8,7 +8,7 @@ What it does (each step timed; bench/GPU.md has the device command and the time 
      GPU it finds only, the llama-server target only, all cores (bench/gpu_build.py)
   3. writes two random-weight models from the sdist's Llama 3 vocab (bench/gpu_models.py):
      8b (Llama 3 8B's compute, Q8_0, 8.0 GB) and 70b-kv (a 70B's KV: 320 KiB a token, small compute)
-  4. per model and size (default 8b at 16k, 4k, 32k tokens, then 70b-kv at the same): the engine
+  4. per model and size (default 8b at 16k, 4k, 32k tokens, then 70b-kv at 16k, 32k, 4k): the engine
      alone re-reading the prompt, the engine's own RAM-cache hit, autosessd's return through its
      gate with the file in the page cache (warm) and evicted (cold), the switch-away save
      (bench/gpu_measure.py)
@@ -19,10 +19,11 @@ remaining sizes, and the table says which were cut.
 
 Needs: x86-64 Linux, an NVIDIA GPU with its driver, CUDA's nvcc and cuBLAS (the toolkit's or
 PyTorch's pip wheels), cmake (ninja if there), a C++ compiler, ~40 GB free disk, Python 3.10+
-with numpy-free stdlib plus autosessd's runtime packages, and the sdist in .gpu/ (`make
-bench-gpu-carry` puts it there). No network.
-How long: about 8-9 minutes on an H200 machine with 16 cores (build ~4-5 min, measurements the
-rest; bench/GPU.md line by line); never past the deadline plus the running step's bounded wait.
+with autosessd's runtime packages (aiohttp, click, psutil, xxhash; no numpy), and the sdist in
+.gpu/ (`make bench-gpu-carry` puts it there). No network.
+How long: about 9 minutes on an H200 machine with 16 cores: the trimmed build ~2.5-4 min (2,914
+CPU-s measured on a 2-core machine), the models written meanwhile, the sizes until the deadline
+(bench/GPU.md, line by line); never past the deadline plus the running step's bounded wait.
 Exit status: 0 with results (even partial), 2 when the machine cannot run it (no GPU, no nvcc,
 no cuBLAS, no sdist, a missing Python package: one line says why), 1 when something failed on
 the way (the build; the JSON and log say what).
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="the engine's -t (default: its own; --cpu 1)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build parallelism (default: all cores)")
     ap.add_argument("--no-trim", action="store_true", help="compile every CUDA kernel (bench/gpu_build.py: trim)")
-    ap.add_argument("--work", type=Path, help="scratch folder (default: the system's temp; needs ~40 GB on a GPU)")
+    ap.add_argument("--work", type=Path, help="scratch folder (default: build/ on a GPU, ~40 GB; the temp folder with --cpu)")
     ap.add_argument("--keep-work", action="store_true", help="leave the scratch folder (models, build) behind")
     a = ap.parse_args(argv)
     a.deadline_s = a.deadline_s or (240.0 if a.cpu else 540.0)
