@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test docs man engine s3-packages prometheus-packages bench bench-slots bench-models soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,20 @@ bench-slots: $(BIN)/.installed engine
 # A model switch and back behind llama-server's router, alone and with autosessd (~5 min).
 bench-models: $(BIN)/.installed engine
 	$(BIN)/python bench/models.py
+
+# On a machine with an NVIDIA GPU and nvcc: build llama-server with CUDA from the carried sdist,
+# write an 8B-compute and a 70B-KV model, measure re-read vs RAM hit vs autosessd warm/cold at
+# 16k/4k/32k tokens; JSON and table under OUT (~9 min on an H200, 16 cores; bench/GPU.md).
+# Plain python3, no virtualenv: the device machine has autosessd's packages but no registry.
+# `python3 bench/gpu.py --help` says more; exit 2 when the machine cannot run it.
+bench-gpu:
+	@test -n "$(OUT)" || { $(PYTHON) bench/gpu.py --help; echo; echo "make bench-gpu OUT=dir"; exit 2; }
+	$(PYTHON) bench/gpu.py --out $(OUT) $(BENCH_GPU_ARGS)
+
+# What bench-gpu needs on the GPU machine, into .gpu/ (git-ignored; carry it): the sdist and the
+# wheels the device image lacks; checks the 64 MiB the device tool sends.
+bench-gpu-carry:
+	$(PYTHON) bench/gpu_carry.py
 
 # 20 minutes of random switches with engine restarts and log rotation (SOAK_MINUTES to change).
 soak: $(BIN)/.installed engine
