@@ -131,11 +131,13 @@ def table(res: dict[str, Any]) -> str:
              "the return; *restore*: the engine's restore_ms inside it. B is ~100 tokens (never saved), "
              "so a return costs A's restore alone; the switch to B waits for A's save.", "",
              "| model | A tokens | file | re-read (engine alone) | engine RAM-cache hit | autosessd warm: first token "
-             "(turn / restore) | cold: first token (turn / restore) | switch-away save | warm / re-read |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(turn / restore) | cold: first token (turn / restore) | cold, from blocks: first token (turn) | "
+             "switch-away save | warm / re-read |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in (res.get("models") or {}).items():
         for n, s in sorted((m.get("sizes") or {}).items(), key=lambda kv: int(kv[0])):
             w, c = _g(s, "autosessd", "warm") or {}, _g(s, "autosessd", "cold") or {}
+            bl = _g(s, "autosessd", "blocks") or {}
             reread = _g(s, "alone", "reread", "ttft_s")
             fb = _g(s, "autosessd", "file_bytes")
             lines.append(
@@ -143,6 +145,7 @@ def table(res: dict[str, Any]) -> str:
                 f"{_bytes(fb)} | {_s(reread)} | {_s(_g(s, 'ram_hit', 'ttft_s'))} | "
                 f"{_s(w.get('ttft_s'))} ({_s(w.get('turn_ms'), 'ms')} / {_s(w.get('engine_restore_ms'), 'ms')}) | "
                 f"{_s(c.get('ttft_s'))} ({_s(c.get('turn_ms'), 'ms')} / {_s(c.get('engine_restore_ms'), 'ms')}) | "
+                f"{_s(bl.get('ttft_s'))} ({_s(bl.get('turn_ms'), 'ms')}) | "
                 f"{_s(_g(s, 'autosessd', 'switch_save', 'save_ms'), 'ms')} | "
                 f"**{_ratio(w.get('ttft_s'), reread)}** |"
                 + (f" *cut: {s['cut']}*" if s.get("cut") else "") + (" *failed: see the JSON*" if s.get("error") else ""))
