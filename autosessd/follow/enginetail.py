@@ -106,6 +106,8 @@ class EngineTail(Following):
         log.info("engine log: the parser was written against llama-server %s; it reads the launch, timing and "
                  "release lines of each request and the engine's start, and ignores the rest",
                  enginelog.WRITTEN_AGAINST)
+        # The second record of each slot's last file an older autosessd kept: held.json holds it now.
+        self.state_path.with_name(self.state_path.stem + "-slots.json").unlink(missing_ok=True)
         self.sessions.on_engine_restart.append(self._engine_restarted)
         self._engine_tasks = await self._task_ids()
         await super().start()

@@ -247,7 +247,7 @@ async def facts(s: Sessions) -> Facts:
                  files_over_ctx=sum(1 for n in sizes if n_ctx is not None and n >= n_ctx), arch=arch,
                  recurrent=recurrent, reused=c.restores_reused, not_reused=c.restores_not_reused,
                  not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries,
-                 blocks=s.store.blocks is not None, staging_tmpfs=tmpfs, whole=whole or None)
+                 blocks=s.store.cut, staging_tmpfs=tmpfs, whole=whole or None)
 
 
 def on_tmpfs(path: str, mounts_file: str = "/proc/mounts") -> bool | None:

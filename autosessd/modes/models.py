@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..engines.base import EngineError
 from ..store.names import StoreError
-from ..sessions import views
+from ..sessions import held, views
 from ..sessions.context import Context
 from ..sessions.facade import Sessions
 from ..sessions.facts import facts_of
@@ -328,19 +328,26 @@ class Router:
                 done["freed"] += one["freed"]
                 done["files"] += one["files"]
                 done["kept"] += one["kept"]
-                for field in ("emptied_slots", "running_slots", "erase_failed"):
-                    done[field] += [{"model": m.id, "slot": n} for n in one[field]]
-        for k in sorted(keys):  # models never loaded in this run: their files only
+                for what in ("emptied_slots", "running_slots", "erase_failed"):
+                    done[what] += [{"model": m.id, "slot": n} for n in one[what]]
+        # Models not loaded in this run: their files (the conversation's own and its branches, by
+        # their metadata's line) and what their held records name.
+        loop = asyncio.get_running_loop()
+        entries = await loop.run_in_executor(None, self.store.scan)
+        doomed = sorted({e.key for e in entries if e.key in keys or (e.meta is not None and e.meta.line in keys
+                                                                      and not e.meta.prefix)})
+        for k in doomed:
             try:
                 n = self.store.remove(k)
             except StoreError as e:
                 done["kept"].append(f"auto-{k}.bin: {e}")
                 continue
-            if n:
-                done["freed"] += n
-                done["files"].append(f"auto-{k}.bin")
-                if self.index is not None:
-                    self.index.remove(f"auto-{k}.bin")
+            done["freed"] += n
+            done["files"].append(f"auto-{k}.bin")
+            if self.index is not None:
+                self.index.remove(f"auto-{k}.bin")
+        await loop.run_in_executor(None, held.forget_everywhere, self.cfg.effective_state_dir(), keys,
+                                   set(done["files"]))
         return done
 
     async def fifos_free(self) -> None:

@@ -68,6 +68,21 @@ def _write(path: Path, data: dict[str, Any]) -> bool:
         return False
 
 
+def forget_everywhere(state_dir: Path, keys: set[str], names: set[str]) -> None:
+    """Every held record in state_dir (each model's, behind a router: also those of models not
+    loaded now) rid of the entries naming one of `keys` or `names` (autosessctl forget)."""
+    for path in sorted(state_dir.glob("held*.json")):
+        try:
+            data = json.loads(read_small(path))
+            slots = data.get("slots", {})
+            kept = {k: v for k, v in slots.items()
+                    if not (isinstance(v, dict) and (v.get("key") in keys or v.get("file") in names))}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if kept != slots:
+            _write(path, {**data, "slots": kept})
+
+
 class Recorder:
     """held.json kept as the slots change: slot.py's one writer calls changed() on every
     transition, and a slot that holds a conversation in a file (held or restored, its file

@@ -56,7 +56,7 @@ class Upkeep:
         """Whole files saved before the block store, kept as blocks now (Store.import_whole), one
         at a time in a worker thread, after the start: nothing a user saved is lost, and the
         upgrade costs no start its time."""
-        if self.ctx.store.blocks is not None and (self._import_task is None or self._import_task.done()):
+        if self.ctx.store.cut and (self._import_task is None or self._import_task.done()):
             self._import_task = asyncio.get_running_loop().create_task(self._import())
 
     async def _import(self) -> None:

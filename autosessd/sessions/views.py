@@ -109,7 +109,7 @@ def status(s: Reported) -> dict[str, Any]:
 def blocks_status(s: Reported, usage: dict[str, Any]) -> dict[str, Any]:
     """The block store as status shows it (issue 39): what the engine wrote against what the store
     wrote, the blocks (each held once) and how much of them several conversations share."""
-    return {"on": s.store.blocks is not None, "manifests": usage["manifests"], "blocks": usage["blocks"],
+    return {"on": s.store.cut, "manifests": usage["manifests"], "blocks": usage["blocks"],
             "bytes": usage["block_bytes"], "shared_bytes": usage["shared_block_bytes"],
             "engine_bytes_written": s.counters.bytes_saved, "store_bytes_written": usage["block_bytes_written"],
             "assembled": s.counters.assemblies, "assembled_bytes": s.counters.bytes_assembled}

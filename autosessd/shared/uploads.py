@@ -19,6 +19,7 @@ queued upload one more try within the stop's time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -216,9 +217,13 @@ class Uploads:
         meta = job.meta
         key = self.object_key(meta, job.path.name)
         try:
-            f = self._open(job)
+            f, digest = self._open(job)
         except FileNotFoundError:
             return "superseded: the local file is gone"
+        if digest is not None and digest != meta.digest:
+            # Assembled from blocks (position order, not the engine's cache order): the bytes
+            # sent are those, and a download checks them against their own digest.
+            meta = dataclasses.replace(meta, digest=digest)
         with f:
             size = os.fstat(f.fileno()).st_size
             if size != meta.bytes:
@@ -298,18 +303,19 @@ class Uploads:
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=u["UploadId"])
 
     def _open(self, job: _Job):
-        """The save's bytes: its file, or for a conversation kept as token blocks whose copy
-        in staging went meanwhile, that copy assembled again (held while it is opened; an open
-        file stays readable when the copy is later let go)."""
-        try:
-            return open(job.path, "rb")
-        except FileNotFoundError:
-            store = self._store
-            if store is None or not job.meta.in_blocks:
-                raise
-            with store.using(job.path.name):
-                staged = store.stage(job.path.name)
-                return open(store.staging / staged.name, "rb")
+        """The save's bytes and their digest (None: the save's own). A conversation kept as token
+        blocks is read as Store.stage hands it to the engine (its copy in staging, or assembled
+        again when the copy went), held while it is opened: an open file stays readable when the
+        copy is later let go, and the digest is that of those very bytes."""
+        store = self._store
+        if store is None or not job.meta.in_blocks:
+            return open(job.path, "rb"), None
+        with store.using(job.path.name):
+            staged = store.stage(job.path.name)
+            f = open(store.staging / staged.name, "rb")
+        if staged.temporary:
+            store.unstage(staged)
+        return f, staged.digest
 
     def _requeue_missing(self, store: Store, model: str) -> None:
         """Queue this host's local saves the bucket lacks, of those its prune would keep.

@@ -19,7 +19,7 @@ key, and the first written is kept.) A conversation is then a manifest (names.Me
 
 A block is written to a temporary of its own, fsynced, and linked to its name (a link never
 replaces a block another save put there first; the loser's temporary goes); its directory is
-fsynced before any manifest names it. Before its bytes reach the engine a block's payload is
+fsynced (also by a save that found it already there) before its manifest names it. Before its bytes reach the engine a block's payload is
 checked against its digest, unless the file is the one checked before (its inode, ctime and
 size): no torn or damaged block is ever assembled. Blocks no manifest names are removed by
 the prune (gc), never one a save or an assembly holds (pins).
@@ -284,38 +284,21 @@ class BlockStore:
                             out[name[:32]] = d.stat(follow_symlinks=False).st_size
         return out
 
-    def remove_unused(self, used: set[str], dry_run: bool = False) -> tuple[int, int]:
-        """Remove every block no manifest names (`used`) and nobody holds: → (blocks, bytes)."""
-        n = freed = 0
-        for key, size in self.scan().items():
-            if key in used:
-                continue
-            with self._lock:
-                if self._pins.get(key):
-                    continue
-                if not dry_run:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path(key))
-                    self._checked.pop(key, None)
-            n += 1
-            freed += size
-        return n, freed
-
-    def remove_keys(self, keys: Iterable[str]) -> int:
-        """These blocks removed, but for one a save or an assembly holds: → bytes freed."""
-        freed = 0
-        for key in keys:
-            with self._lock:
-                if self._pins.get(key):
-                    continue
-                try:
-                    size = self.path(key).stat().st_size
-                    os.unlink(self.path(key))
-                    freed += size
-                except FileNotFoundError:
-                    pass
-                self._checked.pop(key, None)
-        return freed
+    def set_aside(self, key: str) -> tuple[Path, int] | None:
+        """The block renamed aside for the caller to unlink (its name gone at once, the unlink
+        of 32 MiB not under any lock), unless a save or an assembly holds it: → (where, bytes)."""
+        with self._lock:
+            if self._pins.get(key):
+                return None
+            p = self.path(key)
+            dead = p.parent / f".{key}.{uuid.uuid4().hex[:8]}.dead.partial"  # a crash's leftover: cleanup()
+            try:
+                size = p.stat().st_size
+                os.rename(p, dead)
+            except FileNotFoundError:
+                return None
+            self._checked.pop(key, None)
+        return dead, size
 
     def cleanup(self) -> list[str]:
         """At start: the temporaries a crash left in the block directories."""
@@ -438,8 +421,7 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str,
             digest, n = store.put(key, end - start, kv.shape.cell_bytes, cut(kv, mm, start, end))
             refs.append(BlockRef(key, end - start, digest))
             written += n
-    if written:
-        store.sync(keys)
+    store.sync(keys)  # even if this save wrote none: another save's block may not be durable by name yet
     return refs, written
 
 

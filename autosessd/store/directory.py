@@ -1,8 +1,10 @@
 """The session directory (DESIGN §4): names, metadata, atomic finalize, scan, prune.
 
-The directory is shared with the engine. autosessd owns exactly `auto-<16 hex>.bin`
-and `auto-<16 hex>.json`, plus its temporaries `.autosessd-*`; every other file is a
-person's and is never touched.
+The directory is shared with the engine (unless store_path sets the store apart from the
+engine's staging directory: staging.py). autosessd owns exactly `auto-<16 hex>.bin` and
+`auto-<16 hex>.json`, its temporaries `.autosessd-*`, `blocks/` (blocks.py: a conversation kept
+as token blocks, its metadata the manifest and its .bin, if any, a copy) and `quarantine/`;
+every other file is a person's and is never touched.
 
 How a save becomes visible (no torn `auto-*.bin`, ever): saving.py, Store's save path.
 
@@ -75,7 +77,13 @@ class Store(Saving, Staging, References, Integrity, Space):
       scan()      the metadata cache's updates (no I/O)
       read_temp() one lstat; a finalize's rename of a temporary waits on _unread (releasing
                   _lock) until no restore reads it, then renames under it
-    Nothing fsyncs under _lock. finalize takes no lock: a local save holds acquire(final)
+      metadata    every rename of a metadata file and the count of the blocks it names
+                  (references._meta_changed), so that the GC sees a block named or pinned
+      blocks, copies  the look and a rename aside of a block no manifest names, or of a copy
+                  in staging beyond its budget; their unlink comes after the lock
+      stage()     whether an assembly may take the copy's name (nobody else holds it, its
+                  manifest unchanged) and that rename
+    Nothing fsyncs under _lock, and nothing large is unlinked under it. finalize takes no lock: a local save holds acquire(final)
     from before its finalize to after it, which is what install() looks for.
     """
 
@@ -89,7 +97,10 @@ class Store(Saving, Staging, References, Integrity, Space):
         self.staging = Path(staging) if staging is not None else self.path
         self.group = group
         self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
-        self.blocks = BlockStore(self.path, self.mode) if blocks else None
+        # Always there to read and clean up what is kept as blocks; `cut` says whether new saves
+        # are cut into blocks (store_blocks): with it off, conversations kept so stay readable.
+        self.blocks: BlockStore | None = BlockStore(self.path, self.mode)
+        self.cut = blocks
         # Block manifests by key → their blocks' keys, and how many manifests name each block:
         # what prune may remove (none named, none pinned). Built at start (cleanup), kept by
         # finalize and remove. Under _lock.
@@ -175,6 +186,7 @@ class Store(Saving, Staging, References, Integrity, Space):
         cleanup() at start, with the temporaries. No torn .bin: temp was whole before."""
         if meta is not None and name != auto_name(meta.key):
             raise ValueError(f"install: {name} is not the file of {meta.key}'s metadata")
+        unused: list[str] = []
         if Path(name).name != name or name.startswith("."):
             raise ValueError(f"install: {name!r} is not a bare file name")
         final = self.path / name
@@ -194,9 +206,7 @@ class Store(Saving, Staging, References, Integrity, Space):
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
                     self._remember_meta(meta.key, written)
-                    self._remove_blocks(self._referenced(meta.key, meta))  # a whole file now, where a manifest was
-                    with self._lock:
-                        self._hot.pop(name, None)  # no longer a copy: the store's own file
+                    unused = self._meta_changed(meta.key, meta)  # a whole file now, where a manifest may have been
                     now = files.regular_ident(final)
                     if meta.digest is not None and now is not None:
                         # The rename moved the ctime the metadata recorded: checked as it arrived.
@@ -205,6 +215,7 @@ class Store(Saving, Staging, References, Integrity, Space):
             if meta_tmp is not None:
                 self._unlink(meta_tmp)
         fsync_dir(self.path)
+        self._remove_blocks(unused)
 
     def discard_temp(self, key: str) -> None:
         try:
@@ -343,7 +354,7 @@ class Store(Saving, Staging, References, Integrity, Space):
                         why = f"a manifest naming {len(missing)} missing block(s)"
                         self._unlink(self.bin_path(key))  # no copy outlives its manifest
                     else:
-                        self._referenced(key, meta)
+                        self._meta_changed(key, meta)
                         self._saw(meta)
                 elif auto_name(key) not in names:
                     why = "metadata without a session file"
@@ -408,11 +419,11 @@ class Store(Saving, Staging, References, Integrity, Space):
         once), its copy in staging, and the blocks no other manifest names. Returns the bytes
         freed. Refuses a file in use, and with `ident` (inode, mtime_ns, size), a file that is
         not that one (saved again since the caller looked: of the .bin, or of a manifest)."""
-        with self._lock:
-            in_blocks = key in self._uses
-        path = self.meta_path(key) if in_blocks else self.bin_path(key)
         doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
+        unused: list[str] = []
         with self._lock:  # no acquire() between the check and the rename away
+            in_blocks = key in self._uses
+            path = self.meta_path(key) if in_blocks else self.bin_path(key)
             if auto_name(key) in self.in_use:
                 raise StoreError(f"{auto_name(key)} is being written or read")
             try:
@@ -421,11 +432,12 @@ class Store(Saving, Staging, References, Integrity, Space):
                     raise StoreError(f"{auto_name(key)} was saved again since it was planned for removal")
                 size = st.st_size
                 os.rename(path, doomed)  # the name is gone at once; a multi-GB unlink is not held under the lock
+                unused = self._meta_changed(key, None)
             except FileNotFoundError:
                 size = 0
         self._unlink(doomed)
         if in_blocks:
-            size += self._remove_blocks(self._referenced(key, None))
+            size += self._remove_blocks(unused)
             size += self.forget_hot(auto_name(key))
             self._unlink(self.bin_path(key))  # a copy in the same directory, not registered yet
         else:

@@ -158,20 +158,20 @@ class TokenIndex:
             name = jname[:-5] + ".bin"
             meta_ident = _ident(mst)
             old = known.get(name)
-            if old is not None and old.ident == meta_ident and old.meta_ident == meta_ident:
-                entries[name] = old
-                report.from_cache += 1
-                continue
-            if name in bins and (old is None or old.ident != meta_ident):
-                continue  # most likely a whole file's metadata: read by its header below
-            try:
+            if old is not None and old.meta_ident == meta_ident:
+                if old.ident == meta_ident:
+                    entries[name] = old  # a manifest, unchanged
+                    report.from_cache += 1
+                    continue
+                if name in bins:
+                    continue  # a whole file's metadata, unchanged: its .bin below
+            try:  # a new or changed metadata: a manifest (even with a copy beside it) or not, by its content
                 e = manifest_entry(self.directory, name, meta_ident)
             except (OSError, ValueError, KeyError, TypeError) as err:
                 skipped[name] = f"{jname}: {err}"
                 continue
             if e is not None:
-                entries[name] = e
-                report.read += 1
+                entries[name], report.read = e, report.read + 1
         for name, st in bins.items():
             if name in entries:
                 continue

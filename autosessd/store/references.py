@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .blocks import BlockStore
@@ -19,23 +20,30 @@ class References:
 
     blocks: BlockStore | None
     block_bytes_written: int
+    staging: Path
+    path: Path
     _lock: threading.RLock
     _uses: dict[str, tuple[str, ...]]
     _refs: Counter[str]
+    _hot: dict[str, int]
 
     if TYPE_CHECKING:  # the other rooms' own
         def remove(self, key: str, ident: tuple[int, int, int] | None = None) -> int: ...
         def hot_copies(self) -> dict[str, int]: ...
 
-    def _referenced(self, key: str, meta: Meta | None) -> list[str]:
-        """auto-<key>.json is now `meta` (None: gone, or a whole file's): the blocks it names.
-        → the blocks no manifest names any more (the caller may remove them)."""
+    def _meta_changed(self, key: str, meta: Meta | None) -> list[str]:
+        """auto-<key>.json is now `meta` (None: gone): the blocks it names counted, and when it
+        is a whole file in the store's own directory, its .bin is the store's and no copy (the
+        copies' budget never removes it). Called under _lock, in the section that renamed the
+        metadata. → the blocks no manifest names any more (for _remove_blocks)."""
         new = tuple(b[0] for b in meta.blocks) if meta is not None and meta.in_blocks else ()
         unused = []
         with self._lock:
             old = self._uses.pop(key, ())
             if new:
                 self._uses[key] = new
+            elif meta is not None and self.staging == self.path:
+                self._hot.pop(auto_name(key), None)
             self._refs.update(new)
             self._refs.subtract(old)
             for k in set(old):
@@ -45,12 +53,26 @@ class References:
         return unused
 
     def _remove_blocks(self, keys: list[str]) -> int:
-        """Of `keys`, the blocks still named by no manifest and held by nobody, removed: → bytes."""
+        """Of `keys`, the blocks no manifest names and nobody holds, removed: the look and the
+        rename aside under _lock and the block store's lock (a save pins its blocks before it
+        looks for them and until its manifest counts them, so at any moment a block it uses is
+        pinned or named), the unlink outside them. → bytes freed."""
         if self.blocks is None or not keys:
             return 0
-        with self._lock:
-            gone = [k for k in keys if k not in self._refs]
-        return self.blocks.remove_keys(gone)
+        doomed = []
+        for k in keys:
+            with self._lock:
+                if k in self._refs:
+                    continue
+                got = self.blocks.set_aside(k)
+            if got is not None:
+                doomed.append(got)
+        freed = 0
+        for path, size in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                freed += size
+        return freed
 
     def written_blocks(self, n: int) -> None:
         with self._lock:
@@ -60,9 +82,12 @@ class References:
         """Remove the blocks no manifest names (and no save or assembly holds): → (blocks, bytes)."""
         if self.blocks is None:
             return 0, 0
+        there = self.blocks.scan()
         with self._lock:
-            used = set(self._refs)
-        return self.blocks.remove_unused(used, dry_run)
+            unused = [k for k in there if k not in self._refs]
+        if dry_run:
+            return len(unused), sum(there[k] for k in unused)
+        return len(unused), self._remove_blocks(unused)
 
     def _drop_manifests_of(self, block: str) -> list[str]:
         """Every manifest naming `block` (found damaged) removed: → their names."""

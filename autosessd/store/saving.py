@@ -61,10 +61,12 @@ class Saving:
     def temp_path(self, key: str) -> Path: ...  # Store's
 
     if TYPE_CHECKING:  # the other rooms' own: a stub here would come before them in Store's MRO
+        cut: bool
+        def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False) -> str | None: ...
         def hot_path(self, key: str) -> Path: ...
-        def _referenced(self, key: str, meta: Meta | None) -> list[str]: ...
+        def _meta_changed(self, key: str, meta: Meta | None) -> list[str]: ...
         def _remove_blocks(self, keys: list[str]) -> int: ...
-        def _hot_added(self, name: str) -> None: ...
+        def _hot_added(self, name: str, meta: Meta | None = None, digest: str | None = None) -> None: ...
         def written_blocks(self, n: int) -> None: ...
     def bin_path(self, key: str) -> Path: ...  # Store's
     def meta_path(self, key: str) -> Path: ...  # Store's
@@ -141,13 +143,22 @@ class Saving:
         if digest is None:
             digest, _ = files.digest_file(temp)  # the bytes are in the page cache now
         try:
-            kv, why = self._cuttable(temp if temp.exists() or not again else self.hot_path(meta.key))
+            src = temp if temp.exists() or not again else self.hot_path(meta.key)  # a retry: where it is
+            kv, why = self._cuttable(src)
+            done = None
             if kv is not None:
-                meta = self._finalize_blocks(key, meta, digest, kv, again)
-            else:
+                try:
+                    done = self._finalize_blocks(key, meta, digest, kv, src, again)
+                except (OSError, StoreError):
+                    raise
+                except Exception as e:  # cutting it went wrong (a bug, too little memory): kept whole
+                    log.warning("auto sessions: %s kept whole: cutting it into blocks failed: %s", meta.key, e)
+                    why = f"cutting it into blocks failed: {e}"
+            if done is None:
                 if again:
                     self._fresh_copy(key, meta.key, digest)
-                meta = self._finalize_whole(key, dataclasses.replace(meta, whole=why), digest)
+                done = self._finalize_whole(key, dataclasses.replace(meta, whole=why), digest)
+            meta = done
         except OSError as e:
             raise Unfinished(e, digest) from e
         self._saw(meta)
@@ -156,7 +167,7 @@ class Saving:
     def _cuttable(self, path: Path) -> tuple[KVFile | None, str | None]:
         """The file's layout when it is cut into blocks here; else (None, why it stays whole;
         None where there is no block store or the engine's files are not llama-server's)."""
-        if self.blocks is None:
+        if self.blocks is None or not self.cut:
             return None, None
         with open(path, "rb") as f:
             if f.read(4) != MAGIC_BYTES:
@@ -174,7 +185,6 @@ class Saving:
             self._copy_durable(temp, final)
             with self._unread_temp(temp):
                 os.replace(temp, self.hot_path(meta.key))
-            self._hot_added(auto_name(meta.key))
         else:
             with self._unread_temp(temp):
                 os.replace(temp, final)
@@ -182,9 +192,11 @@ class Saving:
         ident = files.regular_ident(final)  # after the rename, which moves the ctime
         meta = dataclasses.replace(meta, digest=digest, ident=ident, blocks=(), kv=None, tokens=None)
         self._write_meta(meta)
+        if self.staging != self.path:
+            self._hot_added(auto_name(meta.key), meta)  # checked: the engine's bytes, this save's digest
         return meta
 
-    def _finalize_blocks(self, key: str, meta: Meta, digest: str, kv: KVFile, again: bool) -> Meta:
+    def _finalize_blocks(self, key: str, meta: Meta, digest: str, kv: KVFile, src: Path, again: bool) -> Meta:
         """Its blocks stored (those not stored yet), then the engine's file kept as the copy for a
         quick return (not fsynced: the blocks are the durable copy), then the manifest: a crash
         before the manifest leaves blocks no manifest names (the next start removes them) and a
@@ -192,7 +204,6 @@ class Saving:
         from .slotfile import encode
 
         temp, hot = self.temp_path(key), self.hot_path(meta.key)
-        src = temp if temp.exists() else hot  # a retry may find it renamed already
         if again:
             now, _ = files.digest_file(src)
             if now != digest:
@@ -214,12 +225,11 @@ class Saving:
             meta = dataclasses.replace(meta, digest=digest, ident=ident, whole=None,
                                        blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
                                        kv=kv.shape.to_json(), tokens=encode(kv.tokens))
-            self._write_meta(meta)
-            self._remove_blocks(self._referenced(meta.key, meta))  # e.g. its last partial block of before
+            self._write_meta(meta)  # counts its blocks: from here on they are named, pinned or not
         if self.staging != self.path:
             self._unlink(self.bin_path(meta.key))  # a whole file of it from before: the blocks hold it now
         self.written_blocks(written)
-        self._hot_added(auto_name(meta.key))
+        self._hot_added(auto_name(meta.key), meta)
         return meta
 
     def import_whole(self, key: str) -> str | None:
@@ -228,13 +238,16 @@ class Saving:
         metadata, unless a save of it landed meanwhile (its metadata changed). In the store's
         own directory the .bin stays as its copy; in a separate store it goes. → what was done,
         for the log; None: nothing to do. Blocking."""
-        if self.blocks is None:
+        if self.blocks is None or not self.cut:
             return None
         path, meta_path = self.bin_path(key), self.meta_path(key)
         ident0 = files.regular_ident(meta_path)
         meta = self._meta_at(meta_path) if ident0 is not None else None
         if meta is None or meta.key != key or meta.in_blocks or meta.whole is not None:
             return None
+        bad = self.check_whole(auto_name(key))  # never cut damaged bytes into blocks others would reuse
+        if bad is not None:
+            return f"{auto_name(key)} not kept as blocks: {bad}"
         kv, why = self._cuttable(path)
         if kv is None:
             meta = dataclasses.replace(meta, whole=why or "not a llama-server slot file")
@@ -250,7 +263,6 @@ class Saving:
                                            ident=files.regular_ident(path))
                 if not self._replace_meta(meta, ident0):
                     return None
-                self._remove_blocks(self._referenced(key, meta))
         if kv is None:
             if not self._replace_meta(meta, ident0):
                 return None
@@ -272,9 +284,11 @@ class Saving:
                     return False
                 os.replace(tmp, self.meta_path(meta.key))
                 self._remember_meta(meta.key, written)
+                unused = self._meta_changed(meta.key, meta)
         finally:
             self._unlink(tmp)
         fsync_dir(self.path)
+        self._remove_blocks(unused)
         return True
 
     def _copy_durable(self, src: Path, final: Path) -> None:
@@ -334,6 +348,7 @@ class Saving:
             self._copy_durable(temp, final)
             with self._unread_temp(temp):
                 os.replace(temp, self.staging / manual_name(name))
+            self._hot_added(manual_name(name))  # a copy: within the budget of copies (on tmpfs: memory)
         else:
             os.replace(temp, final)
         fsync_dir(self.path)
@@ -361,11 +376,17 @@ class Saving:
                             e.strerror, os.fstat(fd).st_mode & 0o777)
 
     def _write_meta(self, meta: Meta) -> None:
+        """The metadata (or manifest) whole in place; the blocks it names counted in the same
+        section as the rename, and those no manifest names any more (its last partial block of
+        before, say) removed after."""
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
         written = self._meta_temp(meta, tmp)
-        os.replace(tmp, self.meta_path(meta.key))
+        with self._lock:
+            os.replace(tmp, self.meta_path(meta.key))
+            unused = self._meta_changed(meta.key, meta)
         self._remember_meta(meta.key, written)
         fsync_dir(self.path)
+        self._remove_blocks(unused)
 
     def _meta_temp(self, meta: Meta, tmp: Path) -> tuple[int, bytes]:
         """The metadata, whole and fsynced, under the temporary name tmp; (its inode, its bytes)."""

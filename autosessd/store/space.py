@@ -45,8 +45,21 @@ class Space:
         return (self.estimate_bytes(n_tokens) or 0) + min(FREE_MARGIN, total // 20)
 
     def check_space(self, n_tokens: int) -> str | None:
-        """None when a save of n_tokens fits; otherwise why not (the save is skipped)."""
+        """None when a save of n_tokens fits; otherwise why not (the save is skipped). With a
+        staging directory apart (tmpfs), the engine writes the whole save there first: its free
+        space counts too, after the copies kept there beyond what the save needs are let go."""
         free, need = self.free_bytes(), self.space_needed(n_tokens)
         if free < need:
             return f"disk full: {free / 1e6:,.1f} MB free in {self.path}, a save needs about {need / 1e6:,.1f} MB"
+        staging = getattr(self, "staging", self.path)
+        if staging != self.path:
+            est = self.estimate_bytes(n_tokens) or 0
+            room = psutil.disk_usage(str(staging)).free
+            if room < est:
+                self.make_room_in_staging(est - room)
+                room = psutil.disk_usage(str(staging)).free
+            if room < est:
+                return f"staging full: {room / 1e6:,.1f} MB free in {staging}, a save needs about {est / 1e6:,.1f} MB"
         return None
+
+    def make_room_in_staging(self, n_bytes: int) -> int: ...  # Staging's (Store's MRO: it comes first)

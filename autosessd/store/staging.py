@@ -30,6 +30,7 @@ import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..base import files
 from ..base.files import Ident
@@ -52,7 +53,9 @@ class Refused(StoreError):
 @dataclass(frozen=True)
 class Staged:
     """What the engine reads for a restore: `name` in staging, holding `n_tokens` tokens of the
-    file (None: all of it); temporary: assembled for this restore, removed after it."""
+    file (None: all of it); temporary: assembled for this restore, removed after it; digest: of
+    those very bytes (an assembly is in position order, not the engine's cache order: its digest
+    is its own), None where not known."""
 
     name: str
     n_tokens: int | None = None
@@ -60,10 +63,14 @@ class Staged:
     assembled: bool = False
     bytes_read: int = 0  # block bytes read to assemble it (0: a copy as it was)
     ms: float = 0.0
+    digest: str | None = None
 
 
 class Staging:
-    """Store's staging half (see the module's docstring)."""
+    """Store's staging half (see the module's docstring). _hot holds only copies: never the
+    store's own file (in the store's own directory, a whole file's .bin is the store's, and
+    references._meta_changed takes it out of _hot when a save makes it so). _staged records each
+    copy as checked: name → (its identity, the save it is a copy of (saved_at), its digest)."""
 
     path: Path
     staging: Path
@@ -72,17 +79,18 @@ class Staging:
     _lock: threading.RLock
     in_use: Counter[str]
     _temp_readers: Counter[str]
-    _checked: dict[str, tuple[Ident, str]]
     _uses: dict[str, tuple[str, ...]]
 
-    def meta_path(self, key: str) -> Path: ...  # Store's
-    def _meta_at(self, path: Path) -> Meta | None: ...  # Store's
-    def _own(self, fd: int, path: Path) -> None: ...  # Saving's
-    def _drop_manifests_of(self, key: str) -> list[str]: ...  # Store's
+    if TYPE_CHECKING:  # the other rooms' own: a stub here could come before them in Store's MRO
+        def meta_path(self, key: str) -> Path: ...
+        def _meta_at(self, path: Path) -> Meta | None: ...
+        def _own(self, fd: int, path: Path) -> None: ...
+        def _drop_manifests_of(self, key: str) -> list[str]: ...
 
     def _staging_init(self, hot_budget: int) -> None:
         self.hot_budget = hot_budget
         self._hot: OrderedDict[str, int] = OrderedDict()  # name → bytes, least recently used first
+        self._staged: dict[str, tuple[Ident, float, str | None]] = {}
         self.assembled_bytes = 0  # block bytes read to assemble files since the start
         self.assemblies = 0
 
@@ -90,15 +98,17 @@ class Staging:
         return self.staging / f"auto-{key}.bin"
 
     # -- the hot copies ------------------------------------------------------------------------
-    def _hot_added(self, name: str) -> None:
-        """A hot copy just put in staging: counted, the least recently used beyond the budget go."""
-        try:
-            size = (self.staging / name).stat().st_size
-        except FileNotFoundError:
+    def _hot_added(self, name: str, meta: Meta | None = None, digest: str | None = None) -> None:
+        """A copy just put in staging: counted (and, with the save it copies, recorded as checked),
+        the least recently used beyond the budget go."""
+        ident = files.regular_ident(self.staging / name)
+        if ident is None:
             return
         with self._lock:
-            self._hot[name] = size
+            self._hot[name] = ident.size
             self._hot.move_to_end(name)
+            if meta is not None:
+                self._staged[name] = (ident, meta.saved_at, digest or meta.digest)
         self.trim_hot()
 
     def hot_used(self, name: str) -> None:
@@ -106,94 +116,121 @@ class Staging:
             if name in self._hot:
                 self._hot.move_to_end(name)
 
+    def _set_aside(self, name: str) -> tuple[Path, int] | None:
+        """Under _lock: the copy `name` out of _hot and renamed aside (the caller unlinks it
+        outside the lock: a multi-GB unlink on a disk is not held under it)."""
+        size = self._hot.pop(name, None)
+        self._staged.pop(name, None)
+        if size is None:
+            return None
+        dead = self.staging / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.evicted.partial"
+        try:
+            os.rename(self.staging / name, dead)
+        except FileNotFoundError:
+            return None
+        return dead, size
+
     def trim_hot(self) -> int:
-        """Remove the least recently used hot copies until they fit hot_budget; never one being
+        """Remove the least recently used copies until they fit hot_budget; never one being
         written or read. → bytes removed."""
         freed = 0
         while True:
             with self._lock:
-                total = sum(self._hot.values())
-                if total <= self.hot_budget:
+                if sum(self._hot.values()) <= self.hot_budget:
                     return freed
-                victim = next((n for n in self._hot if not self.in_use.get(n)
-                               and not self._temp_readers.get(n)), None)
+                victim = next((n for n in self._hot if not self.in_use.get(n) and not self._temp_readers.get(n)),
+                              None)
                 if victim is None:
                     return freed
-                size = self._hot.pop(victim)
-                # Only a copy: in the store's own directory, only a manifest's (a whole file
-                # put there since, by a download, is the store's and stays).
-                if self.staging != self.path or victim[5:21] in self._uses:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.staging / victim)
-                    self._checked.pop(victim, None)
-                else:
-                    size = 0
-            freed += size
+                got = self._set_aside(victim)
+            if got is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    got[0].unlink()
+                freed += got[1]
+
+    def make_room_in_staging(self, n_bytes: int) -> int:
+        """Copies let go, least recently used first, until n_bytes are freed (a save needs the
+        room in staging): → bytes freed."""
+        freed = 0
+        while freed < n_bytes:
+            with self._lock:
+                victim = next((n for n in self._hot if not self.in_use.get(n) and not self._temp_readers.get(n)),
+                              None)
+                got = self._set_aside(victim) if victim is not None else None
+            if victim is None:
+                return freed
+            if got is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    got[0].unlink()
+                freed += got[1]
+        return freed
 
     def forget_hot(self, name: str) -> int:
-        """A hot copy dropped (its conversation removed): → its bytes. Only a registered copy
-        is removed, never the store's own whole file under the same name."""
+        """A copy dropped (its conversation removed): → its bytes. Only a registered copy is
+        removed, never the store's own whole file under the same name."""
         with self._lock:
-            size = self._hot.pop(name, None)
-            self._checked.pop(name, None)
-        if size is None:
+            got = self._set_aside(name)
+        if got is None:
             return 0
-        try:
-            os.unlink(self.staging / name)
-        except FileNotFoundError:
-            return 0
-        return size
+        with contextlib.suppress(FileNotFoundError):
+            got[0].unlink()
+        return got[1]
 
     def hot_copies(self) -> dict[str, int]:
         with self._lock:
             return {"files": len(self._hot), "bytes": sum(self._hot.values()), "budget": self.hot_budget}
 
-    def _hot_whole(self, name: str, meta: Meta) -> bool:
-        """The hot copy of `name` is the file its metadata vouches for (size; identity or digest)."""
+    def _hot_whole(self, name: str, meta: Meta) -> str | None:
+        """The copy of `name` in staging is the save its metadata is (its size, and the identity
+        it was checked at for that very save, or its digest): → its digest ("" when not known);
+        None when it is not."""
         path = self.staging / name
         ident = files.regular_ident(path)
         if ident is None or ident.size != meta.bytes:
-            return False
-        if meta.ident == ident or self._checked.get(name) == (ident, meta.digest):
-            return True
+            return None
+        if meta.in_blocks and meta.ident == ident:
+            return meta.digest or ""  # the engine's own file, kept by the finalize that wrote this manifest
         with self._lock:
-            got = self._checked.get(name)
-        if got is not None and got[0] == ident:
-            return True
+            rec = self._staged.get(name)
+        if rec is not None and rec[0] == ident and rec[1] == meta.saved_at:
+            return rec[2] or ""
         if meta.digest is None:
-            return False
+            return None
         try:
             digest, now = files.digest_file(path)
         except OSError:
-            return False
+            return None
         if digest != meta.digest:
-            return False
+            return None
         with self._lock:
-            self._checked[name] = (now, digest)
-        return True
+            self._staged[name] = (now, meta.saved_at, digest)
+        return digest
 
     # -- what the engine reads -----------------------------------------------------------------
     def stage(self, name: str, n_tokens: int | None = None) -> Staged:
         """The name in staging the engine reads for session file `name` holding its first
-        n_tokens tokens (None: all): its hot copy when whole, else assembled from its blocks
-        (all of it: kept as the hot copy; fewer: a temporary for this restore), else (a separate
-        store) copied from the store. Blocking: run it in a thread. Refused: none can be read."""
+        n_tokens tokens (None: all): its copy when whole, else assembled from its blocks (all of
+        it: kept as the copy, unless someone else holds the name or its manifest changed
+        meanwhile; fewer: a temporary for this restore), else (a separate store) copied from the
+        store. The caller holds the name (Store.using). Blocking: run it in a thread. Refused:
+        none can be read."""
         m = AUTO_BIN.match(name)
+        meta_ident = files.regular_ident(self.meta_path(m.group(1))) if m else None
         meta = self._meta_at(self.meta_path(m.group(1))) if m else None
         if meta is None or not meta.in_blocks:
             if self.staging == self.path:
-                return Staged(name)
+                return Staged(name, digest=meta.digest if meta is not None else None)
             return self._copy_in(name, meta)
-        if self._hot_whole(name, meta):
+        have = self._hot_whole(name, meta)
+        if have is not None:
             self.hot_used(name)
-            return Staged(name)
+            return Staged(name, digest=have or None)
         assert self.blocks is not None
         t0 = time.monotonic()
         tokens = meta.tokens or b""
         n_all = len(tokens) // 4
         want = n_all if n_tokens is None else max(1, min(n_tokens, n_all))
         cells = min(want, meta.n_cells)
-        whole = want >= n_all
         shape = Shape.from_json(meta.kv)
         refs = [BlockRef(*b) for b in meta.blocks]
         key = m.group(1)
@@ -213,27 +250,22 @@ class Staging:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        read = sum(blocks.payload_size(shape, r.n_cells) for r in refs[:(cells + blocks.BLOCK_TOKENS - 1)
-                                                                          // blocks.BLOCK_TOKENS])
+        read = sum(blocks.payload_size(shape, r.n_cells)
+                   for r in refs[:(cells + blocks.BLOCK_TOKENS - 1) // blocks.BLOCK_TOKENS])
         with self._lock:
             self.assembled_bytes += read
             self.assemblies += 1
         ms = (time.monotonic() - t0) * 1000
-        if not whole:
-            return Staged(tmp.name, want, temporary=True, assembled=True, bytes_read=read, ms=ms)
-        hot = self.staging / name
-        os.replace(tmp, hot)
-        now = files.regular_ident(hot)
-        if now is not None:
-            with self._lock:
-                self._checked[name] = (now, meta.digest or digest)
-            if meta.digest is not None and meta.digest != digest:
-                # Assembled in position order, it differs from the engine's own bytes (cache
-                # order); its digest is what a later look checks it against.
-                with self._lock:
-                    self._checked[name] = (now, digest)
-        self._hot_added(name)
-        return Staged(name, None, assembled=True, bytes_read=read, ms=ms)
+        if want >= n_all:
+            with self._lock:  # kept as the copy only while nobody else holds the name (a finalize of
+                # a newer save) and its manifest is the one assembled: never over a newer file
+                if self.in_use.get(name, 0) <= 1 and files.regular_ident(self.meta_path(key)) == meta_ident:
+                    os.replace(tmp, self.staging / name)
+                    tmp = None
+            if tmp is None:
+                self._hot_added(name, meta, digest)
+                return Staged(name, None, assembled=True, bytes_read=read, ms=ms, digest=digest)
+        return Staged(tmp.name, want, temporary=True, assembled=True, bytes_read=read, ms=ms, digest=digest)
 
     def unstage(self, staged: Staged) -> None:
         """After the engine read it: a temporary assembly goes."""
@@ -242,11 +274,13 @@ class Staging:
                 os.unlink(self.staging / staged.name)
 
     def _copy_in(self, name: str, meta: Meta | None) -> Staged:
-        """A whole file of a separate store, copied into staging (kept as a hot copy)."""
+        """A whole file of a separate store, copied into staging (kept as a copy)."""
         hot, src = self.staging / name, self.path / name
-        if meta is not None and self._hot_whole(name, meta):
-            self.hot_used(name)
-            return Staged(name)
+        if meta is not None:
+            have = self._hot_whole(name, meta)
+            if have is not None:
+                self.hot_used(name)
+                return Staged(name, digest=have or None)
         if not src.exists():
             if hot.exists() and meta is None and not AUTO_BIN.match(name):
                 return Staged(name)  # a person's file the engine wrote into staging itself
@@ -256,6 +290,7 @@ class Staging:
             f, _ = files.open_regular(src)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
             with f, os.fdopen(fd, "wb") as out:
+                self._own(out.fileno(), tmp)
                 while chunk := f.read(files.CHUNK):
                     out.write(chunk)
             os.replace(tmp, hot)
@@ -263,13 +298,8 @@ class Staging:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        if meta is not None and meta.digest is not None:
-            now = files.regular_ident(hot)
-            if now is not None:
-                with self._lock:
-                    self._checked[name] = (now, meta.digest)
-        self._hot_added(name)
-        return Staged(name)
+        self._hot_added(name, meta)
+        return Staged(name, digest=meta.digest if meta is not None else None)
 
     def _bad_block(self, e: BadBlock, refs: list[BlockRef]) -> list[str]:
         """A block that failed its check: moved aside, and the manifests naming it removed (they

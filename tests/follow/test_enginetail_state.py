@@ -261,7 +261,8 @@ async def test_several_slots_each_get_their_last_file_and_a_file_another_extends
     assert first == f"auto-{LINE}.bin" and s.view(1).file == first  # A's own file, grown
     await restart(s, tail)
     assert s.engine.held == {0: [], 1: A2, 2: B} and s.counters.restores == 2
-    # Recorded across a restart of autosessd: the next start has the same plan.
+    # Recorded across a restart of autosessd (its stop writes the record last): the next start has the same plan.
+    await s.last.record_stop(s.slots.values())
     s2, tail2, _ = make(tmp_path, n_slots=3)
     assert s2.last.entries.keys() == {0, 1, 2}  # held.json: the one record of what each slot held last
     assert s2.last.plan(s2.slots, s2.index) == [(1, LINE, first), (2, LINE, s.view(2).file)]

@@ -218,12 +218,25 @@ async def test_requests_for_a_model_being_put_away_wait_and_load_it_again(tmp_pa
 
 
 async def test_router_forget_removes_a_conversation_under_every_model(tmp_path):
-    stub, router = await make(tmp_path)
+    stub, router = await make(tmp_path, models=("ga", "gb", "gc"))  # gc never loaded
     await request(router, stub, A1)
     await request(router, stub, {**A1, "model": "gb"})
     key = conversation_key(A1)
+    # A model not loaded now kept a branch of the line, and its held record names it (issue 38).
+    from autosessd.sessions.held import _write
+    from autosessd.modes.models import model_key
+
+    line = model_key("gc", key)
+    branch = "0123456789abcdef"
+    (stub.dir / f"auto-{branch}.bin").write_bytes(b"qsgg")
+    router.store.write_meta(__import__("autosessd.store.names", fromlist=["Meta"]).Meta(
+        key=branch, n_tokens=1, bytes=4, saved_at=1.0, model="gc", save_ms=1.0, line=line))
+    state = router.cfg.effective_state_dir()
+    _write(state / "held-ffffffffffffffff.json", {"model": "gc", "slots": {"0": {"key": line, "file": f"auto-{branch}.bin",
+                                                                                "at": 1.0}}})
     assert (await router.forget(key))["freed"] > 0
     assert not list(stub.dir.glob("auto-*.bin"))
+    assert __import__("json").loads((state / "held-ffffffffffffffff.json").read_text())["slots"] == {}
 
 
 def test_sleep_seconds_from_an_engine_command_line():

@@ -186,7 +186,7 @@ async def test_whole_files_from_before_the_block_store_are_kept_as_blocks_after_
     """Files saved with store_blocks off (as every save before issue 39): the next start keeps
     them as blocks, in the background; the conversation restores as before."""
     s = make(tmp_path)
-    s.store.blocks = None  # the store of an older autosessd
+    s.store.cut = False  # the store of an older autosessd: whole files
     await s.prepare()
     await request(s, A, conv(A, 40))
     await request(s, B2, conv(B2, 30))

@@ -182,14 +182,39 @@ def test_a_damaged_or_missing_block_is_never_assembled(tmp_path, monkeypatch):
         assembled(store, kv, refs, 30, tmp_path)
 
 
-def test_unused_blocks_go_and_pinned_or_used_ones_stay(tmp_path, monkeypatch):
+def test_a_block_is_set_aside_only_when_nobody_holds_it(tmp_path, monkeypatch):
     monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
     store = BlockStore(tmp_path / "home")
     p = write(tmp_path, "a.bin", slot_file(list(range(24))))
     refs, _ = split(store, parse(p), p, MODEL)
     keys = [r.key for r in refs]
     with store.pinned(keys[:1]):
-        n, freed = store.remove_unused({keys[2]})
-    assert n == 1 and set(store.scan()) == {keys[0], keys[2]}
-    (store.path(keys[0]).parent / f".{keys[0]}.dead.partial").write_bytes(b"x")
-    assert len(store.cleanup()) == 1
+        assert store.set_aside(keys[0]) is None  # a save or an assembly holds it
+    dead, size = store.set_aside(keys[1])
+    assert not store.path(keys[1]).exists() and dead.exists() and size == dead.stat().st_size
+    assert set(store.scan()) == {keys[0], keys[2]}
+    assert len(store.cleanup()) == 1 and not dead.exists()  # what a crash between the two steps leaves
+
+
+def test_the_stores_gc_takes_only_blocks_no_manifest_names(tmp_path, monkeypatch):
+    """A manifest's blocks stay; a block no manifest names goes, unless pinned (a save that is
+    about to name it)."""
+    import dataclasses
+
+    from autosessd.store.directory import Store
+    from autosessd.store.names import Meta
+
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    s = Store(tmp_path / "home")
+    p = write(tmp_path, "a.bin", slot_file(list(range(24))))
+    kv = parse(p)
+    refs, _ = split(s.blocks, kv, p, MODEL)
+    meta = Meta(key="a" * 16, n_tokens=24, bytes=kv.size, saved_at=1.0, model=MODEL, save_ms=1.0,
+                blocks=tuple((r.key, r.n_cells, r.digest) for r in refs[:2]), kv=kv.shape.to_json(),
+                tokens=encode(kv.tokens[:16]))
+    s.write_meta(dataclasses.replace(meta, n_tokens=16))
+    extra = refs[2].key
+    with s.blocks.pinned([extra]):
+        assert s.unused_blocks()[1] == 0 and extra in s.blocks.scan()
+    n, freed = s.unused_blocks()
+    assert n == 1 and freed > 0 and set(s.blocks.scan()) == {refs[0].key, refs[1].key}
