@@ -12,7 +12,7 @@ slot_save_path under /dev/shm: what `autosessd --exec` sets up).
                      (/proc/diskstats of the store's device, all writers: an upper bound)
     shared prompt    8 conversations sharing a ~BENCH_BLOCKS_SYSTEM-token system prompt, each with
                      its own ~300-token question: the store's bytes against the unique tokens' KV
-    block size       a save of A cut with blocks of 64, 256 and 1024 tokens: the time to cut it,
+    block size       a save of A cut with blocks of 64, 128, 256 and 1024 tokens: the time to cut it,
                      the files, and what A grown by ~300 tokens then writes (the last partial
                      block is written again); the assembly of the whole file, warm
 
@@ -188,7 +188,7 @@ def block_sizes(run: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     old = B.BLOCK_TOKENS
     try:
-        for size in (64, 256, 1024):
+        for size in (64, 128, 256, 1024):
             B.BLOCK_TOKENS = size
             home = run._dir(f"blocks-size-{size}")
             store = BlockStore(home)

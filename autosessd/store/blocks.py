@@ -54,7 +54,7 @@ from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
 log = logging.getLogger("autosessd")
 
-BLOCK_TOKENS = 256  # cells a block holds (bench/blocks.py measured 64, 256 and 1024: README, Benchmarks)
+BLOCK_TOKENS = 128  # cells a block holds (bench/blocks.py, scenario 14: 64, 128, 256 and 1024 measured)
 MAGIC_BLOCK = b"autosessd-blk-1\n"
 HEADER = struct.Struct("<16sII16s16s8x")  # magic, cells, cell bytes, key, payload digest (raw xxh3-128)
 DIR = "blocks"
