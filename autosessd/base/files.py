@@ -14,7 +14,7 @@ file goes through open_regular():
 All of it blocks on disk I/O: callers run it in a worker thread, never on the event loop.
 
 The digest (DIGEST, issue 19): xxh3-128 of the whole file, measured against sha256, blake2b
-and blake3 by bench/digest.py (README "Integrity"): several times faster than the others on
+and blake3 by bench/digest.py (docs/guarantees.md, Integrity): several times faster than the others on
 one core, so a finalize adds a fraction of the time the engine took to write the file, and a
 download is checked while its bytes arrive. It guards against damage and truncation (a disk,
 a copy, a peer's broken upload), not against someone who may write the directory or the

@@ -18,7 +18,7 @@ named by its tokens (branches.save_key under LINE: the first conversation saved 
 one that departs from it inside its prompt a branch name of the tokens up to where it
 departs, and so on): the same conversation lands on the same name as it grows, another one
 never on its name, and the gate or a hook with messages, started later, finds the files by
-their tokens (README: Three ways in).
+their tokens (docs/how-it-works/inputs.md).
 
 Save behind: after a release, with no launch on that slot since and the engine's slot idle,
 the slot is saved if it reached auto_sessions_min_tokens and its file is not up to date. A

@@ -350,7 +350,7 @@ class Gate:
 
     @staticmethod
     def _decorator(s: Sessions, result: TurnResult, slot: int) -> Any:
-        """What autosessd did for the request, as response headers (README: Response headers):
+        """What autosessd did for the request, as response headers (docs/getting-started.md, Response headers):
         only on the engine's successful answers (forward leaves its error answers alone)."""
         savings = s.ctx.savings
 

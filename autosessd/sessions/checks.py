@@ -135,7 +135,8 @@ def warn_empties_idle(engine: Engine, clears: bool, how: str) -> None:
         log.warning("engine: %s empties idle slots whenever a request starts on another one (%s): autosessd "
                     "saves each conversation when its request ends, not only when its slot is taken, and a "
                     "conversation whose request ends just as another starts can miss its save. Start llama-server "
-                    "with --no-cache-idle-slots to keep idle slots (README: Several slots)", engine.address, how)
+                    "with --no-cache-idle-slots to keep idle slots (docs: How it works, Several slots)",
+                    engine.address, how)
     else:
         log.info("engine: idle slots keep what they hold (%s)", how)
 

@@ -142,7 +142,8 @@ class Observer:
                         "cache with --cache-idle-slots, the defaults of -np auto): autosessd now saves each "
                         "conversation when its request ends, not only when its slot is taken, and a conversation "
                         "whose request ends just as another starts can miss its save. Start llama-server with "
-                        "--no-cache-idle-slots to keep idle slots (README: Several slots)", self.ctx.engine.address)
+                        "--no-cache-idle-slots to keep idle slots (docs: How it works, Several slots)",
+                        self.ctx.engine.address)
         self.lost(s, EMPTIED)
 
     # -- a request's end -------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Names by tokens: where a conversation is saved when another one shares its first message
-(DESIGN §9, README "Diverging conversations"), and the name of a shared prefix's file.
+(DESIGN §9, docs/how-it-works/files.md), and the name of a shared prefix's file.
 
 Pure functions of tokens and of what the files under a name hold: the index (index.py) says
 which files hold what, saves.py asks save_key where a state goes, prefix.py names a prefix.

@@ -100,7 +100,7 @@ def test_engine_defaults_that_empty_idle_slots_are_named_and_answers_stay_right(
 @pytest.mark.parametrize("slots, cache_ram, extra, empties", [
     (2, 0, [], False),  # two slots, each its own KV stream (llama.cpp's own test_server_slots)
     ("auto", None, [], True),  # the engine's defaults
-    ("auto", None, ["--no-cache-idle-slots"], False),  # what README: Several slots advises
+    ("auto", None, ["--no-cache-idle-slots"], False),  # what the docs (How it works, Several slots) advise
 ])
 def test_the_start_leaves_no_task_in_the_engines_slots_and_names_its_mode(
         engines, session_dir, tmp_path, slots, cache_ram, extra, empties):
