@@ -127,8 +127,11 @@ def test_a_retry_after_an_engine_restart_through_a_tail(engines, session_dir, tm
             # stop it (the tail sees the request once it runs), and says so.
             wait_until(lambda: status(d)["counters"]["swa_retries"] == 1, 15, 0.1, "the retry seen")
             said_why(d, model)
-            assert "may differ from a fresh read" in d.logtext()
             assert status(d)["last_swa_retry"]["reused"] is (reused(again) >= 0.9)
+            # Either way the log says what happened (the engine reused the file or read the
+            # prompt again: it varies, 2 of 3 tries reused); the line may follow the counter.
+            said = "may differ from a fresh read" if reused(again) >= 0.9 else "so the engine read the prompt again"
+            wait_until(lambda: said in d.logtext(), 15, 0.1, f"the log to say {said!r}")
         else:
             assert reused(again) >= 0.9
             wait_until(lambda: status(d)["counters"]["restores_reused"] == 1, 15, 0.1, "the restore verified")
