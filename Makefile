@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test docs man engine s3-packages prometheus-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,16 @@ s3-packages:
 prometheus-packages:
 	@scripts/prometheus-tools install || echo "make: the promtool/Prometheus tests will be skipped (why: above)"
 
+# The front-door tests (several hosts behind HAProxy, tests/shared/test_front_door_real.py) run
+# Debian's haproxy package (scripts/haproxy-tool): installed here as root, once; otherwise those
+# tests are skipped and say why (AUTOSESSD_REQUIRE_HAPROXY=1: fail).
+haproxy-packages:
+	@scripts/haproxy-tool install || echo "make: the HAProxy front-door tests will be skipped (why: above)"
+
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
 # First the layers (pyproject.toml's import-linter contracts) and the import graph's circles, then
 # the documentation site (make docs; not --quiet: it hides the warnings --strict counts).
-test: $(BIN)/.installed engine s3-packages prometheus-packages
+test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python scripts/import_cycles.py
 	$(MKDOCS) build --strict

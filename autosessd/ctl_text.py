@@ -122,7 +122,7 @@ def show_status(st: dict[str, Any]) -> str:
     out += store_lines(store)
     out.append("inputs    " + (", ".join(st["inputs"]) or "none"))
     if st.get("shared"):
-        out += shared_lines(st["shared"])
+        out += shared_lines(st["shared"], c.get("arrivals"))
     out.append("counters  " + "  ".join(f"{k} {tokens(v) if isinstance(v, int) else f'{v:,.0f}'}"
                                         for k, v in c.items() if v))
     q = store.get("quarantined") or {}
@@ -165,8 +165,9 @@ def store_lines(store: dict[str, Any]) -> list[str]:
     return out
 
 
-def shared_lines(sh: dict[str, Any]) -> list[str]:
-    """The shared bucket in status: where, what waits to go up, what came down."""
+def shared_lines(sh: dict[str, Any], arrivals: int | None = None) -> list[str]:
+    """The shared bucket in status: where, what waits to go up, what came down, and what moved
+    here from other hosts (arrivals: the sessions' counter, when known)."""
     cat = sh.get("catalog") or {}
     listed = (f"{cat.get('saves', 0):,} saves of this model, read {when(cat.get('listed_at'))}"
               if cat.get("listed_at") else "not read yet")
@@ -179,6 +180,9 @@ def shared_lines(sh: dict[str, Any]) -> list[str]:
            f"{sh['downloads_skipped_unreachable']:,} while the bucket failed, "
            f"{sh['downloads_refused_layout']:,} refused (another KV layout), {gb(sh['bytes_down'])} down "
            f"in {sh['download_ms_total'] / 1000:,.1f} s{rate}"]
+    if arrivals is not None:
+        out.append(f"          moved here from other hosts: {arrivals:,} conversation(s), "
+                   f"{sh.get('downloads_moved', 0):,} download(s) of their saves ({gb(sh.get('bytes_down_moved', 0))})")
     if sh.get("uploads_retrying") and sh.get("last_upload_error"):
         out.append(f"warning   uploads are failing: {sh['last_upload_error']}")
     if sh.get("last_download_error"):

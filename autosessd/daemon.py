@@ -115,6 +115,7 @@ class Daemon(Starting):
         self._stopping = ""  # what the stop is doing now: said if the deadline cuts it
         self.shared: Any = None  # shared.SharedStore when [shared] is set
         self.remote: Remote | None = None
+        self._serving = False  # the start is done and no stop has begun: the gate's /health says 200
 
     # Inputs register here; the gate, tail and control socket each build one from cfg.
     def build_inputs(self) -> list[Input]:
@@ -125,7 +126,7 @@ class Daemon(Starting):
         if self.cfg.gate.listen:
             from .front.gate import Gate
 
-            inputs.append(Gate(self.cfg, self.sessions, self.pool, self.router))
+            inputs.append(Gate(self.cfg, self.sessions, self.pool, self.router, not_ready=self.not_ready))
         if self.cfg.tail.request_log:
             from .follow.tail import Tail
 
@@ -194,6 +195,12 @@ class Daemon(Starting):
             self._comeback = asyncio.get_running_loop().create_task(back.run())
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
                  self.store.path, ", ".join(self.house.inputs) or "none")
+
+    def not_ready(self) -> str | None:
+        """Why this autosessd does not serve now (the gate's /health answers 503 with it), or None."""
+        if self._stop.is_set():
+            return f"stopping ({self._stop_reason})"
+        return None if self._serving else "starting"
 
     def initiate_shutdown(self, reason: str) -> None:
         if not self._stop.is_set():
@@ -272,6 +279,7 @@ class Daemon(Starting):
             if isinstance(e, StartupError):
                 return 1
             raise
+        self._serving = True
         sd_notify("READY=1\nSTATUS=serving")
         watchdog = self._start_watchdog()
         code = await self._serve()

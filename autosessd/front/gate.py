@@ -23,6 +23,8 @@ closes the upstream connection, so the engine stops generating. Its state is the
 provisional; the FIFO is released once the engine's slot is idle again, so the next
 turn never saves a half-finished state.
 
+GET /health is the front door's question (a load balancer's health check), health.py's answer.
+
 The engine restarting behind the gate is noticed by sessions.watch_engine (health, process
 identity) and by the turn's own slot check; either resets what is held.
 """
@@ -50,6 +52,8 @@ from ..sessions import views
 from ..sessions.facade import Sessions
 from ..sessions.placement import Ticket, keyless_prompt
 from ..sessions.report import TurnResult
+from ..shared.bucket import default_host
+from . import health
 from .guard import Guard
 from .routes import (CHAT_PATHS, CONVERSATION_PATHS, PINNABLE_PATHS, SLOTLESS_POSTS, model_of, several_tasks,
                      slot_in_path)
@@ -69,11 +73,17 @@ class Gate:
     name = "gate"
 
     def __init__(self, cfg: Config, sessions: Sessions | None, pool: Upstream | None = None,
-                 router: Router | None = None):
+                 router: Router | None = None, not_ready: Callable[[], str | None] | None = None):
         """pool: the engine's HTTP pool, shared with the engine adapter (one is made when None).
         router: llama-server in router mode (models.py): each request goes to its model's
-        Sessions, loaded first; sessions is then None."""
+        Sessions, loaded first; sessions is then None. not_ready: why this autosessd is not
+        serving (starting, stopping), or None; /health answers 503 while it says why."""
         self.cfg = cfg
+        self.not_ready = not_ready or (lambda: None)
+        # The name a front door's client sees in X-Autosessd-Host: [shared] host, else the
+        # hostname. shared_host: the same, only with [shared] (one host needs no such headers).
+        self.host_name = (cfg.shared.host if cfg.shared is not None else None) or default_host()
+        self.shared_host = self.host_name if cfg.shared is not None else None
         self.sessions = sessions
         self.router = router
         self.house: Any = router if router is not None else sessions  # status, metrics, restarts
@@ -175,6 +185,8 @@ class Gate:
         path = request.path
         if path.startswith("/autosessd/"):
             return await self.own_endpoint(request)
+        if path == "/health" and request.method == "GET":
+            return await self.health(request)
         if request.content_length is not None and request.content_length > self.max_body:
             return self._too_large(f"{request.content_length:,} bytes")
         self.requests += 1
@@ -210,6 +222,10 @@ class Gate:
                                                              "X-Content-Type-Options": "nosniff"})
         return gate_error(404, f"no such endpoint {request.path} (autosessd has /autosessd/status and "
                                f"/autosessd/metrics)", "not_found_error")
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        """GET /health: the front door's question (health.py)."""
+        return await health.answer(request, self.pool, self.upstream, self.not_ready(), self.host_name)
 
     # -- forwarding ------------------------------------------------------------
     async def proxy(self, request: web.Request, body: bytes, watcher: SSEWatcher | None = None,
@@ -326,7 +342,8 @@ class Gate:
             forwarded = True
             s.sent(ticket)
             # Not shielded: cancelling it (client gone) closes the upstream request.
-            resp = await self.proxy(request, body, watcher, self._decorator(s, result, ticket.slot_id), ka)
+            resp = await self.proxy(request, body, watcher, self._decorator(s, result, ticket.slot_id, self.shared_host),
+                                    ka)
         except asyncio.CancelledError:
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
@@ -349,13 +366,23 @@ class Gate:
         return resp
 
     @staticmethod
-    def _decorator(s: Sessions, result: TurnResult, slot: int) -> Any:
+    def _decorator(s: Sessions, result: TurnResult, slot: int, host: str | None) -> Any:
         """What autosessd did for the request, as response headers (docs/getting-started.md, Response headers):
         only on the engine's successful answers (forward leaves its error answers alone)."""
         savings = s.ctx.savings
+        # With [shared] (host set), behind a front door (docs/several-hosts.md): which host
+        # answered, and whether the conversation was this host's or came from another host.
+        if result.downloaded_from is not None:
+            came = f"bucket {result.downloaded_from}"
+        elif result.moved_from is not None:
+            came = f"moved {result.moved_from}"
+        else:
+            came = "local"
 
         def decorate(status: int, watcher: SSEWatcher | None) -> dict[str, str]:
             h = {"X-Autosessd-Slot": str(slot)}
+            if host is not None:
+                h["X-Autosessd-Host"], h["X-Autosessd-Conversation"] = host, came
             if result.saved:
                 h["X-Autosessd-Saved"] = f"{result.saved['n_tokens']} {result.saved['file']}"
             r = result.restored

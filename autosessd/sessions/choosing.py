@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .context import Context
     from .prefix import PrefixReader
     from .recall import Recall
-    from .remote import Fetcher
+    from .fetcher import Fetcher
     from .restores import Restorer
     from .saves import Saver
 

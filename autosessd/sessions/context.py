@@ -34,6 +34,8 @@ class Bucket(Protocol):
 
     def upload_later(self, path: Path, meta: Meta) -> None: ...
 
+    def went_on(self, key: str, tokens: bytes | None, n_tokens: int | None, more: int) -> str | None: ...
+
 
 class Facts(Protocol):
     """Whether the facts above are the engine's since its last restart: facts.EngineFacts,

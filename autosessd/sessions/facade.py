@@ -106,7 +106,7 @@ from .observe import Observer
 from .placement import Placement, Ticket
 from .policy import Occasion, Save, SaveOutcome
 from .prefix import PrefixReader
-from .remote import Fetcher
+from .fetcher import Fetcher
 from .report import Counters, Events, TurnResult
 from .restores import Restorer
 from .saves import Saver

@@ -48,7 +48,7 @@ from ..store.slotfile import encode
 
 if TYPE_CHECKING:
     from .context import Context
-    from .remote import Fetcher
+    from .fetcher import Fetcher
     from .slot import View
 
 log = logging.getLogger("autosessd")

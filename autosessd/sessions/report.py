@@ -142,6 +142,12 @@ class Counters:
     prefixes_saved: int = _counter("prefixes_saved_total",
                                    "Shared prefixes (system prompt, tools) read on their own and saved")
     fetched: int = _counter("fetched_total", "Saves downloaded from the shared bucket for a turn's restore")
+    saves_covered_remote: int = _counter("saves_covered_remote_total",
+                                         "Saves not made: another host's newer save in the shared bucket held all "
+                                         "the slot held and more (the conversation went on there)")
+    arrivals: int = _counter("arrivals_total",
+                             "Conversations that moved here: at a switch to them, the bucket's newest save of them "
+                             "was another host's, newer than this host's own (downloaded or re-read)")
     fetch_failures: int = _counter("fetch_failures_total",
                                    "Downloads for a turn that failed or ran out of time (the request re-read)")
     primed: int = _counter("primed_total",
@@ -271,6 +277,11 @@ class TurnResult:
     # /tokenize), "messages" (a file's marks told them, or the file to restore: recall.py), or
     # None (none needed: the request goes on from the held one, or is matched by its key).
     tokens_from: str | None = None
+    # Several hosts on one bucket: the host whose save of this conversation was the bucket's newest
+    # and newer than anything here when the turn began (it moved here: fetcher.Fetcher.arrival),
+    # and the host whose save this turn downloaded for its restore.
+    moved_from: str | None = None
+    downloaded_from: str | None = None
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     ms: float = 0.0

@@ -86,6 +86,14 @@ class Saver(Finalizing):
             return None, SaveOutcome.NOT_TRIED
         held = s.view.conversation()
         step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
+        if isinstance(step, Save) and held is not None and self.ctx.remote is not None:
+            # The conversation went on on another host since this slot held it: the bucket's
+            # save holds all of this and more, and this one, newer by the clock, would pass
+            # for the current save there (bucket.py: the newer save wins) with less in it.
+            other = self.ctx.remote.went_on(held.key, s.view.tokens, held.n_tokens, 0)
+            if other is not None:
+                self.ctx.counters.saves_covered_remote += 1
+                step = Skip("save", held.key, f"{other}'s newer save in the shared bucket holds all of it and more")
         if isinstance(step, Save) and held is not None:
             return step, await self.save(s, held, result, check=check)
         return step, SaveOutcome.NOT_TRIED

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .context import Context
     from .observe import Observer
     from .prefix import PrefixReader
-    from .remote import Fetcher
+    from .fetcher import Fetcher
     from .restores import Restorer
     from .saves import Saver
     from .warm import Warmer
@@ -195,6 +195,20 @@ class Turn(Choosing):
         v = s.view
         held = v.conversation()
         same = key is not None and held is not None and held.key == key
+        if key is not None and self.ctx.remote is not None:
+            other = self.ctx.remote.went_on(key, v.tokens, v.n_tokens, max(self.ctx.min_tokens, 1)) if same else None
+            if other is not None:
+                # It came back after going on on another host (docs/several-hosts.md): the slot
+                # holds an older copy. A switch, then: the bucket's save is weighed against it
+                # for the restore, and the slot's state is not saved (plan_save: a switch to its
+                # own conversation), which would pass for newer than the save it lags.
+                log.info("auto sessions: %s went on on %s since slot %d held it: its save there is weighed for "
+                         "a restore", key, other, s.id)
+                result.moved_from = other
+                self.ctx.counters.arrivals += 1
+                same = False
+            elif not same:
+                self.fetcher.arrival(key, result)
         if same and (sig is None or continues(v.messages, sig)):
             # The same conversation going on: its count is updated when the request ends. No
             # tokens asked for: the request extends what the slot holds.

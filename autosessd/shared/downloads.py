@@ -48,7 +48,7 @@ BAD_KEPT = 10_000  # bad objects remembered (the oldest forgotten first)
 
 class Downloads:
     """SharedStore's downloads (a mixin: the state it uses is made in SharedStore.__init__ —
-    _client, bucket, cfg, _errors, counters under _lock, _down_rate, _down_backoff_until,
+    _client, bucket, cfg, host, _errors, counters under _lock, _down_rate, _down_backoff_until,
     _down_backoff_s, _blocked_said, progress, bad)."""
 
     def is_bad(self, key: str) -> bool:
@@ -247,6 +247,9 @@ class Downloads:
         rate = s.bytes / max(ms / 1000, 1e-6)
         with self._lock:
             self.counters.downloads += 1
+            if s.host != self.host:  # another host's save: the conversation moved here
+                self.counters.downloads_moved += 1
+                self.counters.bytes_down_moved += s.bytes
             self.counters.download_ms_total += ms
             self.counters.last_download_ms = ms
             self._learn_rate(rate)

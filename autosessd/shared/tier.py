@@ -35,6 +35,8 @@ class Counters:
     upload_failures: int = 0  # failed attempts (each is retried)
     bytes_up: int = 0
     downloads: int = 0  # hits: a remote save brought into the session directory
+    downloads_moved: int = 0  # of those, saves another host made: conversations that moved here
+    bytes_down_moved: int = 0  # their bytes
     download_failures: int = 0
     downloads_skipped_slower: int = 0
     downloads_skipped_unreachable: int = 0  # the bucket was failing, or a download's backoff ran
@@ -226,7 +228,8 @@ class SharedStore(Uploads, Downloads, BucketPrune):
                 "uploads_done": c.uploads_done, "uploads_superseded": c.uploads_superseded,
                 "upload_failures": c.upload_failures, "last_upload_error": c.last_upload_error,
                 "bytes_up": c.bytes_up,
-                "downloads": c.downloads, "download_failures": c.download_failures,
+                "downloads": c.downloads, "downloads_moved": c.downloads_moved,
+                "bytes_down_moved": c.bytes_down_moved, "download_failures": c.download_failures,
                 "downloads_skipped_slower": c.downloads_skipped_slower,
                 "downloads_skipped_unreachable": c.downloads_skipped_unreachable,
                 "downloads_kept_local": c.downloads_kept_local,

@@ -1,0 +1,147 @@
+"""Several hosts behind one front door (issue 41, docs/several-hosts.md): three hosts on loopback,
+each a real llama-server with `autosessd run` and the same [shared] bucket on the real Ceph RGW,
+behind HAProxy (Debian's package, scripts/haproxy-tool) run with contrib/haproxy/haproxy.cfg as
+users run it, only its `bind` and `server` lines changed.
+
+Every turn of a conversation lands on one host and reuses its cache there; a host stopped with
+SIGTERM: its conversations go on on the others, restored from the bucket, with no client error.
+HAProxy missing: the test skips and says why (AUTOSESSD_REQUIRE_HAPROXY=1: it fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harness import Daemon, answer, free_port, long_text, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = ROOT / "contrib" / "haproxy" / "haproxy.cfg"
+SYSTEM = {"role": "system", "content": "Answer in one short sentence."}  # shared by all: the key takes two messages
+
+
+def haproxy_or_skip() -> str:
+    r = subprocess.run([str(ROOT / "scripts" / "haproxy-tool"), "check"], capture_output=True, text=True)
+    if r.returncode != 0:
+        why = r.stderr.strip() or "haproxy is not installed"
+        if os.environ.get("AUTOSESSD_REQUIRE_HAPROXY"):
+            pytest.fail(f"AUTOSESSD_REQUIRE_HAPROXY is set: {why}")
+        pytest.skip(why)
+    return "haproxy" if subprocess.run(["sh", "-c", "command -v haproxy"], capture_output=True).returncode == 0 \
+        else "/usr/sbin/haproxy"
+
+
+def shared_toml(endpoint: str, bucket: str, host: str) -> str:
+    return (f'[shared]\nendpoint_url = "{endpoint}"\nbucket = "{bucket}"\nprefix = "team/"\nhost = "{host}"\n'
+            f'list_every_s = 0.5\nretry_max_s = 2\nconnect_timeout_s = 2\nread_timeout_s = 10\n')
+
+
+def front_door_cfg(tmp: Path, port: int, gates: list[tuple[str, int]], stats: Path) -> Path:
+    """contrib/haproxy/haproxy.cfg with this test's addresses (and a stats socket to see the checks)."""
+    out = []
+    for line in CFG.read_text().splitlines():
+        s = line.strip()
+        if s.startswith("bind "):
+            line = f"    bind 127.0.0.1:{port}"
+        elif s.startswith("server "):
+            continue
+        elif s.startswith("log stdout"):
+            line = f"    log 127.0.0.1:{free_port()} local0"  # nowhere: the test reads no access log
+        out.append(line)
+        if s == "global":
+            out.append(f"    stats socket {stats} mode 600 level admin")
+    out += [f"    server {name} 127.0.0.1:{p}" for name, p in gates]
+    path = tmp / "haproxy.cfg"
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def servers_up(stats: Path) -> dict[str, str]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(stats))
+        s.sendall(b"show stat\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    rows = [r.split(",") for r in data.decode().splitlines() if r and not r.startswith("#")]
+    return {r[1]: r[17] for r in rows if r[0] == "hosts" and r[1] not in ("BACKEND", "FRONTEND")}
+
+
+def post(url: str, body: dict) -> tuple[dict, dict]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        return json.load(r), dict(r.headers)
+
+
+def shared(d: Daemon) -> dict:
+    return d.status()["shared"]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("model", ["kv8b"], indirect=True)
+def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_host_stops(
+        engines, model, s3_gateway, s3_bucket, aws_env, tmp_path):
+    binary = haproxy_or_skip()
+    daemons: dict[str, Daemon] = {}
+    proxy = None
+    try:
+        for n in (1, 2, 3):
+            s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
+            s.mkdir()
+            h.mkdir()
+            e = engines(save_dir=s)
+            daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64,
+                                         extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}")).start()
+        port, stats = free_port(), tmp_path / "haproxy.sock"
+        cfg = front_door_cfg(tmp_path, port, [(n, d.gate_port) for n, d in daemons.items()], stats)
+        proxy = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                                 stderr=open(tmp_path / "haproxy.log", "w"))
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: stats.exists() and set(servers_up(stats).values()) == {"UP"}, 60,
+                   what="HAProxy to see the three hosts up")
+
+        # Four conversations x 3 turns, round robin: a host with two switches between them.
+        convs = [{"messages": [SYSTEM, {"role": "user", "content": long_text(6, t) + " Which is red?"}],
+                  "temperature": 0, "max_tokens": 8, "seed": 1} for t in ("box", "jar", "cup", "bag")]
+        host_of: dict[int, str] = {}
+        for turn in range(3):
+            for i, body in enumerate(convs):
+                out, h = post(url, body)
+                host = h["X-Autosessd-Host"]
+                assert host_of.setdefault(i, host) == host, f"conversation {i} moved from {host_of[i]} to {host}"
+                if turn > 0:  # its host reused what it held of it (in the slot, or restored from its disk)
+                    assert out["timings"]["cache_n"] > 0, (i, turn, out["timings"], h)
+                convs[i] = {**body, "messages": body["messages"] + [
+                    {"role": "assistant", "content": answer(out)}, {"role": "user", "content": f"And turn {turn + 2}?"}]}
+        assert len(set(host_of.values())) >= 2  # leastconn spread them
+
+        # The host of conversation 0 stops (SIGTERM): its stop save goes up before it exits.
+        victim = host_of[0]
+        d = daemons[victim]
+        wait_until(lambda: shared(d)["uploads_pending"] == 0, 60, what=f"{victim}'s uploads")
+        assert d.stop(signal.SIGTERM) == 0
+        moved = [i for i, h in host_of.items() if h == victim]
+        others = [x for n, x in daemons.items() if n != victim]
+        for x in others:  # each other host's catalog has the victim's conversations
+            wait_until(lambda: shared(x)["catalog"]["with_tokens"] >= len(moved), 60, what="the catalog")
+        for i in moved:
+            out, h = post(url, convs[i])  # no client error: HAProxy retries and redispatches
+            assert h["X-Autosessd-Host"] != victim
+            assert h["X-Autosessd-Conversation"].startswith(("bucket ", "moved ")), h
+            assert out["timings"]["cache_n"] > 0, (i, out["timings"], h)  # restored from the bucket
+        moved_here = sum(x.status()["counters"]["arrivals"] for x in others)
+        assert moved_here == len(moved)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        for d in daemons.values():
+            d.stop()
