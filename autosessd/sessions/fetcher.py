@@ -100,6 +100,7 @@ class Fetcher:
         claim = await self._fetch(hit[0], fetch, result)
         if claim is None:
             return found, None
+        self._came_from(key, hit[0], result)
         # The file's own tokens, now in the local index, decide (they are the object's).
         lcp = index.lcp(fetch.name, tokens)
         if lcp is None or lcp < have + max(min_tokens, 1):
@@ -120,7 +121,17 @@ class Fetcher:
                                          ctx.model, ctx.min_tokens, ctx.engine_layout)
         if fetch is None or save is None or save.name in self.saver.writing():
             return None
-        return await self._fetch(save, fetch, result)
+        claim = await self._fetch(save, fetch, result)
+        if claim is not None:
+            self._came_from(key, save, result)
+        return claim
+
+    @staticmethod
+    def _came_from(key: str, save: RemoteSession, result: TurnResult) -> None:
+        """The header's "bucket HOST" is for the conversation's own save only: a download of
+        another conversation's save (a shared prefix) does not make this one a guest here."""
+        if save.name == auto_name(key):
+            result.downloaded_from = save.host
 
     def arrival(self, key: str, result: TurnResult) -> None:
         """A switch to conversation `key`: did it move here? Yes when the bucket's newest save of
@@ -218,7 +229,6 @@ class Fetcher:
             claim.release()
             raise
         ctx.counters.fetched += 1
-        result.downloaded_from = save.host
         ms = (time.monotonic() - t0) * 1000
         ctx.events.emit("downloaded", file=save.name, host=save.host, n_tokens=save.n_tokens, bytes=save.bytes,
                         ms=round(ms, 2))

@@ -227,6 +227,8 @@ class Remote:
         save = self.newest(auto_name(key))
         if save is None or save.host == self.shared.host or save.n_tokens < n_tokens + more:
             return None
+        if self.shared.is_bad(save.key):
+            return None  # refused here as not whole: the slot's state may be the only good copy
         theirs = self.catalog.tokens.get(save.key)
         return save.host if theirs is not None and theirs.startswith(tokens) else None
 

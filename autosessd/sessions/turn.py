@@ -196,7 +196,11 @@ class Turn(Choosing):
         held = v.conversation()
         same = key is not None and held is not None and held.key == key
         if key is not None and self.ctx.remote is not None:
-            other = self.ctx.remote.went_on(key, v.tokens, v.n_tokens, max(self.ctx.min_tokens, 1)) if same else None
+            # Only where the request's tokens decide its restore (the index; not the key rule,
+            # whose plan keeps a slot that holds the key): there the bucket's save is weighed.
+            by_tokens = same and sig is not None and self.ctx.index is not None
+            other = self.ctx.remote.went_on(key, v.tokens, v.n_tokens, max(self.ctx.min_tokens, 1)) \
+                if by_tokens else None
             if other is not None:
                 # It came back after going on on another host (docs/several-hosts.md): the slot
                 # holds an older copy. A switch, then: the bucket's save is weighed against it
