@@ -109,3 +109,18 @@ async def test_a_return_after_it_went_on_elsewhere_restores_the_bucket_s_save(mo
     assert turn.moved_from == "there" and turn.downloaded_from == "there"
     assert turn.restored is not None and turn.restored["file"] == NAME
     assert cache_n >= len(prompt(X2)) and s.counters.arrivals == 1 and s.counters.fetched == 1
+
+
+def test_a_save_refused_here_never_covers_what_a_slot_holds():
+    """A save this host refused as not whole (BadObject) is no copy of the conversation: the
+    slot's state may be the only good one, so it is saved as usual (went_on says None)."""
+    class Refused(FakeShared):
+        def is_bad(self, key):
+            return True
+
+    r = Remote(shared=Refused(), cfg=CFG, model="stub-model")
+    save, tokens = there_save(1.0)
+    r.catalog = Catalog({NAME: save}, {save.key: tokens}, TokenRun([(tokens, NAME)]), 1.0)
+    assert r.went_on(K, encode(prompt(X)), len(prompt(X)) + 4, 1) is None
+    r.pool.shutdown()
+    r.downloads.shutdown()
