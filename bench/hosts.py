@@ -299,10 +299,11 @@ def t15(r: dict[str, Any]) -> str:
         lines.append(f"| {label} | {src} | **{cell(case, 'ttft_s'):.2f} s** | {x['cache_n']:,} / {x['prompt']:,} | "
                      f"{turn} | {dl} |")
     last = runs[-1]
+    came = last["another host"]["headers"].get("x-autosessd-conversation", "-")
     own, other, alone = (_med([x[c]["ttft_s"] for x in runs]) for c in CASES)
     lines += ["", f"A: {last['prompt_tokens']:,} tokens. Another host against its own: "
               f"**{other / own:.1f}×** the first token; the re-read against another host: **{alone / other:.0f}×**. "
               f"Host 2's catalog listed A {_med([x['uploaded_after_s'] for x in runs]):.1f} s after the switch to B. "
               f"Same answer on all three: {'yes' if all(x['same_answer'] for x in runs) else 'no'}. "
-              f"X-Autosessd-Conversation on host 2: `{last['another host']['headers'].get('x-autosessd-conversation', '-')}`."]
+              f"X-Autosessd-Conversation on host 2: `{came}`."]
     return "\n".join(lines)
