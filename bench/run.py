@@ -31,6 +31,9 @@ Scenarios (each competitor is measured in the same run, interleaved with autoses
   14 token blocks   on the real engine, whole files against token blocks with staging on tmpfs:
                     bytes written per turn, a shared system prompt's store, the block size
                     (bench/blocks.py)
+  15 several hosts  two hosts (real engine, the 8B KV shape) with [shared] on a real Ceph RGW bucket:
+                    A's return on its own host, on another host (a download), and re-read by the
+                    engine alone (bench/hosts.py)
 
 Writes bench/results/<date>-<host>.json and prints Markdown tables; with scenario 1, also
 bench/results/switch-back.png (bench/plot.py), the README's plot.
@@ -66,6 +69,7 @@ from run_daemon import s6_tail, s7_scale, s8_footprint, t6, t7, t8  # noqa: E402
 from run_switch import s1_switch_back, s2_many, s3_restart, t1, t2, t3  # noqa: E402  (1-3: switches)
 from writes import s13_writes, t13  # noqa: E402  (scenario 13: what saving writes, per hour)
 from blocks import s14_blocks, t14  # noqa: E402  (scenario 14: the store of token blocks)
+from hosts import s15_hosts, t15  # noqa: E402  (scenario 15: a return on its own host or another)
 
 
 SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
@@ -82,6 +86,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[
     "13": ("What saving writes: two usage patterns, three settings, priced at 8B sizes", s13_writes, t13),
     "14": ("Token blocks on the real engine: write volume, a shared system prompt, the block size", s14_blocks,
            t14),
+    "15": ("Several hosts: a return on its own host, on another host, and a re-read, at 8B's KV shape", s15_hosts,
+           t15),
 }
 
 
