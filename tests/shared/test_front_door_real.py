@@ -180,3 +180,73 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
             proxy.wait(10)
         for d in daemons.values():
             d.stop()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("model", ["kv8b"], indirect=True)
+def test_a_host_that_comes_back_restores_the_newer_save_not_its_stale_copy(
+        engines, model, s3_gateway, s3_bucket, aws_env, tmp_path):
+    """A conversation went on on host 2 while host 1 was stopped; host 1 starts again, its disk
+    (and its engine's slot) still holding the older state. When host 2 stops too, the
+    conversation's next turn on host 1 is restored from host 2's newer save in the bucket: the
+    engine reuses all of the last prompt, which the stale copy does not hold."""
+    binary = haproxy_or_skip()
+    daemons: dict[str, Daemon] = {}
+    proxy = None
+    try:
+        for n in (1, 2):
+            s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
+            s.mkdir()
+            h.mkdir()
+            e = engines(save_dir=s)
+            daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64,
+                                         extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}")).start()
+        port, stats = free_port(), tmp_path / "haproxy.sock"
+        cfg = front_door_cfg(tmp_path, port, [(n, d.gate_port) for n, d in daemons.items()], stats)
+        proxy = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                                 stderr=open(tmp_path / "haproxy.log", "w"))
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: stats.exists() and set(servers_up(stats).values()) == {"UP"}, 60,
+                   what="HAProxy to see the two hosts up")
+
+        conv = {"messages": [SYSTEM, {"role": "user", "content": long_text(6, "box") + " Which is red?"}],
+                "temperature": 0, "max_tokens": 8, "seed": 1}
+
+        def turn(n):
+            nonlocal conv
+            out, h = post(url, conv)
+            conv = {**conv, "messages": conv["messages"] + [
+                {"role": "assistant", "content": answer(out)},
+                # Each turn adds more than auto_sessions_min_tokens (64): a save that holds one
+                # turn more than the local copy is worth its download.
+                {"role": "user", "content": f"And turn {n + 1}? " + long_text(6, f"turn{n + 1}")}]}
+            return out, h
+
+        _, h = turn(1)
+        first = h["x-autosessd-host"]
+        second = next(n for n in daemons if n != first)
+        turn(2)
+        assert daemons[first].stop(signal.SIGTERM) == 0  # its stop save goes up: the older copy
+        wait_until(lambda: servers_up(stats)[first] != "UP", 30, 0.2, what=f"HAProxy to see {first} down")
+        gone = time.time()
+        wait_until(lambda: (shared(daemons[second])["catalog"]["listed_at"] or 0) > gone, 60, 0.2,
+                   what="a listing after the first host's stop save")
+        out, h = turn(3)
+        assert h["x-autosessd-host"] == second and h["x-autosessd-conversation"] == f"bucket {first}", h
+        out, h = turn(4)  # it goes on on the second host, past what the first one holds
+        last_prompt = out["usage"]["prompt_tokens"]
+        daemons[first].start()  # back, with the older copy on its disk and in its engine's slot
+        wait_until(lambda: servers_up(stats)[first] == "UP", 60, 0.2, what=f"HAProxy to see {first} up again")
+        assert daemons[second].stop(signal.SIGTERM) == 0  # its stop save goes up: the newer save
+        gone = time.time()
+        wait_until(lambda: (shared(daemons[first])["catalog"]["listed_at"] or 0) > gone, 60, 0.2,
+                   what="a listing after the second host's stop save")
+        out, h = turn(5)
+        assert h["x-autosessd-host"] == first and h["x-autosessd-conversation"] == f"bucket {second}", h
+        assert out["timings"]["cache_n"] >= last_prompt, (last_prompt, out["timings"], h)
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        for d in daemons.values():
+            d.stop()
