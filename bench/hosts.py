@@ -23,8 +23,6 @@ seconds and MB/s (autosessd's status: last_download_ms over the bytes it brought
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import statistics
 import subprocess
@@ -93,31 +91,13 @@ def host(run: Any, n: int, env: dict[str, str], bucket: str) -> dict[str, Any]:
 
 
 def ask(port: int, messages: list[dict[str, str]], max_tokens: int = 8) -> dict[str, Any]:
-    """One streamed chat request (as slots.ask): time to first token, the answer, the engine's
+    """One streamed chat request (slots.ask): time to first token, the answer, the engine's
     timings, and autosessd's response headers."""
-    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "seed": 1, "stream": True}
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    t0 = time.monotonic()
-    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"bench: port {port} answered {r.status}: {r.read()[:300]!r}")
-    headers = {k.lower(): v for k, v in r.getheaders() if k.lower().startswith("x-autosessd")}
-    ttft, text, timings = None, "", {}
-    for line in r:
-        if not line.startswith(b"data: {"):
-            continue
-        d = json.loads(line[6:])
-        delta = ((d.get("choices") or [{}])[0].get("delta") or {}).get("content")
-        if delta:
-            ttft = ttft or time.monotonic() - t0
-            text += delta
-        timings = d.get("timings") or timings
-    c.close()
-    end = time.monotonic() - t0
-    cache_n, prompt_n = timings.get("cache_n", 0), timings.get("prompt_n", 0)
-    return {"ttft_s": ttft if ttft is not None else end, "end_s": end, "text": text, "cache_n": cache_n,
-            "prompt": cache_n + prompt_n, "prompt_ms": timings.get("prompt_ms"), "headers": headers}
+    from slots import ask as streamed
+
+    r = streamed(f"http://127.0.0.1:{port}", messages, max_tokens, timeout=1800)
+    return {"ttft_s": r["ttft"], "end_s": r["s"], "text": r["text"], "cache_n": r["cache_n"],
+            "prompt": r["prompt"], "prompt_ms": r["timings"].get("prompt_ms"), "headers": r["headers"]}
 
 
 def status(h: dict[str, Any]) -> dict[str, Any]:

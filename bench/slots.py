@@ -82,7 +82,8 @@ CONFIGS: dict[str, tuple[int | str, str | int, list[str]]] = {
 # -- clients ---------------------------------------------------------------------------
 def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 24, timeout: float = 600,
         **extra: Any) -> dict[str, Any]:
-    """One streamed chat request read to its end: time to first content chunk, the engine's timings."""
+    """One streamed chat request read to its end: time to first content chunk, the engine's timings,
+    autosessd's response headers (x-autosessd-*, in lower case)."""
     u = urlparse(url)
     body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "seed": 1, "stream": True, **extra}
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
@@ -91,6 +92,7 @@ def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 24, timeout:
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"{url} answered {r.status}: {r.read()[:300]!r}")
+    headers = {k.lower(): v for k, v in r.getheaders() if k.lower().startswith("x-autosessd")}
     ttft, text, timings = None, "", {}
     for line in r:
         if not line.startswith(b"data: {"):
@@ -106,7 +108,7 @@ def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 24, timeout:
     cache_n, prompt_n = timings.get("cache_n", 0), timings.get("prompt_n", 0)
     return {"ttft": ttft if ttft is not None else t1 - t0, "s": t1 - t0, "cache_n": cache_n,
             "prompt": cache_n + prompt_n, "reused": cache_n / max(1, cache_n + prompt_n),
-            "predicted_n": timings.get("predicted_n", 0), "text": text, "timings": timings}
+            "predicted_n": timings.get("predicted_n", 0), "text": text, "timings": timings, "headers": headers}
 
 
 def clients(jobs: list[list[Any]], work: Any) -> tuple[list[list[Any]], float]:

@@ -98,6 +98,33 @@ def saved_all(d: Daemon) -> bool:
     return all(n is not None and (files.get(f"auto-{k}.bin") or 0) >= n - 1 for k, n in held.items())
 
 
+def start_hosts(engines, tmp_path: Path, n_hosts: int, s3: tuple[str, str], toml: str, daemons: dict,
+                engine_of: dict) -> None:
+    """host1 … hostN: each a llama-server and autosessd with [shared] on s3 (endpoint, bucket);
+    toml: top-level keys before it. Filled into daemons and engine_of as they start, so the
+    caller's finally stops what did start."""
+    for n in range(1, n_hosts + 1):
+        s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
+        s.mkdir()
+        h.mkdir()
+        e = engine_of[f"host{n}"] = engines(save_dir=s)
+        daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64, extra_toml=toml + shared_toml(*s3, f"host{n}")).start()
+
+
+def front_door(binary: str, tmp_path: Path, daemons: dict) -> tuple[subprocess.Popen, str, Path]:
+    """HAProxy with the shipped file in front of the daemons' gates: (process, url, stats socket)."""
+    port, stats = free_port(), tmp_path / "haproxy.sock"
+    cfg = front_door_cfg(tmp_path, port, [(n, d.gate_port) for n, d in daemons.items()], stats)
+    proxy = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                             stderr=open(tmp_path / "haproxy.log", "w"))
+    return proxy, f"http://127.0.0.1:{port}", stats
+
+
+def all_up(stats: Path, n_hosts: int) -> None:
+    wait_until(lambda: stats.exists() and set(servers_up(stats).values()) == {"UP"}, 60,
+               what=f"HAProxy to see the {n_hosts} hosts up")
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("model", ["kv8b"], indirect=True)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -114,21 +141,9 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
     engine_of = {}
     proxy = None
     try:
-        for n in (1, 2, 3):
-            s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
-            s.mkdir()
-            h.mkdir()
-            e = engines(save_dir=s)
-            engine_of[f"host{n}"] = e
-            daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64,
-                                         extra_toml=idle + shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}")).start()
-        port, stats = free_port(), tmp_path / "haproxy.sock"
-        cfg = front_door_cfg(tmp_path, port, [(n, d.gate_port) for n, d in daemons.items()], stats)
-        proxy = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
-                                 stderr=open(tmp_path / "haproxy.log", "w"))
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: stats.exists() and set(servers_up(stats).values()) == {"UP"}, 60,
-                   what="HAProxy to see the three hosts up")
+        start_hosts(engines, tmp_path, 3, (s3_gateway.endpoint, s3_bucket), idle, daemons, engine_of)
+        proxy, url, stats = front_door(binary, tmp_path, daemons)
+        all_up(stats, 3)
 
         # Four conversations x 3 turns, round robin: a host with two switches between them.
         convs = [{"messages": [SYSTEM, {"role": "user", "content": long_text(6, t) + " Which is red?"}],
@@ -194,20 +209,9 @@ def test_a_host_that_comes_back_restores_the_newer_save_not_its_stale_copy(
     daemons: dict[str, Daemon] = {}
     proxy = None
     try:
-        for n in (1, 2):
-            s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
-            s.mkdir()
-            h.mkdir()
-            e = engines(save_dir=s)
-            daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64,
-                                         extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}")).start()
-        port, stats = free_port(), tmp_path / "haproxy.sock"
-        cfg = front_door_cfg(tmp_path, port, [(n, d.gate_port) for n, d in daemons.items()], stats)
-        proxy = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
-                                 stderr=open(tmp_path / "haproxy.log", "w"))
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: stats.exists() and set(servers_up(stats).values()) == {"UP"}, 60,
-                   what="HAProxy to see the two hosts up")
+        start_hosts(engines, tmp_path, 2, (s3_gateway.endpoint, s3_bucket), "", daemons, {})
+        proxy, url, stats = front_door(binary, tmp_path, daemons)
+        all_up(stats, 2)
 
         conv = {"messages": [SYSTEM, {"role": "user", "content": long_text(6, "box") + " Which is red?"}],
                 "temperature": 0, "max_tokens": 8, "seed": 1}
