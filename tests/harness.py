@@ -236,12 +236,15 @@ class Daemon:
             + (f'[gate]\nlisten = "127.0.0.1:{self.gate_port}"\n{gate_toml}\n' if gate else "")
             + f'[control]\nsocket = "{self.socket}"\n')
         self.log = tmp / f"{self.name}.log"
+        self._log_from = 0  # where this start's lines begin (the log is appended to across restarts)
         self.args = args or []
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60) -> "Daemon":
         import sys
 
+        # The log is appended to across restarts: ready means this start's line, past the old ones.
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen([sys.executable, "-m", "autosessd", "run", "--config", str(self.config),
                                       "--log-level", "debug", *self.args],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
@@ -251,7 +254,9 @@ class Daemon:
     def ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise AssertionError(f"autosessd exited with {self.proc.returncode}:\n{self.log.read_text()}")
-        return "autosessd ready" in self.log.read_text()
+        with open(self.log, "rb") as f:
+            f.seek(self._log_from)
+            return b"autosessd ready" in f.read()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
         if self.proc is None:
