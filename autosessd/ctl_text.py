@@ -31,8 +31,9 @@ def slot_line(s: dict[str, Any]) -> str:
     state = s.get("state") or "unknown"
     busy = "  (a request runs)" if s.get("busy") else ""
     if state == "held":
-        kind = "durable" if s.get("durable") else "provisional"
-        return f"holds {s['held']}  {tokens(s.get('n_tokens'))} tokens  {kind}{busy}"
+        # Nothing said of a whole turn ("durable" read as "on disk"): only of a cancelled one's part.
+        kind = "" if s.get("durable") else "  partial (its request was cancelled)"
+        return f"holds {s['held']}  {tokens(s.get('n_tokens'))} tokens{kind}{busy}"
     if state == "restored":
         return f"restored {s['held']}  {tokens(s.get('n_tokens'))} tokens, not yet verified{busy}"
     if state == "switched":

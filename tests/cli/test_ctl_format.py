@@ -54,3 +54,12 @@ def test_events_for_people_one_aligned_line_each_with_units():
     assert len(starts) == 1
     assert len({ln.index(e["type"]) + 20 for ln, e in zip(lines, evs)}) == 1
     assert Counters  # the counters status shows are report.Counters' fields
+
+
+def test_a_slot_line_says_partial_only_of_a_cancelled_requests_state_and_never_durable():
+    """"durable" read as "on disk" (a new user, issue 41's walk-through): a whole turn's state is
+    said with nothing after its tokens; a cancelled request's part says so."""
+    whole = ctl.slot_line({"state": "held", "held": "1c42", "n_tokens": 596, "durable": True})
+    part = ctl.slot_line({"state": "held", "held": "1c42", "n_tokens": 596, "durable": False, "busy": True})
+    assert whole == "holds 1c42  596 tokens"
+    assert part == "holds 1c42  596 tokens  partial (its request was cancelled)  (a request runs)"
