@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages smg-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,16 @@ prometheus-packages:
 haproxy-packages:
 	@scripts/haproxy-tool install || echo "make: the HAProxy front-door tests will be skipped (why: above)"
 
+# The SMG front-door test (tests/shared/test_front_door_smg_real.py) runs PyPI's smg 1.13.0 from a
+# virtual environment of its own under ~/.cache/autosessd (scripts/smg-tool), installed once;
+# otherwise that test is skipped and says why (AUTOSESSD_REQUIRE_SMG=1: fail).
+smg-packages:
+	@PYTHON=$(PYTHON) scripts/smg-tool install || echo "make: the SMG front-door test will be skipped (why: above)"
+
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
 # First the layers (pyproject.toml's import-linter contracts) and the import graph's circles, then
 # the documentation site (make docs; not --quiet: it hides the warnings --strict counts).
-test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages
+test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages smg-packages
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python scripts/import_cycles.py
 	$(MKDOCS) build --strict
