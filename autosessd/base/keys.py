@@ -29,7 +29,7 @@ def key_of_text(text: str) -> str:
 
 def conversation_id_key(value: str | None) -> str | None:
     """Key of a client's own conversation id (the X-Conversation-Id header llama-server's web UI
-    sends): taken before the first-user-message rule, so two chats that open alike stay two, and
+    sends, or SMG's X-SMG-Routing-Key): taken before the first-user-message rule, so two chats that open alike stay two, and
     one whose first message is edited stays one. Empty or absent → None; a namespace keeps it
     from ever equalling a first message's key."""
     if not isinstance(value, str) or not value.strip():

@@ -263,8 +263,10 @@ class Gate:
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # the engine answers a bad body itself
         # X-Conversation-Id (llama-server's web UI sends it; b11434 keys resumable streams on it)
-        # names the conversation when present; else its first user message does.
-        key = (conversation_id_key(request.headers.get("X-Conversation-Id")) or conversation_key(parsed)
+        # names the conversation when present; else X-SMG-Routing-Key, SMG's affinity key and the
+        # one such header SMG passes on (docs/several-hosts.md); else its first user message.
+        key = (conversation_id_key(request.headers.get("X-Conversation-Id"))
+               or conversation_id_key(request.headers.get("X-SMG-Routing-Key")) or conversation_key(parsed)
                if request.path in CONVERSATION_PATHS else None)
         # Only an OpenAI chat body has its tokens from the engine's /apply-template; the other
         # APIs' bodies keep the key rule.

@@ -5,7 +5,8 @@ as llama-server would, and answers with its timings.
     X-Autosessd-* headers   what autosessd did for the request; never on the engine's error answers
     keepalives              a streaming request that waits (a restore, the engine's first byte)
                             gets `: ping` comments and X-Accel-Buffering: no
-    X-Conversation-Id       names the conversation before its first user message does
+    X-Conversation-Id       names the conversation before its first user message does;
+                            X-SMG-Routing-Key too (the one SMG passes on), after it
     b11434's routes         pass untouched (method, path, query, body, answer, timings), and those
                             that steer a running stream do not wait for the slot's FIFO
 """
@@ -204,6 +205,26 @@ async def test_x_conversation_id_names_the_conversation(gate, session_dir):
     # Without the header the first message decides, as before.
     await post(client, url, B)
     assert s.view(0).key == conversation_key(B)
+
+
+async def test_smgs_routing_key_names_the_conversation_as_x_conversation_id_does(gate):
+    """SMG routes by X-Conversation-Id but does not pass it on; it passes X-SMG-Routing-Key
+    (checked with smg 1.13.0 and a worker that printed what it got). A client behind SMG names its
+    conversation with it: the same id either way is the same conversation."""
+    g, url, client, _ = gate
+    s = g.sessions
+    await post(client, url, A, {"X-SMG-Routing-Key": "chat-1"})
+    assert s.view(0).key == conversation_id_key("chat-1") != conversation_key(A)
+    await post(client, url, B, {"X-Conversation-Id": "chat-1"})
+    assert s.view(0).key == conversation_id_key("chat-1")
+    # Both: the client's own X-Conversation-Id wins.
+    await post(client, url, A, {"X-Conversation-Id": "chat-2", "X-SMG-Routing-Key": "chat-1"})
+    assert s.view(0).key == conversation_id_key("chat-2")
+    # An empty one names nothing: the next one, or the first message, decides.
+    await post(client, url, A, {"X-Conversation-Id": " ", "X-SMG-Routing-Key": "chat-1"})
+    assert s.view(0).key == conversation_id_key("chat-1")
+    await post(client, url, A, {"X-SMG-Routing-Key": ""})
+    assert s.view(0).key == conversation_key(A)
 
 
 ROUTES = [("POST", "/v1/responses", {"input": "hello", "max_output_tokens": 2}),
