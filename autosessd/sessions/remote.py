@@ -67,7 +67,7 @@ class Catalog:
     saves: dict[str, RemoteSession] = field(default_factory=dict)  # by local file name
     tokens: dict[str, bytes] = field(default_factory=dict)  # by object key: encoded, comparable part
     run: TokenRun = field(default_factory=TokenRun)  # (tokens, name) of the saves whose tokens are read
-    listed_at: float = 0.0  # time.time() of the LIST; 0: never listed
+    listed_at: float = 0.0  # time.time() when the LIST was sent; 0: never listed
 
 
 def _said_if_failed(task: asyncio.Task) -> None:
@@ -148,6 +148,9 @@ class Remote:
         last reading; swap the catalog in. Blocking. Never raises SharedError: a failed LIST
         keeps the catalog as it was (its saves stay where they are or a download says so)."""
         t0 = time.perf_counter()
+        # The reading is as of when the LIST was sent: a save uploaded before then is in it
+        # (a test waits for a reading after an upload so).
+        asked = time.time()
         model = self.model  # a reading of one model's saves is never swapped in for another's
         try:
             saves = self.shared.find(model)
@@ -193,7 +196,7 @@ class Remote:
             run = old.run  # nothing came or went: the sorted run stays
         else:
             run = TokenRun([(tokens[s.key], s.name) for s in saves if s.key in tokens])
-        self.catalog = Catalog(by_name, tokens, run, time.time())
+        self.catalog = Catalog(by_name, tokens, run, asked)
         return self.catalog
 
     def _tokens_of(self, s: RemoteSession) -> bytes | None:
