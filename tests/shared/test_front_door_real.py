@@ -88,14 +88,19 @@ def shared(d: Daemon) -> dict:
     return d.status()["shared"]
 
 
-def saved_all(d: Daemon) -> bool:
-    """Every conversation a slot holds is in its file, all of it (the idle saves are done)."""
-    held = {x["held"]: x["n_tokens"] for x in d.status()["slots"] if x["held"]}
+def files(d: Daemon) -> dict[str, int | None]:
+    """The host's session files (`autosessctl --json ls`): name → tokens."""
     r = subprocess.run([sys.executable, "-c", "from autosessd.cli import autosessctl_main; autosessctl_main()",
                         "--socket", str(d.socket), "--json", "ls"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    files = {row["name"]: row["n_tokens"] for row in json.loads(r.stdout)}
-    return all(n is not None and (files.get(f"auto-{k}.bin") or 0) >= n - 1 for k, n in held.items())
+    return {row["name"]: row["n_tokens"] for row in json.loads(r.stdout)}
+
+
+def saved_all(d: Daemon) -> bool:
+    """Every conversation a slot holds is in its file, all of it (the idle saves are done)."""
+    held = {x["held"]: x["n_tokens"] for x in d.status()["slots"] if x["held"]}
+    on_disk = files(d)
+    return all(n is not None and (on_disk.get(f"auto-{k}.bin") or 0) >= n - 1 for k, n in held.items())
 
 
 def start_hosts(engines, tmp_path: Path, n_hosts: int, s3: tuple[str, str], toml: str, daemons: dict,

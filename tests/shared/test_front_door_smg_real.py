@@ -1,12 +1,14 @@
 """Several hosts behind SMG (issue 41, docs/several-hosts.md): three hosts on loopback, each a
 real llama-server with `autosessd run` and the same [shared] bucket on the real Ceph RGW,
 behind SMG (PyPI `smg` 1.13.0, scripts/smg-tool) started with contrib/smg/front-door as users
-start it, only its addresses given.
+start it, only its addresses (and a free port for SMG's own metrics) given.
 
-Clients that name their conversations (X-Conversation-Id): every turn lands on one host and
-reuses its cache there; a host stopped with SIGTERM:
-its conversations go on on the others, restored from the bucket, with no client error; when it
-comes back, the next turn still reuses all of the conversation wherever SMG sends it.
+Clients that name their conversations (X-SMG-Routing-Key, which SMG passes on and autosessd
+takes as the conversation's id; X-Conversation-Id, which SMG routes by and drops): every turn
+lands on one host and reuses its cache there; a host stopped with SIGTERM: a request sent at
+once is retried on another host, no client error, and its other conversations go on on the
+others restored from the bucket; when it comes back SMG sends them back to it, and it restores
+the newer saves from the bucket, not its own older copies.
 SMG missing: the test skips and says why (AUTOSESSD_REQUIRE_SMG=1: it fails)."""
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from autosessd.base.keys import conversation_id_key
 from harness import Daemon, answer, free_port, long_text, wait_until
-from test_front_door_real import SYSTEM, shared, start_hosts
+from test_front_door_real import SYSTEM, files, saved_all, shared, start_hosts
 
 ROOT = Path(__file__).resolve().parents[2]
 FRONT_DOOR = ROOT / "contrib" / "smg" / "front-door"
@@ -39,20 +42,27 @@ def smg_or_skip() -> str:
     return r.stdout.strip()
 
 
-def post(url: str, body: dict, conversation: str) -> tuple[dict, dict]:
+def post(url: str, body: dict, headers: dict) -> tuple[dict, dict]:
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "X-Conversation-Id": conversation})
+                                 headers={"Content-Type": "application/json", **headers})
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.status == 200
         return json.load(r), {k.lower(): v for k, v in r.headers.items()}
 
 
-def models(url: str) -> dict | None:
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def healthy(proxy: subprocess.Popen, url: str, log: Path) -> set[str]:
+    """The gate URLs SMG sees healthy (GET /workers)."""
+    if proxy.poll() is not None:
+        raise AssertionError(f"smg exited with {proxy.returncode}:\n{log.read_text()[-3000:]}")
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-            return json.load(r)
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
+        return {w["url"] for w in get(url + "/workers")["workers"] if w["is_healthy"]}
+    except (OSError, urllib.error.URLError, ValueError, KeyError):
+        return set()
 
 
 @pytest.mark.s3
@@ -63,25 +73,32 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
     daemons: dict[str, Daemon] = {}
     proxy = None
     try:
-        start_hosts(engines, tmp_path, 3, (s3_gateway.endpoint, s3_bucket), "", daemons, {})
-        port = free_port()
-        proxy = subprocess.Popen(
-            [str(FRONT_DOOR), "127.0.0.1", str(port), *[f"http://127.0.0.1:{d.gate_port}" for d in daemons.values()]],
-            env={**os.environ, "SMG": binary}, stdout=open(tmp_path / "smg.log", "w"), stderr=subprocess.STDOUT)
+        # Saved after each reply (docs/several-hosts.md, SMG): a conversation SMG sends back to
+        # a host that returns finds there the newer save of the host it went on on.
+        start_hosts(engines, tmp_path, 3, (s3_gateway.endpoint, s3_bucket), "idle_save_switched_s = 0\n",
+                    daemons, {})
+        gate_of = {name: f"http://127.0.0.1:{d.gate_port}" for name, d in daemons.items()}
+        port, log = free_port(), tmp_path / "smg.log"
+        proxy = subprocess.Popen([str(FRONT_DOOR), "127.0.0.1", str(port), *gate_of.values(),
+                                  "--", "--prometheus-port", str(free_port())],
+                                 env={**os.environ, "SMG": binary}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: models(url), 120, 0.5, what="SMG to answer /v1/models")
+        wait_until(lambda: healthy(proxy, url, log) == set(gate_of.values()), 120, 0.5,
+                   what="SMG to see the 3 hosts healthy")
         # SMG asks for a model its workers list (each host's engine: the model file's path).
-        model_id = models(url)["data"][0]["id"]
+        model_id = get(url + "/v1/models")["data"][0]["id"]
 
-        # Four conversations x 3 turns, round robin, each named by the client.
+        # Four conversations x 3 turns, round robin, each named by the client: two by the header
+        # SMG passes on, two by the one it drops.
         names = [f"conv-{t}" for t in ("box", "jar", "cup", "bag")]
+        header = {i: {("X-SMG-Routing-Key" if i % 2 == 0 else "X-Conversation-Id"): n} for i, n in enumerate(names)}
         convs = [{"model": model_id, "messages": [SYSTEM, {"role": "user", "content": long_text(6, t) + " Which is red?"}],
                   "temperature": 0, "max_tokens": 8, "seed": 1} for t in ("box", "jar", "cup", "bag")]
         host_of: dict[int, str] = {}
         last_prompt: dict[int, int] = {}
 
         def turn(i: int, n: int) -> tuple[dict, dict]:
-            out, h = post(url, convs[i], names[i])
+            out, h = post(url, convs[i], header[i])
             last_prompt[i] = out["usage"]["prompt_tokens"]
             convs[i] = {**convs[i], "messages": convs[i]["messages"] + [
                 {"role": "assistant", "content": answer(out)}, {"role": "user", "content": f"And turn {n + 1}? " + (
@@ -98,32 +115,49 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
                 assert host_of.setdefault(i, host) == host, f"conversation {i} moved from {host_of[i]} to {host}"
                 if before is not None:  # its host reused all it held of it
                     assert out["timings"]["cache_n"] >= before, (i, n, out["timings"], h)
+        # The header SMG passes on is the conversation's id at autosessd too: its host holds it
+        # in a slot under that key, or saved it so when another took the slot.
+        for i in (0, 2):
+            d, key = daemons[host_of[i]], conversation_id_key(names[i])
+            held = {x["held"] for x in d.status()["slots"]}
+            assert key in held or f"auto-{key}.bin" in files(d), (i, held, files(d))
 
-        victim = host_of[0]
+        # The host with the most conversations (two at least: four on three hosts) stops.
+        victim = max(daemons, key=lambda name: list(host_of.values()).count(name))
         moved = [i for i, x in host_of.items() if x == victim]
         assert daemons[victim].stop(signal.SIGTERM) == 0  # its stop save goes up before it exits
         gone = time.time()
+        # A request at once: SMG may still see the host healthy; its retries outlast the checks
+        # that take it out, and the request is answered by another host.
+        out, h = turn(moved[0], 4)
+        assert h["x-autosessd-host"] != victim
+        host_of[moved[0]] = h["x-autosessd-host"]
         others = [x for name, x in daemons.items() if name != victim]
         for x in others:
             wait_until(lambda: (shared(x)["catalog"]["listed_at"] or 0) > gone
                        and shared(x)["catalog"]["with_tokens"] >= len(moved), 60, 0.2, what="the catalog")
-        for i in moved:
+        for i in moved[1:]:
             before = last_prompt[i]
-            out, h = turn(i, 4)  # no client error: SMG retries elsewhere
+            out, h = turn(i, 4)
             assert h["x-autosessd-host"] != victim
             assert h["x-autosessd-conversation"] == f"bucket {victim}", h
             assert out["timings"]["cache_n"] >= before, (i, before, out["timings"], h)
             host_of[i] = h["x-autosessd-host"]
 
-        # The host comes back, its disk and its engine's slots holding the older copies. SMG
-        # sends the conversations back to it (the first of the two hosts it keeps a key): the
-        # engine reuses all of the last prompt, restored from the newer save in the bucket.
-        daemons[victim].start()
-        gone = time.time()
-        for x in others:  # each other host's save of the last turn is in the bucket
+        # The host comes back, its disk and its engine's slots holding the older copies, once
+        # the others' saves of turn 4 are in the bucket. SMG sends the conversations back to it
+        # (the first of the two hosts it keeps a key): the engine reuses all of the last prompt,
+        # restored from the newer save in the bucket.
+        for x in others:
+            wait_until(lambda: saved_all(x), 60, 0.5, what="the idle saves of turn 4")
+        time.sleep(0.5)  # the finalize hands the file to the uploads (a moment after its metadata)
+        for x in others:
             wait_until(lambda: shared(x)["uploads_pending"] == 0, 60, 0.2, what="the uploads")
-        wait_until(lambda: (shared(daemons[victim])["catalog"]["listed_at"] or 0) > gone, 60, 0.2, what="the catalog")
-        time.sleep(3)  # SMG sees it healthy again after 2 checks a second apart
+        back = time.time()
+        daemons[victim].start()
+        wait_until(lambda: (shared(daemons[victim])["catalog"]["listed_at"] or 0) > back, 60, 0.2,
+                   what="the returning host's catalog")
+        wait_until(lambda: gate_of[victim] in healthy(proxy, url, log), 60, 0.2, what="SMG to see it healthy")
         for i in moved:
             before = last_prompt[i]
             out, h = turn(i, 5)
@@ -132,6 +166,9 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
     finally:
         if proxy is not None:
             proxy.terminate()
-            proxy.wait(10)
+            try:
+                proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                proxy.kill()
         for d in daemons.values():
             d.stop()
