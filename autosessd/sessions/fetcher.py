@@ -147,6 +147,12 @@ class Fetcher:
             return
         result.moved_from = save.host
         self.ctx.counters.arrivals += 1
+        # Why it may still not be downloaded, where people look (a new user saw `moved` and a
+        # restore of this host's older copy, and nothing said why).
+        log.info("auto sessions: %s moved here: its newest save is %s's (%s tokens; this host's: %s): downloaded "
+                 "only when it holds %s tokens more than the best local copy and beats re-reading them",
+                 key, save.host, f"{save.n_tokens:,}", f"{meta.n_tokens:,}" if meta is not None else "none",
+                 f"{max(self.ctx.min_tokens, 1):,}")
 
     def holds(self, tokens: bytes, n: int) -> bool:
         """Does the bucket hold a save sharing at least n tokens with `tokens` (encoded) that the

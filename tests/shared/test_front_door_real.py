@@ -194,6 +194,9 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
             assert out["timings"]["cache_n"] >= last_prompt[i], (i, last_prompt[i], out["timings"], h)
         moved_here = sum(x.status()["counters"]["arrivals"] for x in others)
         assert moved_here == len(moved)
+        # Each arrival is said in the log, with the rule for its download.
+        said = sum(x.logtext().count(f"moved here: its newest save is {victim}'s") for x in others)
+        assert said == len(moved)
     finally:
         if proxy is not None:
             proxy.terminate()
