@@ -85,6 +85,12 @@ class GateConfig:
     # byte) gets the gate's own 200 and an SSE comment `: ping` this often (keepalive.py), so
     # clients and proxies with idle timeouts keep it; 0: never.
     keepalive_s: float = 3.0
+    # Request headers that name a conversation (the client's own id), tried in order before its
+    # first user message: X-Conversation-Id, which llama-server's web UI sends. Behind SMG add
+    # X-SMG-Routing-Key, the one such header SMG passes on (docs/several-hosts.md). A header
+    # listed here must carry one value per conversation: one that names a user (several
+    # conversations) would make them one conversation for autosessd.
+    conversation_id_headers: tuple[str, ...] = ("X-Conversation-Id",)
 
 
 @dataclass(frozen=True)
@@ -424,6 +430,9 @@ def _validate(c: Config, source: str) -> None:
         bad("gate.max_connections", f"must be 1 or more, got {c.gate.max_connections}")
     if not c.gate.header_timeout_s > 0:
         bad("gate.header_timeout_s", f"must be more than 0, got {c.gate.header_timeout_s}")
+    for name in c.gate.conversation_id_headers:
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+            bad("gate.conversation_id_headers", f"{name!r} is not a header name")
     for host in c.gate.allowed_hosts or ():
         if not host or "/" in host or " " in host:
             bad("gate.allowed_hosts", f"{host!r} is not a host name")

@@ -29,9 +29,10 @@ def key_of_text(text: str) -> str:
 
 def conversation_id_key(value: str | None) -> str | None:
     """Key of a client's own conversation id (the X-Conversation-Id header llama-server's web UI
-    sends, or SMG's X-SMG-Routing-Key): taken before the first-user-message rule, so two chats that open alike stay two, and
-    one whose first message is edited stays one. Empty or absent → None; a namespace keeps it
-    from ever equalling a first message's key."""
+    sends; gate.conversation_id_headers): taken before the first-user-message rule, so two chats
+    that open alike stay two, and one whose first message is edited stays one. Empty or absent →
+    None; a namespace keeps it from ever equalling a first message's key (the same for every
+    header: one id under either is one conversation)."""
     if not isinstance(value, str) or not value.strip():
         return None
     return key_of_text("X-Conversation-Id\0" + value.strip())

@@ -262,12 +262,12 @@ class Gate:
             parsed = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # the engine answers a bad body itself
-        # X-Conversation-Id (llama-server's web UI sends it; b11434 keys resumable streams on it)
-        # names the conversation when present; else X-SMG-Routing-Key, SMG's affinity key and the
-        # one such header SMG passes on (docs/several-hosts.md); else its first user message.
-        key = (conversation_id_key(request.headers.get("X-Conversation-Id"))
-               or conversation_id_key(request.headers.get("X-SMG-Routing-Key")) or conversation_key(parsed)
-               if request.path in CONVERSATION_PATHS else None)
+        # The client's own id names the conversation when present (gate.conversation_id_headers,
+        # in order: X-Conversation-Id, which llama-server's web UI sends and b11434 keys resumable
+        # streams on; behind SMG also X-SMG-Routing-Key); else its first user message.
+        key = (next((k for k in (conversation_id_key(request.headers.get(h))
+                                 for h in self.cfg.gate.conversation_id_headers) if k), None)
+               or conversation_key(parsed) if request.path in CONVERSATION_PATHS else None)
         # Only an OpenAI chat body has its tokens from the engine's /apply-template; the other
         # APIs' bodies keep the key rule.
         chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None

@@ -6,7 +6,7 @@ as llama-server would, and answers with its timings.
     keepalives              a streaming request that waits (a restore, the engine's first byte)
                             gets `: ping` comments and X-Accel-Buffering: no
     X-Conversation-Id       names the conversation before its first user message does;
-                            X-SMG-Routing-Key too (the one SMG passes on), after it
+                            X-SMG-Routing-Key too where gate.conversation_id_headers lists it
     b11434's routes         pass untouched (method, path, query, body, answer, timings), and those
                             that steer a running stream do not wait for the slot's FIFO
 """
@@ -83,7 +83,8 @@ class Engine:
 
 
 @pytest.fixture
-async def gate(tmp_path, session_dir):
+async def gate(request, tmp_path, session_dir):
+    """The gate before a stub engine; a test's indirect parameter adds lines to its [gate]."""
     stub = SlowStub(session_dir)
     engine = Engine(stub)
     runner = web.AppRunner(engine.app(), access_log=None)
@@ -93,7 +94,7 @@ async def gate(tmp_path, session_dir):
     port = free_port()
     cfg = parse(f'slot_save_path = "{session_dir}"\nstate_dir = "{tmp_path}"\nauto_sessions_min_tokens = 50\n'
                 f'[engine]\nurl = "http://127.0.0.1:{up}"\n[gate]\nlisten = "127.0.0.1:{port}"\n'
-                f'keepalive_s = 0.25\n'.encode())
+                f'keepalive_s = 0.25\n{getattr(request, "param", "")}'.encode())
     g = Gate(cfg, Sessions(cfg, stub, Store(session_dir), "stub-model"))
     await g.start()
     async with aiohttp.ClientSession() as client:
@@ -207,17 +208,19 @@ async def test_x_conversation_id_names_the_conversation(gate, session_dir):
     assert s.view(0).key == conversation_key(B)
 
 
-async def test_smgs_routing_key_names_the_conversation_as_x_conversation_id_does(gate):
-    """SMG routes by X-Conversation-Id but does not pass it on; it passes X-SMG-Routing-Key
-    (checked with smg 1.13.0 and a worker that printed what it got). A client behind SMG names its
-    conversation with it: the same id either way is the same conversation."""
+@pytest.mark.parametrize("gate", ['conversation_id_headers = ["X-Conversation-Id", "X-SMG-Routing-Key"]\n'],
+                         indirect=True)
+async def test_smgs_routing_key_names_the_conversation_where_the_gate_is_told_to(gate):
+    """Behind SMG (docs/several-hosts.md): SMG routes by X-Conversation-Id but does not pass it on;
+    it passes X-SMG-Routing-Key (checked with smg 1.13.0 and a worker that printed what it got).
+    With that header listed, the same id under either is the same conversation."""
     g, url, client, _ = gate
     s = g.sessions
     await post(client, url, A, {"X-SMG-Routing-Key": "chat-1"})
     assert s.view(0).key == conversation_id_key("chat-1") != conversation_key(A)
     await post(client, url, B, {"X-Conversation-Id": "chat-1"})
     assert s.view(0).key == conversation_id_key("chat-1")
-    # Both: the client's own X-Conversation-Id wins.
+    # Both: the first listed wins.
     await post(client, url, A, {"X-Conversation-Id": "chat-2", "X-SMG-Routing-Key": "chat-1"})
     assert s.view(0).key == conversation_id_key("chat-2")
     # An empty one names nothing: the next one, or the first message, decides.
@@ -225,6 +228,13 @@ async def test_smgs_routing_key_names_the_conversation_as_x_conversation_id_does
     assert s.view(0).key == conversation_id_key("chat-1")
     await post(client, url, A, {"X-SMG-Routing-Key": ""})
     assert s.view(0).key == conversation_key(A)
+
+
+async def test_smgs_routing_key_names_nothing_unless_listed(gate):
+    """SMG's key may name a user (its own docs' example): by default the gate does not take it."""
+    g, url, client, _ = gate
+    await post(client, url, A, {"X-SMG-Routing-Key": "user-1234"})
+    assert g.sessions.view(0).key == conversation_key(A)
 
 
 ROUTES = [("POST", "/v1/responses", {"input": "hello", "max_output_tokens": 2}),

@@ -75,4 +75,6 @@ def default_text(f: dataclasses.Field) -> str:
         return f"`{v:g}`"
     if isinstance(v, str):
         return f'`"{v}"`'
+    if isinstance(v, tuple):  # a list of strings, as TOML writes it
+        return "`[" + ", ".join(f'"{x}"' for x in v) + "]`"
     return f"`{v}`"
