@@ -24,13 +24,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ..base import logs
 from ..shared import AlreadyHere, BadObject, Incompatible, RemoteSession, SharedError
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, Store, auto_name
 from . import policy
 from .policy import Fetch, FileInfo, Held, SaveOutcome
 from .remote import Remote
-from .report import TurnResult, fmt_bytes
+from .report import TurnResult, fmt_bytes, fmt_tokens
 
 if TYPE_CHECKING:
     from .context import Context
@@ -149,10 +150,10 @@ class Fetcher:
         self.ctx.counters.arrivals += 1
         # Why it may still not be downloaded, where people look (a new user saw `moved` and a
         # restore of this host's older copy, and nothing said why).
-        log.info("auto sessions: %s moved here: its newest save is %s's (%s tokens; this host's: %s): downloaded "
-                 "only when it holds %s tokens more than the best local copy and beats re-reading them",
-                 key, save.host, f"{save.n_tokens:,}", f"{meta.n_tokens:,}" if meta is not None else "none",
-                 f"{max(self.ctx.min_tokens, 1):,}")
+        logs.soon(log, logging.INFO, "auto sessions: %s moved here: its newest save is %s's (%s tokens; this host's: "
+                  "%s): downloaded only when it holds %s tokens more than the best local copy and beats re-reading "
+                  "them", key, save.host, fmt_tokens(save.n_tokens),
+                  fmt_tokens(meta.n_tokens) if meta is not None else "none", fmt_tokens(max(self.ctx.min_tokens, 1)))
 
     def holds(self, tokens: bytes, n: int) -> bool:
         """Does the bucket hold a save sharing at least n tokens with `tokens` (encoded) that the

@@ -104,16 +104,17 @@ def saved_all(d: Daemon) -> bool:
 
 
 def start_hosts(engines, tmp_path: Path, n_hosts: int, s3: tuple[str, str], toml: str, daemons: dict,
-                engine_of: dict) -> None:
+                engine_of: dict, gate_toml: str = "") -> None:
     """host1 … hostN: each a llama-server and autosessd with [shared] on s3 (endpoint, bucket);
-    toml: top-level keys before it. Filled into daemons and engine_of as they start, so the
+    toml: top-level keys before it; gate_toml: lines of [gate]. Filled into daemons and engine_of as they start, so the
     caller's finally stops what did start."""
     for n in range(1, n_hosts + 1):
         s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
         s.mkdir()
         h.mkdir()
         e = engine_of[f"host{n}"] = engines(save_dir=s)
-        daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64, extra_toml=toml + shared_toml(*s3, f"host{n}")).start()
+        daemons[f"host{n}"] = Daemon(h, s, e.url, min_tokens=64, extra_toml=toml + shared_toml(*s3, f"host{n}"),
+                                     gate_toml=gate_toml).start()
 
 
 def front_door(binary: str, tmp_path: Path, daemons: dict) -> tuple[subprocess.Popen, str, Path]:

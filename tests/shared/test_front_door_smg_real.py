@@ -4,7 +4,8 @@ behind SMG (PyPI `smg` 1.13.0, scripts/smg-tool) started with contrib/smg/front-
 start it, only its addresses (and a free port for SMG's own metrics) given.
 
 Clients that name their conversations (X-SMG-Routing-Key, which SMG passes on and autosessd
-takes as the conversation's id; X-Conversation-Id, which SMG routes by and drops): every turn
+takes as the conversation's id where gate.conversation_id_headers lists it, as the docs say;
+X-Conversation-Id, which SMG routes by and drops): every turn
 lands on one host and reuses its cache there; a host stopped with SIGTERM: a request sent at
 once is retried on another host, no client error, and its other conversations go on on the
 others restored from the bucket; when it comes back SMG sends them back to it, and it restores
@@ -24,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from autosessd.base.keys import conversation_id_key
+from autosessd.base.keys import conversation_id_key, conversation_key
 from harness import Daemon, answer, free_port, long_text, wait_until
-from test_front_door_real import SYSTEM, files, saved_all, shared, start_hosts
+from test_front_door_real import SYSTEM, files, shared, start_hosts
 
 ROOT = Path(__file__).resolve().parents[2]
 FRONT_DOOR = ROOT / "contrib" / "smg" / "front-door"
@@ -48,6 +49,20 @@ def post(url: str, body: dict, headers: dict) -> tuple[dict, dict]:
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.status == 200
         return json.load(r), {k.lower(): v for k, v in r.headers.items()}
+
+
+def in_bucket(gw, bucket: str, key: str, host: str, n_tokens: int) -> bool:
+    """The bucket holds host's save of auto-<key>.bin with n_tokens at least (its object's name:
+    <prefix>sessions/<model>/auto-<key>/<saved_at>-<n_tokens>-<host>.bin)."""
+    c = gw.client()
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            folder, _, leaf = o["Key"].rpartition("/")
+            saved_at, _, rest = leaf.partition("-")
+            n, _, who = rest.partition("-")
+            if folder.endswith(f"/auto-{key}") and who == f"{host}.bin" and n.isdigit() and int(n) >= n_tokens:
+                return True
+    return False
 
 
 def get(url: str) -> dict:
@@ -76,7 +91,7 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
         # Saved after each reply (docs/several-hosts.md, SMG): a conversation SMG sends back to
         # a host that returns finds there the newer save of the host it went on on.
         start_hosts(engines, tmp_path, 3, (s3_gateway.endpoint, s3_bucket), "idle_save_switched_s = 0\n",
-                    daemons, {})
+                    daemons, {}, gate_toml='conversation_id_headers = ["X-Conversation-Id", "X-SMG-Routing-Key"]\n')
         gate_of = {name: f"http://127.0.0.1:{d.gate_port}" for name, d in daemons.items()}
         port, log = free_port(), tmp_path / "smg.log"
         proxy = subprocess.Popen([str(FRONT_DOOR), "127.0.0.1", str(port), *gate_of.values(),
@@ -116,9 +131,11 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
                 if before is not None:  # its host reused all it held of it
                     assert out["timings"]["cache_n"] >= before, (i, n, out["timings"], h)
         # The header SMG passes on is the conversation's id at autosessd too: its host holds it
-        # in a slot under that key, or saved it so when another took the slot.
-        for i in (0, 2):
-            d, key = daemons[host_of[i]], conversation_id_key(names[i])
+        # in a slot under that key, or saved it so when another took the slot. The one SMG drops
+        # leaves autosessd the first user message.
+        key_of = {i: conversation_id_key(names[i]) if i % 2 == 0 else conversation_key(convs[i]) for i in host_of}
+        for i in host_of:
+            d, key = daemons[host_of[i]], key_of[i]
             held = {x["held"] for x in d.status()["slots"]}
             assert key in held or f"auto-{key}.bin" in files(d), (i, held, files(d))
 
@@ -148,11 +165,9 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
         # the others' saves of turn 4 are in the bucket. SMG sends the conversations back to it
         # (the first of the two hosts it keeps a key): the engine reuses all of the last prompt,
         # restored from the newer save in the bucket.
-        for x in others:
-            wait_until(lambda: saved_all(x), 60, 0.5, what="the idle saves of turn 4")
-        time.sleep(0.5)  # the finalize hands the file to the uploads (a moment after its metadata)
-        for x in others:
-            wait_until(lambda: shared(x)["uploads_pending"] == 0, 60, 0.2, what="the uploads")
+        for i in moved:  # each moved conversation's save of turn 4, in the bucket, by its new host
+            wait_until(lambda: in_bucket(s3_gateway, s3_bucket, key_of[i], host_of[i], last_prompt[i]), 60, 0.5,
+                       what=f"{host_of[i]}'s save of conversation {i}")
         back = time.time()
         daemons[victim].start()
         wait_until(lambda: (shared(daemons[victim])["catalog"]["listed_at"] or 0) > back, 60, 0.2,
