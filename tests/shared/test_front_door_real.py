@@ -28,15 +28,18 @@ CFG = ROOT / "contrib" / "haproxy" / "haproxy.cfg"
 SYSTEM = {"role": "system", "content": "Answer in one short sentence."}  # shared by all: the key takes two messages
 
 
-def haproxy_or_skip() -> str:
-    r = subprocess.run([str(ROOT / "scripts" / "haproxy-tool"), "check"], capture_output=True, text=True)
+def front_door_or_skip(name: str) -> str:
+    """The front door's executable, from `scripts/<name>-tool path` (haproxy: Debian's package;
+    smg: PyPI's, in a venv of its own). Missing: the test skips and says why, or fails where
+    AUTOSESSD_REQUIRE_<NAME> is set (.ci/run)."""
+    r = subprocess.run([str(ROOT / "scripts" / f"{name}-tool"), "path"], capture_output=True, text=True)
     if r.returncode != 0:
-        why = r.stderr.strip() or "haproxy is not installed"
-        if os.environ.get("AUTOSESSD_REQUIRE_HAPROXY"):
-            pytest.fail(f"AUTOSESSD_REQUIRE_HAPROXY is set: {why}")
-        pytest.skip(why)
-    return "haproxy" if subprocess.run(["sh", "-c", "command -v haproxy"], capture_output=True).returncode == 0 \
-        else "/usr/sbin/haproxy"
+        why = r.stderr.strip() or f"{name} is not installed"
+        require = f"AUTOSESSD_REQUIRE_{name.upper()}"
+        if os.environ.get(require):
+            pytest.fail(f"{require} is set: {why}")
+        pytest.skip(reason=why)
+    return r.stdout.strip()
 
 
 def shared_toml(endpoint: str, bucket: str, host: str) -> str:
@@ -75,9 +78,9 @@ def servers_up(stats: Path) -> dict[str, str]:
     return {r[1]: r[17] for r in rows if r[0] == "hosts" and r[1] not in ("BACKEND", "FRONTEND")}
 
 
-def post(url: str, body: dict) -> tuple[dict, dict]:
+def post(url: str, body: dict, headers: dict | None = None) -> tuple[dict, dict]:
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.status == 200
         # Names in lower case: HAProxy sends every header name so (HTTP/2's rule), as it may.
@@ -86,6 +89,26 @@ def post(url: str, body: dict) -> tuple[dict, dict]:
 
 def shared(d: Daemon) -> dict:
     return d.status()["shared"]
+
+
+def wait_listed(d: Daemon, after: float, saves: int = 0, what: str = "the catalog") -> None:
+    """Until d has read the bucket's list since `after` (a LIST sent then holds every save
+    uploaded before), with at least `saves` saves' tokens known."""
+    wait_until(lambda: (shared(d)["catalog"]["listed_at"] or 0) > after
+               and shared(d)["catalog"]["with_tokens"] >= saves, 60, 0.2, what=what)
+
+
+def stop_all(proxy: subprocess.Popen | None, daemons: dict[str, Daemon]) -> None:
+    """A test's cleanup: the front door (killed if it does not stop), then every host's autosessd."""
+    if proxy is not None:
+        proxy.terminate()
+        try:
+            proxy.wait(10)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+            proxy.wait()
+    for d in daemons.values():
+        d.stop()
 
 
 def files(d: Daemon) -> dict[str, int | None]:
@@ -142,7 +165,7 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
     slot that switched) would have saved nothing: a host that may die without a stop sets it to 0
     (docs/several-hosts.md)."""
     idle = "idle_save_switched_s = 0\n" if sig == signal.SIGKILL else ""
-    binary = haproxy_or_skip()
+    binary = front_door_or_skip("haproxy")
     daemons: dict[str, Daemon] = {}
     engine_of = {}
     proxy = None
@@ -184,8 +207,7 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
         gone = time.time()
         others = [x for n, x in daemons.items() if n != victim]
         for x in others:  # each other host has listed the bucket since the victim's last upload
-            wait_until(lambda: (shared(x)["catalog"]["listed_at"] or 0) > gone
-                       and shared(x)["catalog"]["with_tokens"] >= len(moved), 60, 0.2, what="the catalog")
+            wait_listed(x, gone, len(moved))
         for i in moved:
             out, h = post(url, convs[i])  # no client error: HAProxy retries and redispatches
             assert h["x-autosessd-host"] != victim
@@ -199,11 +221,7 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
         said = sum(x.logtext().count(f"moved here: its newest save is {victim}'s") for x in others)
         assert said == len(moved)
     finally:
-        if proxy is not None:
-            proxy.terminate()
-            proxy.wait(10)
-        for d in daemons.values():
-            d.stop()
+        stop_all(proxy, daemons)
 
 
 @pytest.mark.s3
@@ -214,7 +232,7 @@ def test_a_host_that_comes_back_restores_the_newer_save_not_its_stale_copy(
     (and its engine's slot) still holding the older state. When host 2 stops too, the
     conversation's next turn on host 1 is restored from host 2's newer save in the bucket: the
     engine reuses all of the last prompt, which the stale copy does not hold."""
-    binary = haproxy_or_skip()
+    binary = front_door_or_skip("haproxy")
     daemons: dict[str, Daemon] = {}
     proxy = None
     try:
@@ -242,8 +260,7 @@ def test_a_host_that_comes_back_restores_the_newer_save_not_its_stale_copy(
         assert daemons[first].stop(signal.SIGTERM) == 0  # its stop save goes up: the older copy
         wait_until(lambda: servers_up(stats)[first] != "UP", 30, 0.2, what=f"HAProxy to see {first} down")
         gone = time.time()
-        wait_until(lambda: (shared(daemons[second])["catalog"]["listed_at"] or 0) > gone, 60, 0.2,
-                   what="a listing after the first host's stop save")
+        wait_listed(daemons[second], gone, what="a listing after the first host's stop save")
         out, h = turn(3)
         assert h["x-autosessd-host"] == second and h["x-autosessd-conversation"] == f"bucket {first}", h
         out, h = turn(4)  # it goes on on the second host, past what the first one holds
@@ -252,14 +269,9 @@ def test_a_host_that_comes_back_restores_the_newer_save_not_its_stale_copy(
         wait_until(lambda: servers_up(stats)[first] == "UP", 60, 0.2, what=f"HAProxy to see {first} up again")
         assert daemons[second].stop(signal.SIGTERM) == 0  # its stop save goes up: the newer save
         gone = time.time()
-        wait_until(lambda: (shared(daemons[first])["catalog"]["listed_at"] or 0) > gone, 60, 0.2,
-                   what="a listing after the second host's stop save")
+        wait_listed(daemons[first], gone, what="a listing after the second host's stop save")
         out, h = turn(5)
         assert h["x-autosessd-host"] == first and h["x-autosessd-conversation"] == f"bucket {second}", h
         assert out["timings"]["cache_n"] >= last_prompt, (last_prompt, out["timings"], h)
     finally:
-        if proxy is not None:
-            proxy.terminate()
-            proxy.wait(10)
-        for d in daemons.values():
-            d.stop()
+        stop_all(proxy, daemons)

@@ -26,43 +26,21 @@ from pathlib import Path
 import pytest
 
 from autosessd.base.keys import conversation_id_key, conversation_key
+from autosessd.shared import parse_key
 from harness import Daemon, answer, free_port, long_text, wait_until
-from test_front_door_real import SYSTEM, files, shared, start_hosts
+from shared_common import objects
+from test_front_door_real import SYSTEM, files, front_door_or_skip, post, start_hosts, stop_all, wait_listed
 
 ROOT = Path(__file__).resolve().parents[2]
 FRONT_DOOR = ROOT / "contrib" / "smg" / "front-door"
 
 
-def smg_or_skip() -> str:
-    r = subprocess.run([str(ROOT / "scripts" / "smg-tool"), "path"], capture_output=True, text=True)
-    if r.returncode != 0:
-        why = r.stderr.strip() or "smg is not installed"
-        if os.environ.get("AUTOSESSD_REQUIRE_SMG"):
-            pytest.fail(f"AUTOSESSD_REQUIRE_SMG is set: {why}")
-        pytest.skip(why)
-    return r.stdout.strip()
-
-
-def post(url: str, body: dict, headers: dict) -> tuple[dict, dict]:
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.status == 200
-        return json.load(r), {k.lower(): v for k, v in r.headers.items()}
-
-
 def in_bucket(gw, bucket: str, key: str, host: str, n_tokens: int) -> bool:
-    """The bucket holds host's save of auto-<key>.bin with n_tokens at least (its object's name:
-    <prefix>sessions/<model>/auto-<key>/<saved_at>-<n_tokens>-<host>.bin)."""
-    c = gw.client()
-    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for o in page.get("Contents", []):
-            folder, _, leaf = o["Key"].rpartition("/")
-            saved_at, _, rest = leaf.partition("-")
-            n, _, who = rest.partition("-")
-            if folder.endswith(f"/auto-{key}") and who == f"{host}.bin" and n.isdigit() and int(n) >= n_tokens:
-                return True
-    return False
+    """The bucket holds host's save of auto-<key>.bin with n_tokens at least (its objects read as
+    autosessd reads them)."""
+    saves = (parse_key("team/", k, size, 0.0) for k, size in objects(gw, bucket).items())
+    return any(s is not None and s.name == f"auto-{key}.bin" and s.host == host and s.n_tokens >= n_tokens
+               for s in saves)
 
 
 def get(url: str) -> dict:
@@ -84,7 +62,7 @@ def healthy(proxy: subprocess.Popen, url: str, log: Path) -> set[str]:
 @pytest.mark.parametrize("model", ["kv8b"], indirect=True)
 def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_restore_when_it_stops(
         engines, model, s3_gateway, s3_bucket, aws_env, tmp_path):
-    binary = smg_or_skip()
+    binary = front_door_or_skip("smg")
     daemons: dict[str, Daemon] = {}
     proxy = None
     try:
@@ -151,8 +129,7 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
         host_of[moved[0]] = h["x-autosessd-host"]
         others = [x for name, x in daemons.items() if name != victim]
         for x in others:
-            wait_until(lambda: (shared(x)["catalog"]["listed_at"] or 0) > gone
-                       and shared(x)["catalog"]["with_tokens"] >= len(moved), 60, 0.2, what="the catalog")
+            wait_listed(x, gone, len(moved))
         for i in moved[1:]:
             before = last_prompt[i]
             out, h = turn(i, 4)
@@ -170,8 +147,7 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
                        what=f"{host_of[i]}'s save of conversation {i}")
         back = time.time()
         daemons[victim].start()
-        wait_until(lambda: (shared(daemons[victim])["catalog"]["listed_at"] or 0) > back, 60, 0.2,
-                   what="the returning host's catalog")
+        wait_listed(daemons[victim], back, what="the returning host's catalog")
         wait_until(lambda: gate_of[victim] in healthy(proxy, url, log), 60, 0.2, what="SMG to see it healthy")
         for i in moved:
             before = last_prompt[i]
@@ -179,11 +155,4 @@ def test_conversations_named_by_the_client_stay_on_their_host_and_move_with_a_re
             assert h["x-autosessd-host"] == victim and h["x-autosessd-conversation"] == f"bucket {host_of[i]}", h
             assert out["timings"]["cache_n"] >= before, (i, before, out["timings"], h)
     finally:
-        if proxy is not None:
-            proxy.terminate()
-            try:
-                proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                proxy.kill()
-        for d in daemons.values():
-            d.stop()
+        stop_all(proxy, daemons)
