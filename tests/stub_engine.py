@@ -57,6 +57,7 @@ class StubEngine:
         self.no_room = False
         self.erased: list[int] = []
         self._tasks = 0
+        self.n_cached: int | None = None  # slot 0's running request: prompt tokens reused (shown while processing)
 
     # slot 0, for the single-slot tests
     @property
@@ -70,6 +71,13 @@ class StubEngine:
     @task_id.setter
     def task_id(self, value: int | None) -> None:
         self.task_ids[0] = value
+
+    def restart(self) -> None:
+        """A new engine process: every slot empty, and task ids start over (b11434: the last
+        task before a restart was 16, the first after it 5; GET /slots takes ids too)."""
+        self.held = {i: [] for i in self.held}
+        self.task_ids = {i: None for i in self.held}
+        self.processing, self.n_cached, self._tasks = False, None, 0
 
     def ran(self, tokens, slot: int = 0) -> None:
         """A request ran on the slot and left these tokens (a count: tokens 1..n)."""
@@ -154,7 +162,8 @@ class StubEngine:
     async def slots(self):
         if not self.slots_visible:
             raise SlotsHidden("GET /slots is off")
-        return [SlotState(i, self.processing and i == 0, len(self.held[i]), None, self.task_ids[i])
+        return [SlotState(i, self.processing and i == 0, len(self.held[i]),
+                          self.n_cached if self.processing and i == 0 else None, self.task_ids[i])
                 for i in sorted(self.held)]
 
     async def health(self):

@@ -130,7 +130,7 @@ class Router:
                 why = SLEPT if model.status == "sleeping" else UNLOADED
                 for s in list(model.sessions.slots.values()):
                     if not s.busy:
-                        model.sessions.observer.lost(s, why)
+                        model.sessions.observer.engine_gone(s, why)
 
     async def refresh(self) -> None:
         try:

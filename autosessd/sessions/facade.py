@@ -438,7 +438,7 @@ class Sessions:
     async def engine_restarted(self, why: str) -> None:
         """What the engine held is gone: every slot lost, the launch gate's memory, its facts (facts.py)."""
         for s in list(self.slots.values()):
-            self.observer.lost(s, why)
+            self.observer.engine_gone(s, why)
         self.ctx.suspect = None  # a new engine: whatever a failed restore left is gone
         self.ctx.facts.restarted(why)
         self.launch.engine_restarted()

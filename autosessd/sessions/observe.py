@@ -124,6 +124,14 @@ class Observer:
         return True
 
     # -- changes behind our back -----------------------------------------------------------
+    def engine_gone(self, s: Slot, why: str) -> None:
+        """The engine process that ran the slot is gone (a restart, a model unloaded): what the
+        slot held, and its task id, which the next process numbers from the start again (b11434:
+        the last task before a restart was 16, the first after it 5). A stale id would hide the
+        new process's request of that number from the watch and the turn's look."""
+        s.task_id = None
+        self.lost(s, why)
+
     def lost(self, s: Slot, why: str) -> None:
         """Hold nothing named, so the next request of the conversation restores it instead of
         trusting a state that is gone."""

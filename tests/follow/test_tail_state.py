@@ -179,3 +179,30 @@ async def test_an_end_whose_slot_changed_during_the_look_changes_nothing_and_the
         eng.slow = False
         await served(s, tail, "r2", B, 40, n_tokens=40)  # the next lines are acted on
         assert (s.view(0).phase, s.view(0).key) == (Phase.HELD, B)
+
+
+async def test_the_first_request_after_an_engine_restart_verifies_its_restore_whatever_its_task_id(tmp_path):
+    """llama-server's task ids start over when it restarts (b11434: its last task before was
+    16, its first after 5; each GET /slots takes one): the request that follows the restore can
+    carry the id the old engine's last request had. Its restore is verified all the same, from
+    what GET /slots shows while it runs (an end line without cache_n, as a log writer that does
+    not copy the response's timings writes it)."""
+    s, tail, d = make(tmp_path)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    old = s.engine.task_id
+    s.engine.restart()
+    await s.engine_restarted("the engine restarted")
+    await tail._engine_restarted()
+    assert (s.view(0).phase, s.view(0).key) == (Phase.RESTORED, A) and s.counters.restores == 1
+    await tail.handle(line(event="start", id="r2", slot=0, key=A))  # the client sends its request again
+    s.engine._tasks = old - 1  # the new engine's request gets the id the old one's had
+    s.engine.ran(list(range(52)))
+    s.engine.processing, s.engine.n_cached = True, 49
+    for _ in range(40):  # the watch looks every 25 ms while the request runs
+        await asyncio.sleep(0.025)
+    s.engine.processing, s.engine.n_cached = False, None
+    await tail.handle(line(event="end", id="r2", slot=0, status="ok", n_tokens=52, n_prompt=50))
+    await settle(tail, s)
+    assert s.engine.task_id == old
+    assert s.counters.restores_reused == 1 and s.counters.restores_unverified == 0
