@@ -43,6 +43,28 @@ def session_dir(tmp_path):
     return d
 
 
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the last lines of each autosessd log it started (its debug log):
+    a failure seen only in CI then says what the daemon did, not just what the test waited for."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    tmp = item.funcargs.get("tmp_path")
+    if tmp is None:
+        return
+    for log in sorted(tmp.rglob("autosessd-*.log"))[:4]:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        report.sections.append((f"{log.name} (its last {LOG_TAIL_LINES} lines)", "\n".join(lines[-LOG_TAIL_LINES:])))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Say at the end of the run which tests were skipped and why (no root, no
     systemd-analyze, no IPv6 loopback, ...): what this run did not check."""
