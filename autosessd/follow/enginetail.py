@@ -173,6 +173,7 @@ class EngineTail(Following):
             self.engine_starts += 1
             self.sessions.counters.engine_log_starts += 1
             self.running.clear()  # the old process's requests end with it
+            self.tasks_seen.clear()  # and the new one numbers its tasks from the start again
             log.info("engine log: a new engine process is starting (%s)", self.path)
         elif isinstance(ev, Loaded):
             await self.sessions.engine_started("the engine restarted (its log shows it loading its model again)")

@@ -183,9 +183,8 @@ async def test_a_task_that_moved_during_the_save_drops_it_before_the_log_shows_t
 
 
 async def restart(s, tail, fmt=text):
-    """The engine restarts: its slots are empty, its log starts again."""
-    for slot in s.engine.held:
-        s.engine.held[slot], s.engine.task_ids[slot] = [], None
+    """The engine restarts: its slots are empty, its task ids start over, its log starts again."""
+    s.engine.restart()
     for line in STARTED:
         await tail.handle(fmt(line))
     await tail.after_batch()
@@ -379,6 +378,20 @@ async def test_requests_the_log_never_shows_are_found_by_the_engines_task_ids(tm
     await served(s, tail, A2)  # a request the log shows is not counted
     await tail._check_tasks()
     assert s.counters.engine_log_unseen == 2
+
+
+async def test_after_a_restart_a_request_the_log_never_shows_is_found_though_it_has_an_old_task_id(tmp_path):
+    """A new engine process numbers its tasks from the start again: the log's last task of the
+    old process says nothing of the new one's."""
+    s, tail, d = make(tmp_path)
+    old = await served(s, tail, A)
+    await settle(s, tail)
+    await restart(s, tail)
+    tail._engine_tasks = await tail._task_ids()
+    s.engine._tasks = old - 1
+    s.engine.ran(list(B), 0)  # the new process's request of the same number, and no line of it
+    await tail._check_tasks()
+    assert s.engine.task_id == old and s.counters.engine_log_unseen == 1
 
 
 async def test_first_start_mid_request_saves_what_the_release_left(tmp_path):
