@@ -1,13 +1,12 @@
 """The engine-log tail (enginetail.py) on the stub engine, fed llama-server b11434's own lines:
-saves named by their tokens, the save that a request overtakes, the restore after the engine
-restarts, rotation, truncation and garbage, and a build whose lines changed.
+saves named by their tokens, the save that a request overtakes, rotation, truncation and
+garbage, and a build whose lines changed (after an engine restart: test_enginetail_restart.py).
 
 The stub differs from llama-server in what these tests make happen on cue: a request that
 arrives while a save is written (llama-server defers the save until the request ends, so it
 captures that request's state; the stub's save, wrapped, does the same), and an engine that
 restarts between two lines. The real engine is in test_enginetail_real.py."""
 
-import asyncio
 import json
 import logging
 import os
@@ -20,83 +19,9 @@ from autosessd.follow.enginetail import LINE, RUN_TTL_S, EngineTail
 from autosessd.store.branches import branch_key
 from autosessd.store.slotfile import encode
 from autosessd.sessions.facade import Sessions
-from autosessd.sessions.slot import Phase
-from autosessd.store.directory import Store
 from autosessd.follow.follower import Follower
-from stub_engine import StubEngine
-
-# Two conversations, as token ids: a shared template opener, then their own text.
-OPENER = list(range(2, 12))
-A = OPENER + list(range(100, 160))
-A2 = A + list(range(160, 200))  # A goes on
-B = OPENER + list(range(500, 570))
-
-
-def make(tmp_path, n_slots=1, min_tokens=10, clears_idle=False):
-    d = tmp_path / "s"
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
-                f'state_dir = "{tmp_path / "state"}"\n[engine]\nlog = "{tmp_path / "engine.log"}"\n'.encode())
-    s = Sessions(cfg, StubEngine(d, n_slots=n_slots, clears_idle=clears_idle), Store(d), "stub-model",
-                 n_slots=n_slots, empties_idle_slots=clears_idle)
-    tail = EngineTail(cfg, s, cfg.engine.log)
-    s.on_engine_restart.append(tail._engine_restarted)
-    return s, tail, d
-
-
-def text(msg: str, ts: str = "0.03.276.238") -> bytes:
-    return f"{ts} I {msg}".encode()
-
-
-def jsonl(msg: str) -> bytes:
-    return json.dumps({"type": "log", "time": 3276238, "level": "info", "msg": msg + "\n"}).encode()
-
-
-def launch(slot, task):
-    return f"slot launch_slot_: id  {slot} | task {task} | processing task, is_child = 0"
-
-
-def timings(slot, task, prompt_n, eval_n):
-    return [f"slot print_timing: id  {slot} | task {task} | prompt eval time =     294.19 ms /    {prompt_n} tokens "
-            f"(    9.49 ms per token,   105.37 tokens per second)",
-            f"slot print_timing: id  {slot} | task {task} |        eval time =     248.07 ms /     {eval_n} tokens "
-            f"(   35.44 ms per token,    28.22 tokens per second)",
-            f"slot print_timing: id  {slot} | task {task} |       total time =     542.27 ms /    {prompt_n + eval_n} "
-            f"tokens"]
-
-
-def release(slot, task, n):
-    return f"slot      release: id  {slot} | task {task} | stop processing: n_tokens = {n}, truncated = 0"
-
-
-STARTED = ["srv  llama_server: initializing ...",
-           "srv    load_model: initializing, n_slots = 1, n_ctx_slot = 8192, kv_unified = 'false'",
-           "srv  llama_server: model loaded", "srv  llama_server: listening on http://127.0.0.1:8080"]
-
-
-async def served(s, tail, tokens, slot=0, fmt=text, cache_n=0, generated=8):
-    """One request as llama-server runs and logs it: launch, the slot's new tokens, timings, release."""
-    task = s.engine._tasks + 1
-    await tail.handle(fmt(launch(slot, task)))
-    s.engine.ran(list(tokens), slot)
-    for line in timings(slot, task, len(tokens) - generated + 1 - cache_n, generated):
-        await tail.handle(fmt(line))
-    await tail.handle(fmt(release(slot, task, len(tokens))))
-    return task
-
-
-async def settle(s, tail):
-    for _ in range(3):
-        for task in list(tail._save_tasks.values()):
-            await task
-        if tail._restore_task is not None:
-            await tail._restore_task
-        await s.drain()
-
-
-def auto_files(d):
-    """name → the tokens its header holds."""
-    return {p.name: list(slotfile.read_header(p).tokens) for p in sorted(d.glob("auto-*.bin"))}
+from enginetail_common import (A, A2, B, OPENER, STARTED, auto_files, jsonl, launch, make, release, restart, served,
+                               settle, text, timings)
 
 
 @pytest.mark.parametrize("fmt", [text, jsonl])
@@ -180,106 +105,6 @@ async def test_a_task_that_moved_during_the_save_drops_it_before_the_log_shows_t
     await tail.handle(text(release(0, s.engine._tasks, len(A2))))
     await settle(s, tail)
     assert s.counters.saves_discarded == 1 and auto_files(d) == {f"auto-{LINE}.bin": A}
-
-
-async def restart(s, tail, fmt=text):
-    """The engine restarts: its slots are empty, its task ids start over, its log starts again."""
-    s.engine.restart()
-    for line in STARTED:
-        await tail.handle(fmt(line))
-    await tail.after_batch()
-    await settle(s, tail)
-
-
-@pytest.mark.parametrize("fmt", [text, jsonl])
-async def test_after_a_restart_the_slot_gets_its_last_file_back_and_the_next_request_verifies_it(tmp_path, fmt):
-    s, tail, d = make(tmp_path)
-    await served(s, tail, A, fmt=fmt)
-    await settle(s, tail)
-    await restart(s, tail, fmt)
-    assert s.counters.engine_log_starts == 1 and s.counters.restores == 1
-    assert s.engine.held[0] == A and (s.view(0).phase, s.view(0).key) == (Phase.RESTORED, LINE)
-    # The next request of A reuses it: its timings say the engine read only the new tokens.
-    await served(s, tail, A2, fmt=fmt, cache_n=len(A))
-    assert s.counters.restores_reused == 1 and s.counters.restores_not_reused == 0
-    assert s.counters.prefill_tokens_avoided == len(A)
-
-
-async def test_after_a_restart_a_request_that_started_during_the_restore_makes_it_untrusted(tmp_path):
-    s, tail, d = make(tmp_path)
-    await served(s, tail, A)
-    await settle(s, tail)
-    real_restore = s.engine.restore
-
-    async def restore_then_b(slot, name):
-        res = await real_restore(slot, name)
-        with open(tail.path, "ab") as f:  # B arrives as the restore is read: it may run first
-            f.write(text(launch(0, 99)) + b"\n")
-        return res
-
-    s.engine.restore = restore_then_b
-    tail.follower.skip_existing()
-    await restart(s, tail)
-    assert s.counters.restores == 1 and s.counters.restores_not_trusted == 1
-    assert s.view(0).phase is not Phase.RESTORED
-
-
-async def test_the_restart_seen_in_the_log_and_by_the_watch_is_handled_once(tmp_path, monkeypatch):
-    s, tail, d = make(tmp_path)
-    await served(s, tail, A)
-    await settle(s, tail)
-    monkeypatch.setattr(s.watch, "identity", lambda: (4242, 1.5))  # the new engine process
-    seen = []
-    s.on_engine_restart.append(lambda: asyncio.sleep(0, seen.append(1)))
-    await restart(s, tail)
-    assert s.counters.restores == 1 and seen == [1]
-    await s.watch._report("the engine restarted (health went down and up)", (4242, 1.5))  # the watch, later
-    await settle(s, tail)
-    assert seen == [1] and (s.view(0).phase, s.view(0).key) == (Phase.RESTORED, LINE)
-    # Another process later: reported.
-    await s.watch._report("another engine process (pid 4343) took its port", (4343, 9.0))
-    assert seen == [1, 1]
-
-
-async def test_the_watch_reports_first_and_the_logs_start_is_not_reported_again(tmp_path, monkeypatch):
-    s, tail, d = make(tmp_path)
-    monkeypatch.setattr(s.watch, "identity", lambda: (4242, 1.5))
-    await s.watch._report("the engine restarted (health went down and up)", (4242, 1.5))
-    assert await s.engine_started("its log") is False
-
-
-async def test_several_slots_each_get_their_last_file_and_a_file_another_extends_is_skipped(tmp_path):
-    s, tail, d = make(tmp_path, n_slots=3)
-    await served(s, tail, A, slot=0)  # A on slot 0, then A goes on on slot 1: slot 0's file is a prefix
-    await settle(s, tail)
-    first = s.view(0).file
-    await served(s, tail, B, slot=2)
-    await settle(s, tail)
-    await served(s, tail, A2, slot=1)
-    await settle(s, tail)
-    assert first == f"auto-{LINE}.bin" and s.view(1).file == first  # A's own file, grown
-    await restart(s, tail)
-    assert s.engine.held == {0: [], 1: A2, 2: B} and s.counters.restores == 2
-    # Recorded across a restart of autosessd (its stop writes the record last): the next start has the same plan.
-    await s.last.record_stop(s.slots.values())
-    s2, tail2, _ = make(tmp_path, n_slots=3)
-    assert s2.last.entries.keys() == {0, 1, 2}  # held.json: the one record of what each slot held last
-    assert s2.last.plan(s2.slots, s2.index) == [(1, LINE, first), (2, LINE, s.view(2).file)]
-
-
-async def test_the_file_the_stop_save_wrote_is_the_one_restored_after_the_next_start(tmp_path):
-    s, tail, d = make(tmp_path)
-    await served(s, tail, A)
-    await settle(s, tail)
-    await tail.handle(text(launch(0, s.engine._tasks + 1)))  # a request whose release comes after our stop
-    s.engine.ran(list(B), 0)
-    await s.observed_end(0, LINE, "ok", len(B))  # as the stop save's look would settle it
-    await s.save_at_stop(0)
-    await s.drain()
-    await s.last.record_stop(s.slots.values())
-    kb = branch_key(LINE, encode(B[:len(OPENER) + 1]))
-    s2, _, _ = make(tmp_path)
-    assert s2.last.entries[0]["file"] == f"auto-{kb}.bin"
 
 
 async def test_garbage_rotation_and_truncation_are_counted_and_followed(tmp_path):
@@ -378,20 +203,6 @@ async def test_requests_the_log_never_shows_are_found_by_the_engines_task_ids(tm
     await served(s, tail, A2)  # a request the log shows is not counted
     await tail._check_tasks()
     assert s.counters.engine_log_unseen == 2
-
-
-async def test_after_a_restart_a_request_the_log_never_shows_is_found_though_it_has_an_old_task_id(tmp_path):
-    """A new engine process numbers its tasks from the start again: the log's last task of the
-    old process says nothing of the new one's."""
-    s, tail, d = make(tmp_path)
-    old = await served(s, tail, A)
-    await settle(s, tail)
-    await restart(s, tail)
-    tail._engine_tasks = await tail._task_ids()
-    s.engine._tasks = old - 1
-    s.engine.ran(list(B), 0)  # the new process's request of the same number, and no line of it
-    await tail._check_tasks()
-    assert s.engine.task_id == old and s.counters.engine_log_unseen == 1
 
 
 async def test_first_start_mid_request_saves_what_the_release_left(tmp_path):
