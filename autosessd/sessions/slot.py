@@ -149,6 +149,11 @@ class View:
 
 
 NOT_SEEN = "not seen since autosessd started"
+# Slot.task_id after a request ran whose task id autosessd did not see (an end read from a log
+# with later lines behind it, settled without a look): the next look takes the engine's id as
+# the slot's own instead of taking it for a request that bypassed autosessd. The engine's ids
+# are never negative.
+TASK_UNSEEN = -1
 UNKNOWN_AT_START = View(Phase.UNKNOWN, n_tokens=None, why=NOT_SEEN)
 
 
@@ -166,8 +171,9 @@ class Slot:
     def __init__(self, slot_id: int):
         self.id = slot_id
         self._view = UNKNOWN_AT_START
-                # observe.py: the engine's id_task when we last looked (a new one means a request ran),
-        # and (task id, cache_n) read from GET /slots while a request ran.
+        # observe.py: the engine's id_task when we last looked (a new one means a request ran;
+        # TASK_UNSEEN: ours ran, under an id not seen), and (task id, cache_n) read from GET /slots
+        # while a request ran.
         self.task_id: int | None = None
         self.seen_cache_n: tuple[int, int] | None = None
         self.watcher: asyncio.Task | None = None

@@ -206,3 +206,24 @@ async def test_the_first_request_after_an_engine_restart_verifies_its_restore_wh
     await settle(tail, s)
     assert s.engine.task_id == old
     assert s.counters.restores_reused == 1 and s.counters.restores_unverified == 0
+
+
+async def test_an_end_read_before_the_next_lines_leaves_its_conversation_named(tmp_path):
+    """An end read in a batch with later lines is settled without a look at the engine (it may
+    have moved on since), so autosessd does not see its task id. The next look (park, the
+    stop's save) must not take that task for a request that bypassed autosessd."""
+    s, tail, d = make(tmp_path, n_slots=2)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    # One read of the log: A's next turn on slot 0, ended, then B starting on slot 1.
+    await tail.handle(line(event="start", id="r2", slot=0, key=A), last=False)
+    s.engine.ran(list(range(60)))
+    await tail.handle(line(event="end", id="r2", slot=0, status="ok", n_tokens=60), last=False)
+    await tail.handle(line(event="start", id="r3", slot=1, key=B))
+    s.engine.ran(list(range(1000, 1040)), 1)
+    await tail.handle(line(event="end", id="r3", slot=1, status="ok", n_tokens=40))
+    await settle(tail, s)
+    saved = await s.park(0)
+    assert saved["key"] == A and slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 60
+    assert (s.view(0).phase, s.view(0).key) == (Phase.HELD, A) and s.counters.engine_resets == 0
+
