@@ -233,6 +233,12 @@ class Commands:
                 log.warning("auto sessions: the restore of %s is not trusted: %s", auto_name(file_key), why)
                 self.observer.lost(s, why)
                 return False
+            # A restore runs no task: the slot's task id is still its last request's, in this
+            # engine process (one that ran a request before we heard of a restart shows one).
+            # Taken as the slot's own, so that neither the watch nor the next look counts it new.
+            st = await self.observer.look(s)
+            if st is not None and not st.is_processing:
+                s.task_id = st.task_id
         return True
 
     async def put_away(self, why: str, then: Callable[[], Awaitable[None]] | None = None) -> int:

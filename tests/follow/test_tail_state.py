@@ -227,3 +227,29 @@ async def test_an_end_read_before_the_next_lines_leaves_its_conversation_named(t
     assert saved["key"] == A and slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 60
     assert (s.view(0).phase, s.view(0).key) == (Phase.HELD, A) and s.counters.engine_resets == 0
 
+
+async def test_a_restart_reported_late_still_verifies_the_restore_that_follows(tmp_path):
+    """The new engine ran a request on the slot before autosessd heard of the restart (the
+    health watch looks every few seconds) and emptied it again (-np auto empties idle slots):
+    the restore goes into an empty slot that shows a task id. That id is the slot's own, not a
+    request that came later: the next request's restore is verified, and a look does not drop it."""
+    s, tail, d = make(tmp_path)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    s.engine.restart()
+    s.engine.ran([])  # a request of the new process, its slot emptied since
+    await s.engine_restarted("the engine restarted")
+    await tail._engine_restarted()
+    assert (s.view(0).phase, s.view(0).key) == (Phase.RESTORED, A)
+    assert await s.observer.observe(s.slot(0)) and s.view(0).phase is Phase.RESTORED
+    await tail.handle(line(event="start", id="r2", slot=0, key=A))
+    for _ in range(4):
+        await asyncio.sleep(0.025)  # the watch looks before the engine has placed the request
+    s.engine.ran(list(range(52)))
+    s.engine.processing, s.engine.n_cached = True, 49
+    for _ in range(40):
+        await asyncio.sleep(0.025)
+    s.engine.processing, s.engine.n_cached = False, None
+    await tail.handle(line(event="end", id="r2", slot=0, status="ok", n_tokens=52, n_prompt=50))
+    await settle(tail, s)
+    assert s.counters.restores_reused == 1 and s.counters.restores_unverified == 0
