@@ -173,7 +173,10 @@ class EngineTail(Following):
             self.engine_starts += 1
             self.sessions.counters.engine_log_starts += 1
             self.running.clear()  # the old process's requests end with it
-            self.tasks_seen.clear()  # and the new one numbers its tasks from the start again
+            self._confirm(lambda slot, task: True)  # those whose launch we did not read, unseen
+            # The new process numbers its tasks from the start again: the old ids say nothing of it.
+            self.tasks_seen.clear()
+            self.unseen.clear()
             log.info("engine log: a new engine process is starting (%s)", self.path)
         elif isinstance(ev, Loaded):
             await self.sessions.engine_started("the engine restarted (its log shows it loading its model again)")

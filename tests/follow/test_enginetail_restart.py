@@ -117,3 +117,17 @@ async def test_after_a_restart_a_request_the_log_never_shows_is_found_though_it_
     s.engine.ran(list(B), 0)  # the new process's request of the same number, and no line of it
     await tail._check_tasks()
     assert s.engine.task_id == old and s.counters.engine_log_unseen == 1
+
+
+async def test_after_a_restart_an_unseen_request_with_an_old_unseen_ones_number_is_counted(tmp_path):
+    s, tail, d = make(tmp_path)
+    tail._engine_tasks = await tail._task_ids()
+    s.engine.ran(list(A), 0)  # a request, and no line of it
+    await tail._check_tasks()
+    old = s.engine.task_id
+    await restart(s, tail)
+    tail._engine_tasks = await tail._task_ids()
+    s.engine._tasks = old - 1
+    s.engine.ran(list(B), 0)  # the new process's, of the same number, and no line of it either
+    await tail._check_tasks()
+    assert s.engine.task_id == old and s.counters.engine_log_unseen == 2
