@@ -113,7 +113,9 @@ class Observer:
         elif st is not None and v.phase in (Phase.HELD, Phase.RESTORED):
             # A slot that never ran a task does not report its count (right after a restore).
             counted = v.phase is Phase.HELD or st.task_id is not None
-            if st.task_id != s.task_id and s.task_id != TASK_UNSEEN:
+            if st.task_id != s.task_id and (s.task_id != TASK_UNSEEN or v.n_tokens is None):
+                # (TASK_UNSEEN: the id moved under a request of ours; the token count below
+                # still tells another request's state from it, when the end gave one.)
                 self.lost(s, "a request that did not come through autosessd ran on the slot")
             elif counted and st.n_tokens == 0 and v.n_tokens:
                 self.emptied_by_engine(s)
@@ -171,7 +173,7 @@ class Observer:
         self.settle(s, status, st, n_tokens, cache_n, n_prompt)
         if st is None and task_id is not None:
             s.task_id = task_id
-        elif st is None and status not in ("not_run", "rejected"):
+        elif not look and status not in ("not_run", "rejected"):
             s.task_id = TASK_UNSEEN  # it ran: the engine's id moved, and the next look must not count it foreign
         if self.launch.empties_idle and s.view.phase is Phase.HELD and st is not None and st.n_tokens == 0:
             # Another request started between this one's end and our look, and the engine moved

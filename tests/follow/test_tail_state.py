@@ -5,11 +5,14 @@ ends without counts, the restore after an engine restart, the first start on a l
 import asyncio
 import json
 
+import pytest
+
 from autosessd.store import slotfile
 from autosessd.base.config import parse
 from autosessd.sessions.facade import Sessions
 from autosessd.sessions.slot import Phase
 from autosessd.store.directory import Store
+from autosessd.store.names import StoreError
 from autosessd.follow.tail import IN_FLIGHT_TTL_S, MAX_IN_FLIGHT, Tail
 from stub_engine import StubEngine
 
@@ -253,3 +256,21 @@ async def test_a_restart_reported_late_still_verifies_the_restore_that_follows(t
     await tail.handle(line(event="end", id="r2", slot=0, status="ok", n_tokens=52, n_prompt=50))
     await settle(tail, s)
     assert s.counters.restores_reused == 1 and s.counters.restores_unverified == 0
+
+
+async def test_a_cancelled_end_read_before_the_next_lines_still_lets_a_look_see_another_request(tmp_path):
+    """A cancelled end has no token count: settled without a look, nothing but the task id can
+    tell its state from another request's later. A request that bypassed the log then ran: the
+    slot is not A's any more, and A's file is not written over with it."""
+    s, tail, d = make(tmp_path, n_slots=2)
+    await served(s, tail, "r1", A, 50, n_tokens=50)
+    await settle(tail, s)
+    await tail.handle(line(event="start", id="r2", slot=0, key=A), last=False)
+    s.engine.ran(list(range(55)))
+    await tail.handle(line(event="end", id="r2", slot=0, status="cancelled"), last=False)
+    await tail.handle(line(event="start", id="r3", slot=1, key=B))
+    s.engine.ran(list(range(2000, 2080)))  # on slot 0, and not in the log
+    await settle(tail, s)
+    with pytest.raises(StoreError, match="holds no conversation"):
+        await s.park(0)
+    assert slotfile.read_header(d / f"auto-{A}.bin").n_tokens == 50
