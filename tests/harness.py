@@ -15,6 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,6 +269,11 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             rc = self.proc.wait()
+            # A stop that hangs is a defect even where the test goes on: said in the run's
+            # warnings summary, with where the daemon's log stopped.
+            tail = "\n".join(self.logtext().splitlines()[-15:])
+            warnings.warn(f"autosessd did not exit within {timeout:g} s of signal {sig}: killed; its log ends:\n{tail}",
+                          stacklevel=2)
         self.proc = None
         return rc
 
