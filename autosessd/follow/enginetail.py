@@ -57,7 +57,7 @@ from ..engines.base import EngineError, SlotState
 from ..sessions.facade import Sessions
 from . import enginelog
 from .enginelog import Activity, BadLine, Launch, Loaded, Release, Slots, Started, Timing
-from .tail import Following
+from .tail import Following, cancel
 
 log = logging.getLogger("autosessd")
 
@@ -113,10 +113,8 @@ class EngineTail(Following):
         await super().start()
 
     async def stop(self, grace_s: float) -> None:
-        if self._restore_task is not None and not self._restore_task.done():
-            self._restore_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._restore_task
+        if self._restore_task is not None:
+            await cancel(self._restore_task)
         await super().stop(grace_s)
 
     def describe(self) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class Following:
         self.lines = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._observer: Any = None
         self._bad_burst = 0
         self._bad_logged_at = 0.0
@@ -117,10 +118,9 @@ class Following:
     async def stop(self, grace_s: float) -> None:
         if self._observer is not None:
             self._observer.stop()
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel(self._task)
         pending = [t for t in self._save_tasks.values() if not t.done()]
         if pending:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
@@ -132,7 +132,7 @@ class Following:
 
     # -- reading -----------------------------------------------------------------
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), POLL_S)
             self._wake.clear()
@@ -319,3 +319,15 @@ class Tail(Following):
             if st is not None and (st.is_processing or st.n_tokens > 0):
                 continue
             await self.sessions.restore_behind(slot, key, self._still_ours(slot, self.starts_seen[slot]))
+
+
+async def cancel(task: asyncio.Task) -> None:
+    """Cancel the task and wait for its end. On Python < 3.12, asyncio.wait_for can lose a
+    cancel that arrives just as what it waits for completes (CPython bpo-42130): seen here as
+    a stop that hung when the log was written as SIGTERM came. The cancel is repeated until
+    the task has ended."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("stopping a tail: %s", task.exception())
