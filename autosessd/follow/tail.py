@@ -329,5 +329,5 @@ async def cancel(task: asyncio.Task) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=0.1)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("stopping a tail: %s", task.exception())
+    if not task.cancelled() and task.exception() is not None:  # the tasks log their own failures
+        log.debug("stopping a tail: %s", task.exception())

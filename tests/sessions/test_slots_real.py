@@ -77,20 +77,26 @@ def test_eight_conversations_over_four_slots_from_four_clients(engines, session_
         d.stop()
 
 
-def test_engine_defaults_that_empty_idle_slots_are_named_and_answers_stay_right(engines, session_dir, tmp_path):
+def test_engine_defaults_that_empty_idle_slots_are_named_and_files_stay_right(engines, session_dir, tmp_path):
     """llama-server's full defaults (-np auto, RAM cache, --cache-idle-slots): every request
     that starts empties the idle slots. autosessd says so at start, saves conversations as
-    their requests end, and never changes an answer or mixes up files. (How much it reuses
-    there, against the engine alone, is measured in bench/slots.py, not asserted.)"""
+    their requests end, and never mixes up files. (How much it reuses there, against the
+    engine alone, is measured in bench/slots.py, not asserted.)
+
+    The answers of the two rounds are not compared: on this model (Gemma 3, 531-token prompts
+    past its 512-token window) autosessd restores nothing, and the second round is served from
+    the engine's own RAM cache (cache_n 530 of 531), whose one-token read can flip a near-tie
+    of a full read's first token (seen once in CI: '<|im_start|>' then '<|im_end|>'). That
+    would test the engine, not autosessd; answers after autosessd's restores are compared in
+    test_retry_real.py and the demo."""
     eng = engines(session_dir, slots="auto", cache_ram=None)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
         assert "empties idle slots whenever a request starts" in d.logtext()
-        first = rotation(d.gate_url, SHORT)
-        second = rotation(d.gate_url, SHORT)
-        for a, b in zip(first, second):
-            assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+        rotation(d.gate_url, SHORT)
+        rotation(d.gate_url, SHORT)
         st = d.status()
+        assert st["counters"]["restores"] == 0  # what the second round reused is the engine's own
         assert st["counters"]["restore_failures"] == 0 and st["counters"]["saves"] >= 4
         assert_files_hold_their_own_conversation(eng, session_dir, SHORT)
     finally:
