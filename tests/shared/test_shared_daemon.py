@@ -62,11 +62,20 @@ def shared(d: Daemon) -> dict:
 def whole_local_files(d: Path) -> None:
     """Nothing torn in a session directory: no temporary left once the saves in flight are
     final (a save's finalize runs after its request), every auto file whole (its size is its
-    metadata's, its header readable)."""
-    def temps():
-        return [p.name for p in d.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
+    metadata's, its header readable). A finalize renames the .bin into place before it writes
+    the metadata's temporary: a moment with no temporary and the metadata not yet there (or
+    still the previous save's), which is not the end of it."""
+    def unsettled(p: Path) -> bool:
+        try:
+            return json.loads(p.with_suffix(".json").read_text())["bytes"] != p.stat().st_size
+        except FileNotFoundError:
+            return True
 
-    wait_until(lambda: not temps(), 30, what=f"no temporaries in {d.name}")
+    def in_flight():
+        temps = [p.name for p in d.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
+        return temps + [p.name for p in d.glob("auto-*.bin") if unsettled(p)]
+
+    wait_until(lambda: not in_flight(), 30, what=f"no save in flight in {d.name}")
     for p in d.glob("auto-*.bin"):
         meta = json.loads(p.with_suffix(".json").read_text())
         assert p.stat().st_size == meta["bytes"], p.name
