@@ -174,3 +174,19 @@ class StubEngine:
 
     async def close(self):
         pass
+
+
+def stub_sessions(tmp_path, *, n_slots=1, min_tokens=10, clears_idle=False, config=""):
+    """Sessions on a StubEngine saving to tmp_path/s, as the tails' state tests build them:
+    (sessions, its config, the session directory). `config` is more TOML after the top keys."""
+    from autosessd.base.config import parse
+    from autosessd.sessions.facade import Sessions
+    from autosessd.store.directory import Store
+
+    d = tmp_path / "s"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
+                f'state_dir = "{tmp_path / "state"}"\n{config}'.encode())
+    s = Sessions(cfg, StubEngine(d, n_slots=n_slots, clears_idle=clears_idle), Store(d), "stub-model",
+                 n_slots=n_slots, empties_idle_slots=clears_idle)
+    return s, cfg, d

@@ -3,12 +3,9 @@ the stub engine behind a tail, llama-server b11434's own lines, one request as i
 
 import json
 
-from autosessd.base.config import parse
 from autosessd.follow.enginetail import EngineTail
-from autosessd.sessions.facade import Sessions
 from autosessd.store import slotfile
-from autosessd.store.directory import Store
-from stub_engine import StubEngine
+from stub_engine import stub_sessions
 
 # Two conversations, as token ids: a shared template opener, then their own text.
 OPENER = list(range(2, 12))
@@ -18,12 +15,8 @@ B = OPENER + list(range(500, 570))
 
 
 def make(tmp_path, n_slots=1, min_tokens=10, clears_idle=False):
-    d = tmp_path / "s"
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
-                f'state_dir = "{tmp_path / "state"}"\n[engine]\nlog = "{tmp_path / "engine.log"}"\n'.encode())
-    s = Sessions(cfg, StubEngine(d, n_slots=n_slots, clears_idle=clears_idle), Store(d), "stub-model",
-                 n_slots=n_slots, empties_idle_slots=clears_idle)
+    s, cfg, d = stub_sessions(tmp_path, n_slots=n_slots, min_tokens=min_tokens, clears_idle=clears_idle,
+                              config=f'[engine]\nlog = "{tmp_path / "engine.log"}"\n')
     tail = EngineTail(cfg, s, cfg.engine.log)
     s.on_engine_restart.append(tail._engine_restarted)
     return s, tail, d

@@ -9,23 +9,16 @@ import pytest
 
 from autosessd.store import slotfile
 from autosessd.base.config import parse
-from autosessd.sessions.facade import Sessions
 from autosessd.sessions.slot import Phase
-from autosessd.store.directory import Store
 from autosessd.store.names import StoreError
 from autosessd.follow.tail import IN_FLIGHT_TTL_S, MAX_IN_FLIGHT, Tail
-from stub_engine import StubEngine
+from stub_engine import StubEngine, stub_sessions
 
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 
 
 def make(tmp_path, min_tokens=10, n_slots=1, clears_idle=False):
-    d = tmp_path / "s"
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
-                f'state_dir = "{tmp_path / "state"}"\n'.encode())
-    s = Sessions(cfg, StubEngine(d, n_slots=n_slots, clears_idle=clears_idle), Store(d), "stub-model",
-                 n_slots=n_slots, empties_idle_slots=clears_idle)
+    s, cfg, d = stub_sessions(tmp_path, n_slots=n_slots, min_tokens=min_tokens, clears_idle=clears_idle)
     return s, Tail(cfg, s, str(tmp_path / "requests.jsonl")), d
 
 
