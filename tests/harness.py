@@ -57,6 +57,26 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.05, what: str = 
         time.sleep(interval)
 
 
+def saves_in_flight(d: Path) -> list[str]:
+    """What in session directory d is not final yet: temporaries, and auto files whose
+    metadata is not there or not theirs. A save is counted and its request goes on before
+    its finalize, which renames the .bin before it writes the metadata (store/saving.py): a
+    moment with no temporary and no metadata, or the previous save's."""
+    def unsettled(p: Path) -> bool:
+        try:
+            return json.loads(p.with_suffix(".json").read_text())["bytes"] != p.stat().st_size
+        except FileNotFoundError:
+            return True
+
+    temps = [p.name for p in d.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
+    return temps + [p.name for p in d.glob("auto-*.bin") if unsettled(p)]
+
+
+def saves_final(d: Path, timeout: float = 30.0) -> None:
+    """Wait until the saves in flight in session directory d are final (saves_in_flight)."""
+    wait_until(lambda: not saves_in_flight(d), timeout, what=f"the saves in flight in {d.name} to be final")
+
+
 _paths: dict[str, str] | None = None
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from autosessd.base.keys import conversation_key
 from fake_engine import answer_for
-from harness import Daemon, FakeEngine, chat_body, wait_until
+from harness import Daemon, FakeEngine, chat_body, saves_final, wait_until
 
 A = chat_body("conversation A " * 200)
 B = chat_body("conversation B " * 200)
@@ -97,6 +97,7 @@ def test_restore_that_fails_leaves_the_request_alone(fake, session_dir, tmp_path
         assert f"auto sessions: restore of auto-{conversation_key(A)}.bin: " in d.logtext()
         # The fake writes its files under the test's umask (0644, as an engine without
         # UMask=0077 would): what autosessd made visible is private all the same.
+        saves_final(session_dir)  # B's save at the last switch is finalized after the request
         files = list(session_dir.glob("auto-*"))
         assert len(files) == 4 and {os.stat(f).st_mode & 0o777 for f in files} == {0o600}
     finally:

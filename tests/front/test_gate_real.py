@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from autosessd.base.keys import conversation_key
-from harness import Daemon, answer, chat_body, going_on, long_text, stream_chat, wait_until
+from harness import Daemon, answer, chat_body, going_on, long_text, saves_final, stream_chat, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -124,6 +124,7 @@ def test_status_and_metrics_endpoints(engines, session_dir, tmp_path):
     try:
         post(d.gate_url, A)
         post(d.gate_url, B)
+        saves_final(session_dir)  # A's save is counted as a file once its finalize renamed it
         st = d.status()
         assert st["engine"]["kind"] == "llama-server" and st["engine"]["healthy"] is True
         assert st["store"]["auto_files"] == 1 and st["inputs"]["gate"]["upstream"] == eng.url

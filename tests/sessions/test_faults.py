@@ -15,7 +15,7 @@ import pytest
 from autosessd.base.keys import conversation_key
 from autosessd.store.directory import AUTO_BIN, TEMP_PREFIX
 from fake_engine import answer_for
-from harness import Daemon, FakeEngine, chat_body, wait_until
+from harness import Daemon, FakeEngine, chat_body, saves_final, wait_until
 
 A = chat_body("conversation A " * 120)   # ~ 600 tokens → ~1.2 MB at 2,000 bytes/token
 B = chat_body("conversation B " * 120)
@@ -30,6 +30,7 @@ def post(base, body, timeout=60):
 
 
 def no_torn_files(directory):
+    saves_final(directory)  # a save's finalize runs after its request; a torn temporary stays
     for name in os.listdir(directory):
         assert not name.startswith(TEMP_PREFIX), name
         if m := AUTO_BIN.match(name):

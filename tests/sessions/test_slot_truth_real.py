@@ -18,7 +18,7 @@ import pytest
 
 from autosessd.store import slotfile
 from autosessd.base.keys import conversation_key
-from harness import Daemon, chat_body, going_on, long_text, wait_until
+from harness import Daemon, chat_body, going_on, long_text, saves_final, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -85,6 +85,7 @@ def test_a_switch_after_a_rejected_request_saves_nothing_under_its_key(engines, 
             post(d.gate_url, r)
         assert e.value.code == 400
         post(d.gate_url, C)
+        saves_final(session_dir)  # A's save at that switch is finalized after C's request
         assert not (session_dir / f"auto-{conversation_key(r)}.bin").exists()
         assert {p.name for p in session_dir.glob("auto-*.bin")} == {f"auto-{KA}.bin"}
         assert_every_file_holds_its_own_conversation(eng, session_dir)
@@ -164,6 +165,7 @@ def test_a_request_without_a_conversation_waits_and_the_held_one_is_saved_first(
         raw = post(d.gate_url, {"prompt": long_text(20, "pen") + " The next pen", "n_predict": 4,
                                 "temperature": 0}, "/completion")
         assert raw["content"] is not None
+        saves_final(session_dir)
         assert (session_dir / f"auto-{KA}.bin").exists()
         a2 = post(d.gate_url, going_on(A, a1))
         assert a2["timings"]["cache_n"] >= 0.9 * a2["usage"]["prompt_tokens"]

@@ -10,7 +10,7 @@ import pytest
 
 from autosessd.store import slotfile
 from autosessd.base.keys import conversation_key
-from harness import Daemon, long_text, wait_until
+from harness import Daemon, long_text, saves_final, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -100,6 +100,7 @@ def test_a_shared_system_prompt_is_reused_after_engine_and_autosessd_restart(eng
     d = Daemon(tmp_path, session_dir, eng.url).start()
     try:
         out = post(d.gate_url, c)
+        saves_final(session_dir)  # the prefix, saved in C's own turn, is finalized after it
         prefixes = [name for name, m in metas(session_dir).items() if m["prefix"]]
         assert len(prefixes) == 1
         n_prefix = len(header(session_dir / prefixes[0]))
@@ -136,10 +137,12 @@ def test_an_edited_message_branches_and_the_parent_stays_whole(engines, session_
     try:
         first = post(d.gate_url, parent)
         post(d.gate_url, edited)  # the parent is saved before the edit replaces it
+        saves_final(session_dir)
         parent_file = session_dir / f"auto-{conversation_key(parent)}.bin"
         before = header(parent_file)
         cache_n, prompt = reused(post(d.gate_url, going_on(parent, first, "And in box 5?")))
         assert cache_n >= 0.9 * prompt, (cache_n, prompt)
+        saves_final(session_dir)  # the branch, saved at that switch
         assert header(parent_file) == before
         files = list(session_dir.glob("auto-*.bin"))
         assert len(files) == 2
@@ -190,8 +193,9 @@ def test_a_return_asks_the_engine_for_no_tokens_and_a_switch_after_a_pause_only_
     b = chat(("user", long_text(40, "jar") + "\nWhich jar holds the most marbles?"))
     eng = engines(session_dir)
     # Every reply's pause saves (idle_save_switched_s = 0): the mechanism under test; the
-    # default's wait for a switch first is tested in test_idle.py.
-    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 0.3\nidle_save_switched_s = 0").start()
+    # default's wait for a switch first is tested in test_idle.py. The pause is 2 s, longer than
+    # a status read after a reply takes on a busy machine: an idle save counts in `saves` too.
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 2\nidle_save_switched_s = 0").start()
     counters = lambda: d.status()["counters"]  # noqa: E731
     try:
         a1 = post(d.gate_url, a)
