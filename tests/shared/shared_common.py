@@ -10,7 +10,7 @@ import threading
 import time
 
 from autosessd.base.config import parse
-from autosessd.shared import SharedStore
+from autosessd.shared import SharedStore, parse_key
 from autosessd.store import slotfile
 from autosessd.store.directory import Meta, Store
 
@@ -44,6 +44,14 @@ def objects(gw, bucket) -> dict[str, int]:
     c = gw.client()
     return {o["Key"]: o["Size"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket)
             for o in page.get("Contents", [])}
+
+
+def in_bucket(gw, bucket: str, key: str, host: str, n_tokens: int) -> bool:
+    """The bucket holds host's save of auto-<key>.bin with n_tokens at least (its objects read as
+    autosessd reads them)."""
+    saves = (parse_key("team/", k, size, 0.0) for k, size in objects(gw, bucket).items())
+    return any(s is not None and s.name == f"auto-{key}.bin" and s.host == host and s.n_tokens >= n_tokens
+               for s in saves)
 
 
 def unfinished_uploads(gw, bucket) -> list[str]:

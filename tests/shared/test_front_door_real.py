@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness import Daemon, answer, free_port, long_text, wait_until
+from shared_common import in_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ROOT / "contrib" / "haproxy" / "haproxy.cfg"
@@ -199,8 +200,10 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
         moved = [i for i, h in host_of.items() if h == victim]
         if sig == signal.SIGKILL:
             wait_until(lambda: saved_all(d), 60, 0.5, what=f"{victim}'s idle saves of the last round")
-            time.sleep(0.5)  # the finalize hands the file to the uploads (a moment after its metadata)
-            wait_until(lambda: shared(d)["uploads_pending"] == 0, 60, 0.2, what=f"{victim}'s uploads")
+            # Uploaded: the finalize hands a file to the uploads a moment after its metadata.
+            held = {x["held"]: x["n_tokens"] for x in d.status()["slots"] if x["held"]}
+            wait_until(lambda: all(in_bucket(s3_gateway, s3_bucket, k, victim, n - 1) for k, n in held.items()),
+                       60, 0.2, what=f"{victim}'s uploads of the last round")
         assert d.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         if sig == signal.SIGKILL:
             engine_of[victim].stop(signal.SIGKILL)  # the whole host gone, its engine with it

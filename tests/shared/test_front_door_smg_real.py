@@ -26,21 +26,12 @@ from pathlib import Path
 import pytest
 
 from autosessd.base.keys import conversation_id_key, conversation_key
-from autosessd.shared import parse_key
 from harness import Daemon, answer, free_port, long_text, wait_until
-from shared_common import objects
+from shared_common import in_bucket
 from test_front_door_real import SYSTEM, files, front_door_or_skip, post, start_hosts, stop_all, wait_listed
 
 ROOT = Path(__file__).resolve().parents[2]
 FRONT_DOOR = ROOT / "contrib" / "smg" / "front-door"
-
-
-def in_bucket(gw, bucket: str, key: str, host: str, n_tokens: int) -> bool:
-    """The bucket holds host's save of auto-<key>.bin with n_tokens at least (its objects read as
-    autosessd reads them)."""
-    saves = (parse_key("team/", k, size, 0.0) for k, size in objects(gw, bucket).items())
-    return any(s is not None and s.name == f"auto-{key}.bin" and s.host == host and s.n_tokens >= n_tokens
-               for s in saves)
 
 
 def get(url: str) -> dict:

@@ -24,7 +24,7 @@ import pytest
 from autosessd.store import slotfile
 from autosessd.base.keys import conversation_key
 from autosessd.store.directory import auto_name
-from harness import Daemon, Engine, FakeEngine, chat_body, free_port, going_on, long_text, wait_until
+from harness import Daemon, Engine, FakeEngine, chat_body, free_port, going_on, long_text, saves_final, wait_until
 from shared_common import objects, unfinished_uploads
 
 
@@ -62,20 +62,8 @@ def shared(d: Daemon) -> dict:
 def whole_local_files(d: Path) -> None:
     """Nothing torn in a session directory: no temporary left once the saves in flight are
     final (a save's finalize runs after its request), every auto file whole (its size is its
-    metadata's, its header readable). A finalize renames the .bin into place before it writes
-    the metadata's temporary: a moment with no temporary and the metadata not yet there (or
-    still the previous save's), which is not the end of it."""
-    def unsettled(p: Path) -> bool:
-        try:
-            return json.loads(p.with_suffix(".json").read_text())["bytes"] != p.stat().st_size
-        except FileNotFoundError:
-            return True
-
-    def in_flight():
-        temps = [p.name for p in d.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
-        return temps + [p.name for p in d.glob("auto-*.bin") if unsettled(p)]
-
-    wait_until(lambda: not in_flight(), 30, what=f"no save in flight in {d.name}")
+    metadata's, its header readable)."""
+    saves_final(d)
     for p in d.glob("auto-*.bin"):
         meta = json.loads(p.with_suffix(".json").read_text())
         assert p.stat().st_size == meta["bytes"], p.name
@@ -106,15 +94,17 @@ def fake_engines(bytes_per_token: int):
 
 @pytest.fixture
 def two_hosts(s3_gateway, s3_bucket, aws_env, tmp_path):
-    """two_hosts(engine, start=True, host2=None, **shared) → (host 1, host 2): two hosts on the
+    """two_hosts(engine, start=True, host2=None, toml="", **shared) → (host 1, host 2): two hosts on the
     test's bucket, as two machines behind a load balancer. Host n has its session directory
     tmp_path/sn, an engine on it (engine(directory) starts one: the `engines` fixture, or
     fake_engines(...)) and `autosessd run` in tmp_path/hn with a [shared] table naming it hostn
-    (shared_toml with **shared; host 2's also with host2's keys). Both daemons are started
+    (shared_toml with **shared; host 2's also with host2's keys; toml: top-level keys before
+    it, for both). Both daemons are started
     unless start=False, which leaves that to the test. Every daemon, then every engine, is
     stopped after the test, whatever happened (a failing stop does not skip the others)."""
     with contextlib.ExitStack() as stops:
-        def make(engine, start: bool = True, host2: dict | None = None, **shared) -> tuple[Host, Host]:
+        def make(engine, start: bool = True, host2: dict | None = None, toml: str = "",
+                 **shared) -> tuple[Host, Host]:
             hosts = []
             for n, own in ((1, {}), (2, host2 or {})):
                 s, h = tmp_path / f"s{n}", tmp_path / f"h{n}"
@@ -122,8 +112,8 @@ def two_hosts(s3_gateway, s3_bucket, aws_env, tmp_path):
                 e = engine(s)
                 stops.callback(e.stop)  # an `engines` engine's own stop at its teardown is then a no-op
                 h.mkdir()
-                d = Daemon(h, s, e.url, extra_toml=shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}",
-                                                               **{**shared, **own}))
+                d = Daemon(h, s, e.url, extra_toml=toml + shared_toml(s3_gateway.endpoint, s3_bucket, f"host{n}",
+                                                                      **{**shared, **own}))
                 stops.callback(d.stop)
                 hosts.append(Host(s, e, d))
             if start:
@@ -157,7 +147,9 @@ def test_a_bucket_that_does_not_answer_is_a_warning_and_the_host_works_alone(tmp
     s.mkdir()
     eng = FakeEngine(s).start()
     stopping(eng)
-    d = Daemon(tmp_path, s, eng.url, extra_toml=shared_toml(f"http://127.0.0.1:{free_port()}", "sessions", "host1"))
+    # No save while idle: B's, 3 s after its reply, would be a second upload pending.
+    d = Daemon(tmp_path, s, eng.url, extra_toml="idle_save_s = 0\n" + shared_toml(
+        f"http://127.0.0.1:{free_port()}", "sessions", "host1"))
     stopping(d)
     d.start()
     assert "auto sessions: shared: bucket sessions at http://127.0.0.1:" in d.logtext()
@@ -179,7 +171,8 @@ def test_a_bucket_that_does_not_answer_is_a_warning_and_the_host_works_alone(tmp
 @pytest.mark.engine
 def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines, s3_gateway, s3_bucket,
                                                                          two_hosts, model):
-    (_, _, d1), (s2, _, d2) = two_hosts(engines)
+    # No save while idle: A's, 3 s after host 1's third answer, would leave its stop nothing to save.
+    (_, _, d1), (s2, _, d2) = two_hosts(engines, toml="idle_save_s = 0\n")
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")  # ~1,250 tokens
     b = chat_body(long_text(20, "jar") + "\nWhich jar is red?")
     first = post(d1.gate_url, a)
@@ -223,7 +216,9 @@ def test_the_gateway_down_mid_upload_and_mid_download_requests_succeed_and_nothi
         s3_gateway, s3_bucket, two_hosts):
     """The fake engine makes a ~300 MB save (it holds no model): big enough that the gateway
     can be killed while the daemon's upload, and then its download, is under way."""
-    (s1, _, d1), (s2, _, d2) = two_hosts(fake_engines(250_000), part_mb=8, prune_every_s=10)
+    # No save while idle: B's, 3 s after its reply, would be a second upload pending.
+    (s1, _, d1), (s2, _, d2) = two_hosts(fake_engines(250_000), toml="idle_save_s = 0\n", part_mb=8,
+                                         prune_every_s=10)
     a = chat_body(long_text(70) + "\nHow many marbles are in box 5?")
     b = chat_body("a short other conversation " * 40)
     post(d1.gate_url, a)
@@ -368,9 +363,12 @@ def test_a_torn_save_in_the_bucket_ends_in_a_re_read_never_an_engine_abort(engin
     assert not (s2 / auto_name(key)).exists() or json.loads((s2 / f"auto-{key}.json").read_text())["host"] == "host1"
     # The next reading of the bucket passes over the torn object: A's whole save is current.
     post(d2.gate_url, b)  # A leaves host 2's slot
+    saves_final(s2)  # its save there, finalized after the request, would come back after the unlinks
     (s2 / auto_name(key)).unlink(missing_ok=True)
     (s2 / f"auto-{key}.json").unlink(missing_ok=True)
-    time.sleep(1.5)  # list_every_s = 0.5
+    after = time.time()
+    wait_until(lambda: (shared(d2)["catalog"]["listed_at"] or 0) > after, 30, 0.1,
+               what="host 2 to read the bucket again")
     # A goes on from its answer (a client's next request): a whole save of A, the newest,
     # is downloaded and restored. (B's own request may have downloaded host 1's B.)
     before = shared(d2)["downloads"]
