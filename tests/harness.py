@@ -58,23 +58,30 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.05, what: str = 
 
 
 def saves_in_flight(d: Path) -> list[str]:
-    """What in session directory d is not final yet: temporaries, and auto files whose
-    metadata is not there or not theirs. A save is counted and its request goes on before
-    its finalize, which renames the .bin before it writes the metadata (store/saving.py): a
-    moment with no temporary and no metadata, or the previous save's."""
+    """What in session directory d is not final yet: autosessd's temporaries (not the primer,
+    which stays while the daemon runs), and auto files whose metadata is not there or not
+    theirs. A save is counted and its request goes on before its finalize, which renames the
+    .bin before it writes the metadata (store/saving.py): a moment with no temporary and no
+    metadata, or the previous save's."""
     def unsettled(p: Path) -> bool:
         try:
             return json.loads(p.with_suffix(".json").read_text())["bytes"] != p.stat().st_size
         except FileNotFoundError:
             return True
 
-    temps = [p.name for p in d.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
+    temps = [p.name for p in d.iterdir()
+             if p.name.startswith(".autosessd-") and p.name.endswith(".partial") and p.name != ".autosessd-primer.partial"]
     return temps + [p.name for p in d.glob("auto-*.bin") if unsettled(p)]
 
 
 def saves_final(d: Path, timeout: float = 30.0) -> None:
-    """Wait until the saves in flight in session directory d are final (saves_in_flight)."""
-    wait_until(lambda: not saves_in_flight(d), timeout, what=f"the saves in flight in {d.name} to be final")
+    """Wait until the saves in flight in session directory d are final (saves_in_flight); a
+    failure names what stayed."""
+    deadline = time.monotonic() + timeout
+    while left := saves_in_flight(d):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not final after {timeout} s in {d}: {left} (a torn save, or one never finished)")
+        time.sleep(0.05)
 
 
 _paths: dict[str, str] | None = None

@@ -77,7 +77,8 @@ def test_a_switch_after_a_rejected_request_saves_nothing_under_its_key(engines, 
     """Item 1: R is refused by the engine (its prompt is over the context) right after the
     switch; the slot still holds A, which must not become auto-<R>.bin at the next switch."""
     eng = engines(session_dir)  # -c 8192
-    d = Daemon(tmp_path, session_dir, eng.url).start()
+    # No save while idle: C's, 3 s after its answer, would rightly add a file.
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 0").start()
     try:
         a1 = post(d.gate_url, A)
         r = chat_body(long_text(520, "crate") + "\nCount the crates.")  # ~9k tokens: over the context

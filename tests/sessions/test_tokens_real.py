@@ -133,7 +133,8 @@ def test_an_edited_message_branches_and_the_parent_stays_whole(engines, session_
     parent = chat(*p)
     edited = chat(*p[:2], ("assistant", "Noted, all thirty boxes."), *p[3:])
     eng = engines(session_dir)
-    d = Daemon(tmp_path, session_dir, eng.url).start()
+    # No save while idle: the parent's, 3 s after its return, would rightly change its file.
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="idle_save_s = 0").start()
     try:
         first = post(d.gate_url, parent)
         post(d.gate_url, edited)  # the parent is saved before the edit replaces it

@@ -200,9 +200,10 @@ def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_h
         moved = [i for i, h in host_of.items() if h == victim]
         if sig == signal.SIGKILL:
             wait_until(lambda: saved_all(d), 60, 0.5, what=f"{victim}'s idle saves of the last round")
-            # Uploaded: the finalize hands a file to the uploads a moment after its metadata.
-            held = {x["held"]: x["n_tokens"] for x in d.status()["slots"] if x["held"]}
-            wait_until(lambda: all(in_bucket(s3_gateway, s3_bucket, k, victim, n - 1) for k, n in held.items()),
+            # Every save of it uploaded (held or not): the finalize hands a file to the uploads a
+            # moment after its metadata.
+            saved = {name[len("auto-"):-len(".bin")]: n for name, n in files(d).items() if name.startswith("auto-")}
+            wait_until(lambda: all(in_bucket(s3_gateway, s3_bucket, k, victim, n or 0) for k, n in saved.items()),
                        60, 0.2, what=f"{victim}'s uploads of the last round")
         assert d.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         if sig == signal.SIGKILL:

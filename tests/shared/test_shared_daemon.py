@@ -25,7 +25,7 @@ from autosessd.store import slotfile
 from autosessd.base.keys import conversation_key
 from autosessd.store.directory import auto_name
 from harness import Daemon, Engine, FakeEngine, chat_body, free_port, going_on, long_text, saves_final, wait_until
-from shared_common import objects, unfinished_uploads
+from shared_common import in_bucket, objects, unfinished_uploads
 
 
 def shared_toml(endpoint: str, bucket: str, host: str, **kw) -> str:
@@ -204,6 +204,9 @@ def test_a_conversation_from_host_1_continues_on_host_2_through_its_gate(engines
     assert report["shared"] and report["done"] and report["dry_run"] and report["saves"] >= 1
 
     # SIGTERM on host 1: its stop save (it holds A again, now longer) goes up before it exits.
+    # Before it, B's save at third's switch is up (its upload is queued after its finalize).
+    wait_until(lambda: in_bucket(s3_gateway, s3_bucket, conversation_key(b), "host1", 1), 60,
+               what="host 1's upload of B")
     wait_until(lambda: shared(d1)["uploads_pending"] == 0, 60, what="host 1's uploads so far")
     before = shared(d1)["uploads_done"]
     assert d1.stop(signal.SIGTERM) == 0
