@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from autosessd.sessions.launch import Primer
+from autosessd.store.names import TEMP_PREFIX
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -70,7 +73,7 @@ def saves_in_flight(d: Path) -> list[str]:
             return True
 
     temps = [p.name for p in d.iterdir()
-             if p.name.startswith(".autosessd-") and p.name.endswith(".partial") and p.name != ".autosessd-primer.partial"]
+             if p.name.startswith(TEMP_PREFIX) and p.name.endswith(".partial") and p.name != Primer.NAME]
     return temps + [p.name for p in d.glob("auto-*.bin") if unsettled(p)]
 
 

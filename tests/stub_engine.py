@@ -11,7 +11,10 @@ restores fail for lack of KV room until a slot is erased; the template is a toy
 (`<role>text<end>` per message) and a token is one character (BOS = 2), so a test can say
 how many tokens a text is; there is no sliding window."""
 
+from autosessd.base.config import parse
+from autosessd.sessions.facade import Sessions
 from autosessd.store import slotfile
+from autosessd.store.directory import Store
 from autosessd.engines.base import (EngineInfo, EngineRefused, PrefillResult, RestoreResult, SaveResult, SlotState,
                                     SlotsHidden)
 
@@ -179,10 +182,6 @@ class StubEngine:
 def stub_sessions(tmp_path, *, n_slots=1, min_tokens=10, clears_idle=False, config=""):
     """Sessions on a StubEngine saving to tmp_path/s, as the tails' state tests build them:
     (sessions, its config, the session directory). `config` is more TOML after the top keys."""
-    from autosessd.base.config import parse
-    from autosessd.sessions.facade import Sessions
-    from autosessd.store.directory import Store
-
     d = tmp_path / "s"
     d.mkdir(parents=True, exist_ok=True)
     cfg = parse(f'slot_save_path = "{d}"\nauto_sessions_min_tokens = {min_tokens}\n'
