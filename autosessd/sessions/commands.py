@@ -145,6 +145,9 @@ class Commands:
                 continue
             if ctx.index is not None:
                 ctx.index.remove(name)
+        # What quarantine holds of it (a file or a block found damaged) goes too: nothing of a
+        # forgotten conversation stays anywhere autosessd wrote.
+        freed += await loop.run_in_executor(None, ctx.store.forget_quarantined, {key} | {n[5:21] for n in names})
         if not (removed or emptied or running or kept or erase_failed):
             return {"key": key, "freed": 0, "files": [], "emptied_slots": [], "running_slots": [], "kept": [],
                     "erase_failed": []}

@@ -19,14 +19,16 @@ key, and the first written is kept.) A conversation is then a manifest (names.Me
 
 A block is written to a temporary of its own, fsynced, and linked to its name (a link never
 replaces a block another save put there first; the loser's temporary goes); its directory is
-fsynced (also by a save that found it already there) before its manifest names it. Before its bytes reach the engine a block's payload is
-checked against its digest, unless the file is the one checked before (its inode, ctime and
-size): no torn or damaged block is ever assembled. Blocks no manifest names are removed by
-the prune (gc), never one a save or an assembly holds (pins).
+fsynced (also by a save that found it already there) before its manifest names it. A block's
+life has one owner, BlockStore: alive while a manifest names it or a save or a reader pins it,
+removed only by its sweep. Before its bytes reach the engine a block's payload is checked
+against its digest, unless the file is the one checked before (its inode, ctime and size): no
+torn or damaged block is ever assembled, and only such evidence condemns a block.
 
 assemble() writes a slot file of the first m tokens from a manifest's blocks: the engine's
 header and payload with those tokens, one stream of min(m, cells) cells at positions 0…m−1,
-the data per layer from each block in order, and the manifest's stream count.
+the data per layer from each block in order, and the manifest's stream count. It reads each
+block section by section (BlockReader): at most OPEN_AT_ONCE descriptors whatever its length.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import struct
 import threading
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -49,12 +53,13 @@ import numpy as np
 from ..base import files
 from ..base.files import Hasher, Ident
 from .kvfile import KVFile, Shape
-from .names import StoreError, fsync_dir
+from .names import QUARANTINE, StoreError, fsync_dir
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
 log = logging.getLogger("autosessd")
 
 BLOCK_TOKENS = 128  # cells a block holds (bench/blocks.py, scenario 14: 64, 128, 256 and 1024 measured)
+OPEN_AT_ONCE = 32  # descriptors an assembly keeps open (its first blocks'); the others' are opened per section
 MAGIC_BLOCK = b"autosessd-blk-1\n"
 HEADER = struct.Struct("<16sII16s16s8x")  # magic, cells, cell bytes, key, payload digest (raw xxh3-128)
 DIR = "blocks"
@@ -133,34 +138,121 @@ def cut(kv: KVFile, arr: np.ndarray, start: int, end: int) -> Iterator[memoryvie
             yield arr[at:at + n * layer.v_row].reshape(n, layer.v_row)[idx].reshape(-1).data
 
 
-class BlockStore:
-    """blocks/ under the session directory (see the module's docstring). Used from worker
-    threads; every method is safe from any thread. Pins and the checked cache under _lock."""
+class NotTheFile(StoreError):
+    """A file whose bytes are no longer those its metadata's digest says: never cut into blocks."""
 
-    def __init__(self, home: Path, mode: int = 0o600):
+
+class Unreadable(StoreError):
+    """A block this process could not read for a reason of its own or of the system (too many
+    open files, an I/O error, a permission): this restore fails, and the block, the manifests
+    naming it and every other restore are left as they were. Never evidence against the block."""
+
+
+class BlockStore:
+    """blocks/ under the store: the one owner of a block's life. Every method is safe from any
+    thread; everything below is under `lock`, which is the Store's own (one lock for the
+    directory: a manifest's rename and the naming of its blocks are one section).
+
+    A block is alive while a manifest names it (name(), called in the section that renames the
+    manifest) or a reader or a save pins it (pinned(): a save from before it looks for its
+    blocks until its manifest names them; a restore from the moment it reads the manifest until
+    the engine has read the file). Nothing is removed anywhere else than in sweep(): the blocks
+    neither named nor pinned, looked at and renamed aside in one section, unlinked after it.
+    Prune sweeps the whole directory; a removal sweeps the blocks it un-named.
+
+    Only evidence about a block's own bytes condemns it (BadBlock: missing, its size, its
+    header, its digest); then quarantine() moves it aside with a note of why and of the
+    manifests that named it. Any other error reading it is Unreadable."""
+
+    def __init__(self, home: Path, mode: int = 0o600, lock: threading.RLock | None = None):
+        self.home = home
         self.dir = home / DIR
         self.mode = mode
-        self._lock = threading.Lock()
-        self._pins: Counter[str] = Counter()  # blocks a save or an assembly holds: gc leaves them
-        self._checked: dict[str, tuple[Ident, str]] = {}  # key → (identity, digest) found whole lately
+        self.lock = lock if lock is not None else threading.RLock()
+        self._named: dict[str, tuple[str, ...]] = {}  # manifest key → the blocks it names
+        self._pins: Counter[str] = Counter()  # blocks a save or a reader holds
+        self._checked: dict[str, tuple[Ident, str]] = {}  # key → (identity, digest) read whole lately
+        self.bytes_written = 0  # bytes of blocks written since the start
 
     def path(self, key: str) -> Path:
         return self.dir / key[:2] / f"{key}.blk"
 
-    # -- pins --------------------------------------------------------------------------------
+    # -- liveness ------------------------------------------------------------------------------
+    def name(self, manifest: str, keys: Iterable[str] | None) -> None:
+        """Manifest `manifest` names `keys` from now on (None or none: it names nothing, or is
+        gone). The caller holds `lock` across the manifest's rename and this call."""
+        keys = tuple(keys or ())
+        with self.lock:
+            if keys:
+                self._named[manifest] = keys
+            else:
+                self._named.pop(manifest, None)
+
+    def naming(self, manifest: str) -> tuple[str, ...]:
+        with self.lock:
+            return self._named.get(manifest, ())
+
+    def manifests(self) -> dict[str, tuple[str, ...]]:
+        """Every manifest's key → the blocks it names."""
+        with self.lock:
+            return dict(self._named)
+
+    def manifests_naming(self, key: str) -> list[str]:
+        with self.lock:
+            return sorted(m for m, keys in self._named.items() if key in keys)
+
+    def pin(self, keys: Iterable[str]) -> list[str]:
+        """Hold `keys` (sweep leaves them) until unpin(the list returned)."""
+        keys = list(keys)
+        with self.lock:
+            self._pins.update(keys)
+        return keys
+
+    def unpin(self, keys: list[str]) -> None:
+        with self.lock:
+            self._pins.subtract(keys)
+            for k in keys:
+                if self._pins[k] <= 0:
+                    del self._pins[k]
+
     @contextlib.contextmanager
     def pinned(self, keys: Iterable[str]) -> Iterator[None]:
-        keys = list(keys)
-        with self._lock:
-            self._pins.update(keys)
+        held = self.pin(keys)
         try:
             yield
         finally:
-            with self._lock:
-                self._pins.subtract(keys)
-                for k in keys:
-                    if self._pins[k] <= 0:
-                        del self._pins[k]
+            self.unpin(held)
+
+    def sweep(self, candidates: Iterable[str] | None = None, dry_run: bool = False) -> tuple[int, int]:
+        """Mark and sweep: the blocks (of `candidates`; None: every block there is) that no
+        manifest names and nobody pins, removed. → (blocks, bytes)."""
+        there = self.scan() if candidates is None else self._sizes(candidates)
+        doomed: list[tuple[Path, int]] = []
+        with self.lock:
+            live = set(self._pins).union(*self._named.values())
+            dead = [k for k in there if k not in live]
+            if dry_run:
+                return len(dead), sum(there[k] for k in dead)
+            for k in dead:
+                p = self.path(k)
+                aside = p.parent / f".{k}.{uuid.uuid4().hex[:8]}.dead.partial"  # a crash's leftover: cleanup()
+                try:
+                    os.rename(p, aside)
+                except FileNotFoundError:
+                    continue
+                self._checked.pop(k, None)
+                doomed.append((aside, there[k]))
+        for aside, _ in doomed:  # 32 MiB unlinks, not under the lock
+            with contextlib.suppress(FileNotFoundError):
+                aside.unlink()
+        return len(doomed), sum(size for _, size in doomed)
+
+    def _sizes(self, keys: Iterable[str]) -> dict[str, int]:
+        out = {}
+        for k in keys:
+            with contextlib.suppress(FileNotFoundError):
+                out[k] = os.lstat(self.path(k)).st_size
+        return out
 
     # -- writing -----------------------------------------------------------------------------
     def info(self, key: str) -> tuple[int, str] | None:
@@ -181,8 +273,8 @@ class BlockStore:
 
     def put(self, key: str, n_cells: int, cell_bytes: int, pieces: Iterable[memoryview | bytes]) -> tuple[str, int]:
         """Store a block unless one is stored under `key` already: → (the digest of the block
-        stored under it now, bytes written: 0 when it was there). The caller fsyncs the
-        directories it wrote into (sync) before a manifest names the block."""
+        stored under it now, bytes written: 0 when it was there). The caller holds a pin on
+        `key` and fsyncs the directories it wrote into (sync) before a manifest names it."""
         have = self.info(key)
         if have is not None and have[0] == n_cells:
             return have[1], 0
@@ -216,10 +308,15 @@ class BlockStore:
                 have = self.info(key)
                 if have is None or have[0] != n_cells:  # not a block: a leftover a person made? replaced
                     os.replace(tmp, final)
+                    with self.lock:
+                        self._checked.pop(key, None)
+                        self.bytes_written += written + HEADER.size
                     return digest, written + HEADER.size
                 return have[1], 0
         finally:
             tmp.unlink(missing_ok=True)
+        with self.lock:
+            self.bytes_written += written + HEADER.size
         return digest, written + HEADER.size
 
     def sync(self, keys: Iterable[str]) -> None:
@@ -230,40 +327,16 @@ class BlockStore:
             fsync_dir(self.dir)
 
     # -- reading -------------------------------------------------------------------------------
-    def opened(self, ref: BlockRef, shape: Shape) -> np.ndarray:
-        """The payload of a block (a read-only map of the file, unmapped when the last view of
-        it goes), checked: its header and size are the manifest's, and its payload's digest
-        (unless this very file was checked before). BadBlock says what is wrong."""
-        p = self.path(ref.key)
-        try:
-            f, st = files.open_regular(p)
-        except FileNotFoundError:
-            raise BadBlock(f"block {ref.key} is missing") from None
-        except OSError as e:
-            raise BadBlock(f"block {ref.key}: {e}") from None
-        with f:
-            size = payload_size(shape, ref.n_cells)
-            if st.st_size != HEADER.size + size:
-                raise BadBlock(f"block {ref.key} has {st.st_size:,} bytes, {HEADER.size + size:,} were written")
-            try:
-                magic, n, cb, raw_key, raw_digest = HEADER.unpack(f.read(HEADER.size))
-            except struct.error:
-                raise BadBlock(f"block {ref.key}'s header is cut short") from None
-            if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells or cb != shape.cell_bytes \
-                    or _digest_of(raw_digest) != ref.digest:
-                raise BadBlock(f"block {ref.key}'s header is not the one its manifest names")
-            arr = np.memmap(f, dtype=np.uint8, mode="r", offset=HEADER.size, shape=(size,))
-        ident = Ident.of(st)
-        with self._lock:
-            known = self._checked.get(ref.key) == (ident, ref.digest)
-        if not known:
-            h = Hasher()
-            h.update(arr.data)
-            if h.hexdigest() != ref.digest:
-                raise BadBlock(f"block {ref.key}'s bytes changed: its digest is {h.hexdigest()}")
-            with self._lock:
-                self._checked[ref.key] = (ident, ref.digest)
-        return arr
+    def reader(self, ref: BlockRef, shape: Shape, keep_open: bool) -> "BlockReader":
+        return BlockReader(self, ref, shape, keep_open)
+
+    def _checked_as(self, key: str) -> tuple[Ident, str] | None:
+        with self.lock:
+            return self._checked.get(key)
+
+    def _read_whole(self, key: str, ident: Ident, digest: str) -> None:
+        with self.lock:
+            self._checked[key] = (ident, digest)
 
     # -- the blocks there are ------------------------------------------------------------------
     def scan(self) -> dict[str, int]:
@@ -284,21 +357,15 @@ class BlockStore:
                             out[name[:32]] = d.stat(follow_symlinks=False).st_size
         return out
 
-    def set_aside(self, key: str) -> tuple[Path, int] | None:
-        """The block renamed aside for the caller to unlink (its name gone at once, the unlink
-        of 32 MiB not under any lock), unless a save or an assembly holds it: → (where, bytes)."""
-        with self._lock:
-            if self._pins.get(key):
-                return None
-            p = self.path(key)
-            dead = p.parent / f".{key}.{uuid.uuid4().hex[:8]}.dead.partial"  # a crash's leftover: cleanup()
-            try:
-                size = p.stat().st_size
-                os.rename(p, dead)
-            except FileNotFoundError:
-                return None
-            self._checked.pop(key, None)
-        return dead, size
+    def usage(self) -> dict[str, int]:
+        """What the blocks take: every block once, and those several manifests name."""
+        there = self.scan()
+        with self.lock:
+            named = Counter(k for keys in self._named.values() for k in set(keys))
+            manifests = len(self._named)
+        return {"manifests": manifests, "blocks": len(there), "block_bytes": sum(there.values()),
+                "shared_block_bytes": sum(size for k, size in there.items() if named.get(k, 0) > 1),
+                "block_bytes_written": self.bytes_written}
 
     def cleanup(self) -> list[str]:
         """At start: the temporaries a crash left in the block directories."""
@@ -318,13 +385,121 @@ class BlockStore:
                             removed.append(f"{DIR}/{sub.name}/{d.name} (leftover temporary)")
         return removed
 
-    def quarantine(self, key: str, qdir: Path) -> None:
-        """A block found damaged, moved aside (the manifests naming it are the caller's)."""
-        with contextlib.suppress(FileNotFoundError):
-            qdir.mkdir(mode=0o700, exist_ok=True)
-            os.rename(self.path(key), qdir / f"{key}.blk.{uuid.uuid4().hex[:6]}")
-        with self._lock:
+    def quarantine(self, key: str, why: str) -> str | None:
+        """A block found damaged (BadBlock), moved into the store's quarantine with a note of why
+        and of the manifests that named it (forget finds it by them). → its name there, None
+        when it was not there. Its manifests are the caller's."""
+        qdir = self.home / QUARANTINE
+        qdir.mkdir(mode=0o700, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dest = qdir / f"block-{key}.blk.{stamp}.{uuid.uuid4().hex[:6]}"
+        with self.lock:
+            named_by = sorted(m for m, keys in self._named.items() if key in keys)
+            try:
+                size = os.lstat(self.path(key)).st_size
+                os.rename(self.path(key), dest)
+            except FileNotFoundError:
+                size = None
             self._checked.pop(key, None)
+        note = {"name": f"block {key}", "why": why, "at": time.time(), "bytes": size, "block": key,
+                "named_by": named_by}
+        fd = os.open(dest.with_name(dest.name + ".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(note) + "\n")
+        fsync_dir(qdir)
+        return dest.name if size is not None else None
+
+
+class BlockReader:
+    """One block read for an assembly, section by section in the order of its payload (its
+    cells' meta, K per layer, V per layer): each section with a pread, the file opened again
+    for it unless keep_open (the first OPEN_AT_ONCE blocks of an assembly keep theirs), so an
+    assembly of any length holds at most that many descriptors. Every opening must find the
+    file of the first (its identity); the payload is hashed as it is read, unless this very
+    file was read whole and found right before, and finish() compares the digest.
+
+    BadBlock: evidence about the block itself (missing, its size, its header, its digest).
+    Unreadable: anything else (EMFILE, EIO, EACCES, the file replaced while read)."""
+
+    def __init__(self, store: BlockStore, ref: BlockRef, shape: Shape, keep_open: bool):
+        self.store, self.ref, self.shape = store, ref, shape
+        self.size = payload_size(shape, ref.n_cells)
+        self.keep_open = keep_open
+        self.fd: int | None = None
+        self.at = 0
+        fd = self._open()
+        try:
+            st = os.fstat(fd)
+            if st.st_size != HEADER.size + self.size:
+                raise BadBlock(f"block {ref.key} has {st.st_size:,} bytes, {HEADER.size + self.size:,} were written")
+            head = self._pread(fd, HEADER.size, 0)
+            magic, n, cb, raw_key, raw_digest = HEADER.unpack(head)
+            if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells or cb != shape.cell_bytes \
+                    or _digest_of(raw_digest) != ref.digest:
+                raise BadBlock(f"block {ref.key}'s header is not the one its manifest names")
+            self.ident = Ident.of(st)
+            self.hasher = None if store._checked_as(ref.key) == (self.ident, ref.digest) else Hasher()
+        except BaseException:
+            os.close(fd)
+            raise
+        if keep_open:
+            self.fd = fd
+        else:
+            os.close(fd)
+
+    def _open(self) -> int:
+        p = self.store.path(self.ref.key)
+        try:
+            return os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise BadBlock(f"block {self.ref.key} is missing") from None
+        except OSError as e:
+            raise Unreadable(f"block {self.ref.key}: {e.strerror or e}") from None
+
+    def _pread(self, fd: int, n: int, offset: int) -> bytes:
+        try:
+            got = os.pread(fd, n, offset)
+        except OSError as e:
+            raise Unreadable(f"block {self.ref.key}: {e.strerror or e}") from None
+        if len(got) != n:
+            raise BadBlock(f"block {self.ref.key} ends {n - len(got):,} bytes early")
+        return got
+
+    def read(self, section: int, take: int | None = None) -> bytes:
+        """The next `section` bytes of the payload (only their first `take` when the rest is not
+        wanted and nothing needs hashing)."""
+        want = section if take is None or self.hasher is not None else take
+        fd = self.fd
+        if fd is None:
+            fd = self._open()
+        try:
+            if self.fd is None and Ident.of(os.fstat(fd)) != self.ident:
+                raise Unreadable(f"block {self.ref.key} was replaced while it was read")
+            got = self._pread(fd, want, HEADER.size + self.at)
+        finally:
+            if self.fd is None:
+                os.close(fd)
+        self.at += section
+        if self.hasher is not None:
+            self.hasher.update(got)
+        return got
+
+    def finish(self) -> None:
+        """Every section read: the payload is the one its manifest names."""
+        self.close()
+        if self.hasher is None:
+            return
+        if self.at != self.size:
+            raise BadBlock(f"block {self.ref.key}: {self.at:,} of its {self.size:,} bytes read")
+        digest = self.hasher.hexdigest()
+        if digest != self.ref.digest:
+            raise BadBlock(f"block {self.ref.key}'s bytes changed: its digest is {digest}")
+        self.store._read_whole(self.ref.key, self.ident, digest)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 # -- assembling a file ---------------------------------------------------------------------------
@@ -339,7 +514,9 @@ def file_size(shape: Shape, n_tokens: int, n_cells: int) -> int:
 def assemble(store: BlockStore, shape: Shape, tokens: bytes, refs: Sequence[BlockRef], n_cells: int,
              out: BinaryIO) -> str:
     """Write to `out` the slot file of the first len(tokens)/4 tokens over the first n_cells
-    cells of `refs` (each block checked first). → the file's digest. BadBlock: nothing usable."""
+    cells of `refs`. → the file's digest. Every block read is checked against its digest before
+    this returns (the caller hands `out` to the engine only then). BadBlock: a block is not what
+    its manifest says; Unreadable: a block could not be read (nothing is wrong with it)."""
     n_tokens = len(tokens) // 4
     if n_cells > sum(r.n_cells for r in refs) or n_cells > n_tokens or n_tokens - n_cells > 1:
         raise BadBlock(f"{n_cells:,} cells from blocks of {sum(r.n_cells for r in refs):,} for {n_tokens:,} tokens")
@@ -359,51 +536,54 @@ def assemble(store: BlockStore, shape: Shape, tokens: bytes, refs: Sequence[Bloc
     put(struct.pack("<III3i", MAGIC, VERSION, 4 + n_tokens, TOKEN_NULL, PAYLOAD_VERSION, n_tokens))
     put(tokens)
     put(struct.pack("<iII", 0, shape.n_stream, n_cells))
-    arrays = [(store.opened(r, shape), r.n_cells, k) for r, k in take]
-    # The maps are unmapped as `arrays` and the views of them go.
-    cb = shape.cell_bytes
-    at0 = 0
-    for arr, n, k in arrays:  # the cells' meta: positions 0 … n_cells−1, checked
-        meta = arr[:k * cb]
-        pos = meta.view(np.int32).reshape(k, cb // 4)[:, 0]
-        if not np.array_equal(pos, np.arange(at0, at0 + k, dtype=np.int32)):
-            raise BadBlock("a block's positions are not the ones its place in the manifest says")
-        at0 += k
-        put(meta.data)
-    put(struct.pack("<IIII", shape.v_trans, len(shape.layers), shape.n_rot_k, shape.n_rot_v))
-    offsets = [n * cb for _, n, _ in arrays]  # where each block's next section starts
-    for layer in shape.layers:
-        put(struct.pack("<iQ", layer.k_type, layer.k_row))
-        for i, (arr, n, k) in enumerate(arrays):
-            at = offsets[i]
-            put(arr[at:at + k * layer.k_row].data)
-            offsets[i] = at + n * layer.k_row
-    for layer in shape.layers:
-        if shape.v_trans:
-            put(struct.pack("<iII", layer.v_type, layer.v_row, layer.n_embd_v))
-            parts = []
-            for i, (arr, n, k) in enumerate(arrays):
-                at = offsets[i]
-                size = layer.n_embd_v * n * layer.v_row
-                parts.append(arr[at:at + size].reshape(layer.n_embd_v, n, layer.v_row)[:, :k, :])
-                offsets[i] = at + size
-            put(np.concatenate(parts, axis=1).reshape(-1).data if parts else b"")
-        else:
-            put(struct.pack("<iQ", layer.v_type, layer.v_row))
-            for i, (arr, n, k) in enumerate(arrays):
-                at = offsets[i]
-                put(arr[at:at + k * layer.v_row].data)
-                offsets[i] = at + n * layer.v_row
-    del arrays  # the block files' maps go with it
+    readers: list[BlockReader] = []
+    try:
+        for i, (r, _) in enumerate(take):
+            readers.append(store.reader(r, shape, keep_open=i < OPEN_AT_ONCE))
+        cb = shape.cell_bytes
+        at0 = 0
+        for rd, (r, k) in zip(readers, take):  # the cells' meta: positions 0 … n_cells−1, checked
+            meta = memoryview(rd.read(r.n_cells * cb, k * cb))[:k * cb]
+            pos = np.frombuffer(meta, dtype=np.int32).reshape(k, cb // 4)[:, 0]
+            if not np.array_equal(pos, np.arange(at0, at0 + k, dtype=np.int32)):
+                raise BadBlock(f"block {r.key}'s positions are not the ones its place in the manifest says")
+            at0 += k
+            put(meta)
+        put(struct.pack("<IIII", shape.v_trans, len(shape.layers), shape.n_rot_k, shape.n_rot_v))
+        for layer in shape.layers:
+            put(struct.pack("<iQ", layer.k_type, layer.k_row))
+            for rd, (r, k) in zip(readers, take):
+                put(memoryview(rd.read(r.n_cells * layer.k_row, k * layer.k_row))[:k * layer.k_row])
+        for layer in shape.layers:
+            if shape.v_trans:
+                put(struct.pack("<iII", layer.v_type, layer.v_row, layer.n_embd_v))
+                parts = []
+                for rd, (r, k) in zip(readers, take):
+                    raw = rd.read(layer.n_embd_v * r.n_cells * layer.v_row)
+                    parts.append(np.frombuffer(raw, dtype=np.uint8)
+                                 .reshape(layer.n_embd_v, r.n_cells, layer.v_row)[:, :k, :])
+                put(np.concatenate(parts, axis=1).reshape(-1).data if parts else b"")
+            else:
+                put(struct.pack("<iQ", layer.v_type, layer.v_row))
+                for rd, (r, k) in zip(readers, take):
+                    put(memoryview(rd.read(r.n_cells * layer.v_row, k * layer.v_row))[:k * layer.v_row])
+        for rd in readers:
+            rd.finish()
+    finally:
+        for rd in readers:
+            rd.close()
     put(b"\0" * (4 * (shape.n_stream - 1)))
     return h.hexdigest()
 
 
 def split(store: BlockStore, kv: KVFile, path: Path, model: str,
-          keys: Sequence[str] | None = None) -> tuple[list[BlockRef], int]:
+          keys: Sequence[str] | None = None, expect: str | None = None) -> tuple[list[BlockRef], int]:
     """Cut the file at `path` (parsed as kv) into blocks, storing those not stored yet:
     → (its blocks, bytes written). keys: its chain(), when the caller has it (to pin them).
-    The blocks' directories are fsynced before it returns."""
+    expect: the digest the file must have (a file kept a while, imported now): its map is
+    hashed first and cut only when it matches, so that no damaged byte becomes a block that
+    later saves name (NotTheFile otherwise, before any block is written). The blocks'
+    directories are fsynced before it returns."""
     from .slotfile import encode
 
     if keys is None:
@@ -412,6 +592,12 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str,
     f, st = files.open_regular(path)
     with f:
         mm = np.memmap(f, dtype=np.uint8, mode="r", shape=(st.st_size,))
+        if expect is not None:
+            h = Hasher()
+            for at in range(0, st.st_size, files.CHUNK):
+                h.update(mm[at:at + files.CHUNK].data)
+            if h.hexdigest() != expect:
+                raise NotTheFile(f"{path.name}'s digest is {h.hexdigest()}, {expect} was saved: its bytes changed")
         for b, key in enumerate(keys):
             start, end = b * BLOCK_TOKENS, min(kv.n_cells, (b + 1) * BLOCK_TOKENS)
             have = store.info(key)

@@ -38,6 +38,7 @@ the lock is let go. See install() for what a crash leaves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -51,19 +52,21 @@ from typing import Iterator
 from ..base import files
 from ..base.files import Ident
 from .integrity import Integrity
-from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, TEMP_PREFIX, InUse, Meta, NewerHere, StoreError,
-                    auto_name, fsync_dir, manual_name, meta_name, temp_name)  # names re-exported for callers
+from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, QUARANTINE, QUARANTINE_KEEP_S, TEMP_PREFIX,  # noqa: F401
+                    InUse, Meta, NewerHere, StoreError, auto_name, fsync_dir, manual_name, meta_name,
+                    temp_name)  # names re-exported for callers
+from . import blocks as blocks_mod
 from .blocks import BlockStore
+from .kvfile import Shape
 from .prune import Entry, PrunePlan, plan_prune
-from .references import References
 from .saving import Saving
-from .staging import Staging
+from .staging import Staged, Staging
 from .space import Space
 
 log = logging.getLogger("autosessd")
 
 
-class Store(Saving, Staging, References, Integrity, Space):
+class Store(Saving, Integrity, Space):
     """The session directory. Used from the event loop and from worker threads (finalize,
     prune, status, ls and the shared tier's downloads run in threads).
 
@@ -77,12 +80,18 @@ class Store(Saving, Staging, References, Integrity, Space):
       scan()      the metadata cache's updates (no I/O)
       read_temp() one lstat; a finalize's rename of a temporary waits on _unread (releasing
                   _lock) until no restore reads it, then renames under it
-      metadata    every rename of a metadata file and the count of the blocks it names
-                  (references._meta_changed), so that the GC sees a block named or pinned
-      blocks, copies  the look and a rename aside of a block no manifest names, or of a copy
-                  in staging beyond its budget; their unlink comes after the lock
-      stage()     whether an assembly may take the copy's name (nobody else holds it, its
-                  manifest unchanged) and that rename
+      metadata    every rename of a metadata file and the naming of the blocks it names
+                  (_named, BlockStore.name), so that a sweep sees a block named or pinned
+      blocks, copies  a sweep's look at what is named or pinned and the renames aside of the
+                  rest (BlockStore), or of a copy in staging beyond its budget (Staging); their
+                  unlink comes after the lock
+      stage()     the manifest's read and the pins of its blocks; whether an assembly may take
+                  the copy's name (nobody else holds it, its manifest unchanged) and that rename
+
+    The store is made of two objects it owns and wires: `blocks` (BlockStore: every block's
+    life) and `hot` (Staging: the copies and assemblies in staging, given a manifest reader),
+    both under this one lock. Saving (the save path), Integrity (a whole file's checks, the
+    quarantine) and Space (a save's room) are the directory's own halves.
     Nothing fsyncs under _lock, and nothing large is unlinked under it. finalize takes no lock: a local save holds acquire(final)
     from before its finalize to after it, which is what install() looks for.
     """
@@ -97,17 +106,15 @@ class Store(Saving, Staging, References, Integrity, Space):
         self.staging = Path(staging) if staging is not None else self.path
         self.group = group
         self.mode = FILE_MODE if group is None else GROUP_FILE_MODE
+        self._lock = threading.RLock()  # the directory's one lock (the class docstring)
         # Always there to read and clean up what is kept as blocks; `cut` says whether new saves
         # are cut into blocks (store_blocks): with it off, conversations kept so stay readable.
-        self.blocks: BlockStore | None = BlockStore(self.path, self.mode)
+        # It owns every block's life: which manifests name it, who pins it, its removal.
+        self.blocks: BlockStore | None = BlockStore(self.path, self.mode, self._lock)
         self.cut = blocks
-        # Block manifests by key → their blocks' keys, and how many manifests name each block:
-        # what prune may remove (none named, none pinned). Built at start (cleanup), kept by
-        # finalize and remove. Under _lock.
-        self._uses: dict[str, tuple[str, ...]] = {}
-        self._refs: Counter[str] = Counter()
-        self.block_bytes_written = 0  # bytes of blocks written since the start (the store's side)
-        self._staging_init(hot_budget)
+        # The copies and assemblies in staging, given what they need of the directory.
+        self.hot = Staging(self.staging, self.path, self.blocks, self._read_manifest, self._lock, self.mode,
+                           self._own, self._holders, self._bad_block, hot_budget)
         self._mode_warned = False
         # Bytes per token of the densest file seen (None: not looked yet). Set by the first
         # scan with metadata, raised by every finalize: a save's space check reads it
@@ -115,7 +122,6 @@ class Store(Saving, Staging, References, Integrity, Space):
         self._per_token: float | None = None
         # Names being written or read right now; prune never removes them. Under _lock.
         self.in_use: Counter[str] = Counter()
-        self._lock = threading.RLock()  # install() reads metadata (its cache) under it
         # Temporaries the engine reads now (read_temp), by name: their finalize renames them only
         # once this count is back to 0. Under _lock; _unread is told of every release.
         self._temp_readers: Counter[str] = Counter()
@@ -127,6 +133,113 @@ class Store(Saving, Staging, References, Integrity, Space):
         # run and found whole: name → (identity, digest).
         self._checked: dict[str, tuple[Ident, str]] = {}
 
+    # -- blocks and staging: the objects the store is made of ----------------------------------
+    @property
+    def hot_budget(self) -> int:
+        return self.hot.budget
+
+    @hot_budget.setter
+    def hot_budget(self, n: int) -> None:
+        self.hot.budget = n
+
+    def hot_path(self, key: str) -> Path:
+        return self.hot.path(key)
+
+    def stage(self, name: str, n_tokens: int | None = None) -> Staged:
+        """What the engine reads for `name` (Staging.stage). The caller holds the name."""
+        return self.hot.stage(name, n_tokens)
+
+    def unstage(self, staged: Staged) -> None:
+        self.hot.unstage(staged)
+
+    def trim_hot(self) -> int:
+        return self.hot.trim()
+
+    def hot_copies(self) -> dict[str, int]:
+        return self.hot.usage()
+
+    def block_paths(self, name: str, n_tokens: int | None = None) -> list[Path]:
+        return self.hot.block_paths(name, n_tokens)
+
+    def usage(self) -> dict:
+        """What the store holds (status): manifests and blocks (each once), and hot copies."""
+        out: dict = self.blocks.usage() if self.blocks is not None else {}
+        return {**out, "hot": self.hot.usage()}
+
+    def block_refs(self) -> dict[str, int]:
+        """How many manifests name each block."""
+        out: Counter[str] = Counter()
+        for keys in (self.blocks.manifests().values() if self.blocks is not None else ()):
+            out.update(set(keys))
+        return dict(out)
+
+    def _holders(self, name: str) -> int:
+        with self._lock:
+            return self.in_use.get(name, 0) + self._temp_readers.get(name, 0)
+
+    def _read_manifest(self, key: str) -> tuple[Meta | None, Ident | None]:
+        """auto-<key>.json and its identity (None, None: none, or not readable)."""
+        path = self.meta_path(key)
+        try:
+            ident = files.regular_ident(path)
+            return (self._meta_at(path) if ident is not None else None), ident
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, None
+
+    def _named(self, key: str, meta: Meta | None) -> tuple[str, ...]:
+        """auto-<key>.json is now `meta` (None: gone): the blocks it names are the block store's
+        to know, and when it is a whole file in the store's own directory its .bin is the
+        store's, no copy (the copies' budget never removes it). Under _lock, in the section that
+        renamed the metadata. → the blocks it named before (a sweep of them may free some)."""
+        keys = tuple(b[0] for b in meta.blocks) if meta is not None and meta.in_blocks else ()
+        with self._lock:
+            old = self.blocks.naming(key) if self.blocks is not None else ()
+            if self.blocks is not None:
+                self.blocks.name(key, keys)
+            if not keys and meta is not None and self.staging == self.path:
+                self.hot.drop_record(auto_name(key))
+        return old
+
+    def _bad_block(self, key: str, why: str) -> tuple[str, ...]:
+        """A block found damaged (evidence about its own bytes): moved into quarantine with why,
+        and each manifest naming it cut back to the blocks before it (those tokens are still
+        restorable), or removed when it is the first. → the names changed."""
+        assert self.blocks is not None
+        named_by = self.blocks.manifests_naming(key)
+        moved = self.blocks.quarantine(key, why)
+        log.warning("auto sessions: block %s moved aside%s: %s", key, f" to {QUARANTINE}/{moved}" if moved else "",
+                    why)
+        changed = []
+        for m in named_by:
+            with contextlib.suppress(StoreError, OSError):
+                if self._cut_back(m, key):
+                    changed.append(auto_name(m))
+        return tuple(changed)
+
+    def _cut_back(self, key: str, bad: str) -> bool:
+        """Manifest `key` without block `bad` and those after it: rewritten with the blocks
+        before it, or removed when there are none, unless it changed since it was read (a save
+        landed: the next restore judges that one). Its copy in staging goes either way."""
+        ident0 = files.regular_ident(self.meta_path(key))
+        meta = self._meta_at(self.meta_path(key)) if ident0 is not None else None
+        if meta is None or not meta.in_blocks:
+            return False
+        at = next((i for i, b in enumerate(meta.blocks) if b[0] == bad), None)
+        if at is None:
+            return False
+        self.hot.forget(auto_name(key))
+        if at == 0:
+            return self._replace_meta(None, ident0, key=key, held_ok=True)
+        keep = meta.blocks[:at]
+        n = sum(b[1] for b in keep)
+        shape = Shape.from_json(meta.kv)
+        cut = dataclasses.replace(meta, n_tokens=n, bytes=blocks_mod.file_size(shape, n, n), blocks=keep,
+                                  tokens=(meta.tokens or b"")[:4 * n], digest=None, ident=None,
+                                  n_prompt=min(meta.n_prompt, n) if meta.n_prompt is not None else None,
+                                  marks=tuple(m for m in meta.marks if m.n_tokens <= n))
+        return self._replace_meta(cut, ident0, held_ok=True)
+
+    # -- names -------------------------------------------------------------
     # -- names -------------------------------------------------------------
     def bin_path(self, key: str) -> Path:
         return self.path / auto_name(key)
@@ -186,7 +299,6 @@ class Store(Saving, Staging, References, Integrity, Space):
         cleanup() at start, with the temporaries. No torn .bin: temp was whole before."""
         if meta is not None and name != auto_name(meta.key):
             raise ValueError(f"install: {name} is not the file of {meta.key}'s metadata")
-        unused: list[str] = []
         if Path(name).name != name or name.startswith("."):
             raise ValueError(f"install: {name!r} is not a bare file name")
         final = self.path / name
@@ -206,7 +318,7 @@ class Store(Saving, Staging, References, Integrity, Space):
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
                     self._remember_meta(meta.key, written)
-                    unused = self._meta_changed(meta.key, meta)  # a whole file now, where a manifest may have been
+                    self._named(meta.key, meta)  # a whole file now, where a manifest may have been
                     now = files.regular_ident(final)
                     if meta.digest is not None and now is not None:
                         # The rename moved the ctime the metadata recorded: checked as it arrived.
@@ -215,7 +327,6 @@ class Store(Saving, Staging, References, Integrity, Space):
             if meta_tmp is not None:
                 self._unlink(meta_tmp)
         fsync_dir(self.path)
-        self._remove_blocks(unused)
 
     def discard_temp(self, key: str) -> None:
         try:
@@ -265,8 +376,7 @@ class Store(Saving, Staging, References, Integrity, Space):
             it = os.scandir(self.path)
         except FileNotFoundError:
             return []
-        with self._lock:
-            uses = dict(self._uses)
+        uses = self.blocks.manifests() if self.blocks is not None else {}
         with it:
             for d in it:
                 if m := AUTO_BIN.match(d.name):
@@ -338,6 +448,7 @@ class Store(Saving, Staging, References, Integrity, Space):
         self._per_token = self._per_token or 0.0
         names = set(os.listdir(self.path))
         blocks_there = self.blocks.scan() if self.blocks is not None else {}
+        damaged: list[tuple[str, str]] = []  # manifests naming a missing block: cut back to before it
         for name in sorted(names):
             why = None
             if name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
@@ -349,13 +460,11 @@ class Store(Saving, Staging, References, Integrity, Space):
                 except (OSError, ValueError, KeyError, TypeError):
                     meta = None
                 if meta is not None and meta.key == key and meta.in_blocks:
+                    self._named(key, meta)
+                    self._saw(meta)
                     missing = [b[0] for b in meta.blocks if b[0] not in blocks_there]
                     if missing:
-                        why = f"a manifest naming {len(missing)} missing block(s)"
-                        self._unlink(self.bin_path(key))  # no copy outlives its manifest
-                    else:
-                        self._meta_changed(key, meta)
-                        self._saw(meta)
+                        damaged.append((key, missing[0]))
                 elif auto_name(key) not in names:
                     why = "metadata without a session file"
             elif m := AUTO_BIN.match(name):
@@ -370,10 +479,14 @@ class Store(Saving, Staging, References, Integrity, Space):
                     self._saw(meta)  # the start's look at every file primes the space estimate
             if why and self._unlink(self.path / name):
                 removed.append(f"{name} ({why})")
+        for key, missing in damaged:
+            self._unlink(self.bin_path(key))  # its copy there holds the blocks it lost
+            if self._cut_back(key, missing):
+                removed.append(f"{meta_name(key)}'s blocks from {missing} on (the block is missing)")
         removed += self._cleanup_staging()
         if self.blocks is not None:
             removed += self.blocks.cleanup()
-            n, freed = self.unused_blocks()
+            n, freed = self.blocks.sweep()
             if n:
                 removed.append(f"{n} block(s) no manifest names ({freed:,} bytes)")
         if removed:
@@ -381,8 +494,9 @@ class Store(Saving, Staging, References, Integrity, Space):
         return removed
 
     def _cleanup_staging(self) -> list[str]:
-        """Staging's temporaries go; its copies stay as hot copies when their metadata vouches
-        for them (size), the oldest first in the budget's order."""
+        """Staging's temporaries go; its copies stay as hot copies when their metadata says their
+        size (their digest is checked before the engine reads one: Staging.whole), the oldest
+        first in the budget's order."""
         removed = []
         try:
             names = sorted(os.listdir(self.staging))
@@ -398,7 +512,7 @@ class Store(Saving, Staging, References, Integrity, Space):
             m = AUTO_BIN.match(name)
             if m is None:
                 continue
-            meta = self._meta_at(self.meta_path(m.group(1))) if self.meta_path(m.group(1)).exists() else None
+            meta = self._read_manifest(m.group(1))[0]
             if self.staging == self.path and (meta is None or not meta.in_blocks):
                 continue  # a whole file: the store's own, looked at above
             ident = files.regular_ident(path)
@@ -407,10 +521,9 @@ class Store(Saving, Staging, References, Integrity, Space):
                     removed.append(f"{name} (a copy in staging nothing vouches for)")
                 continue
             hot.append((ident, name))
-        with self._lock:
-            for ident, name in sorted(hot, key=lambda x: x[0].ctime_ns):
-                self._hot[name] = ident.size
-        self.trim_hot()
+        for ident, name in sorted(hot, key=lambda x: x[0].ctime_ns):
+            self.hot.found(name, ident.size)
+        self.hot.trim()
         return removed
 
     def remove(self, key: str, ident: tuple[int, int, int] | None = None) -> int:
@@ -420,9 +533,9 @@ class Store(Saving, Staging, References, Integrity, Space):
         freed. Refuses a file in use, and with `ident` (inode, mtime_ns, size), a file that is
         not that one (saved again since the caller looked: of the .bin, or of a manifest)."""
         doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
-        unused: list[str] = []
+        named: tuple[str, ...] = ()
         with self._lock:  # no acquire() between the check and the rename away
-            in_blocks = key in self._uses
+            in_blocks = self.blocks is not None and bool(self.blocks.naming(key))
             path = self.meta_path(key) if in_blocks else self.bin_path(key)
             if auto_name(key) in self.in_use:
                 raise StoreError(f"{auto_name(key)} is being written or read")
@@ -432,40 +545,62 @@ class Store(Saving, Staging, References, Integrity, Space):
                     raise StoreError(f"{auto_name(key)} was saved again since it was planned for removal")
                 size = st.st_size
                 os.rename(path, doomed)  # the name is gone at once; a multi-GB unlink is not held under the lock
-                unused = self._meta_changed(key, None)
+                named = self._named(key, None)
             except FileNotFoundError:
                 size = 0
         self._unlink(doomed)
         if in_blocks:
-            size += self._remove_blocks(unused)
-            size += self.forget_hot(auto_name(key))
-            self._unlink(self.bin_path(key))  # a copy in the same directory, not registered yet
+            assert self.blocks is not None
+            size += self.blocks.sweep(named)[1]  # those of its blocks nothing else names or pins
+            size += self.hot.forget(auto_name(key))
+            self._unlink(self.bin_path(key))  # a copy in the same directory, not recorded yet
         else:
             self._unlink(self.meta_path(key))
             if self.staging != self.path:
-                size += self.forget_hot(auto_name(key))
+                size += self.hot.forget(auto_name(key))
         return size
+
+    def copies_on_store_disk(self) -> int:
+        """Bytes of the copies in staging that lie on the store's filesystem (staging is the
+        store, or a directory of the same disk): they count in the store's budget."""
+        try:
+            same = os.stat(self.staging).st_dev == os.stat(self.path).st_dev
+        except OSError:
+            return 0
+        return self.hot.usage()["bytes"] if same else 0
 
     def prune(self, keep: int, max_bytes: int, dry_run: bool = False, free_target: int = 0) -> PrunePlan:
         """Apply plan_prune (in a worker thread: see the class docstring); free_target: bytes
         that should be free on the disk afterwards. Blocks count once, whichever conversations
-        share them. Returns what was really removed."""
+        share them. Copies in staging on the store's disk count in max_bytes and go first,
+        always: a conversation is removed only for what the durable files alone exceed, and for
+        what a refused save needs beyond what the copies freed. Then the blocks nothing names or
+        pins are swept. Returns what was really removed."""
         must_free = max(0, free_target - self.free_bytes()) if free_target else 0
+        if must_free and not dry_run:
+            must_free = max(0, must_free - self.hot.make_room(must_free))
         with self._lock:
             in_use = set(self.in_use)  # a snapshot: the loop changes in_use meanwhile
         block_bytes = self.blocks.scan() if self.blocks is not None else {}
         plan = plan_prune(self.scan(with_meta=False), keep, max_bytes, in_use, must_free, block_bytes)
         if dry_run:
             return plan
-        removed, kept = [], list(plan.keep)
+        copies = self.copies_on_store_disk()
+        if copies:
+            kept = plan.kept_bytes
+            if kept + copies > max_bytes:
+                self.hot.make_room(kept + copies - max_bytes)
+        removed, kept_entries = [], list(plan.keep)
         for e in plan.remove:
             try:
                 self.remove(e.key, e.ident)
                 removed.append(e)
             except StoreError:  # taken into use, or saved again, since the plan: kept
-                kept.append(e)
-        self.unused_blocks()  # blocks of a manifest a crash left half-removed, say
-        return PrunePlan(remove=removed, keep=kept, block_bytes=plan.block_bytes)
+                kept_entries.append(e)
+        if self.blocks is not None:
+            self.blocks.sweep()  # the blocks no manifest names any more (a save's old last block, say)
+        self.prune_quarantine(QUARANTINE_KEEP_S)
+        return PrunePlan(remove=removed, keep=kept_entries, block_bytes=plan.block_bytes)
 
     @staticmethod
     def _unlink(path: Path) -> bool:

@@ -118,8 +118,41 @@ class Integrity:
         log.warning("auto sessions: %s moved aside to %s/%s: %s", name, QUARANTINE, dest.name, why)
         return dest.name
 
+    def forget_quarantined(self, keys: set[str]) -> int:
+        """Whatever quarantine holds of the conversations `keys` (forget: nothing of them is
+        left anywhere autosessd wrote): their files set aside, and the blocks their manifests
+        named when found damaged. → bytes removed."""
+        names = {f"auto-{k}.bin" for k in keys}
+        freed = 0
+        for q in self.quarantined():
+            if q.get("name") in names or keys & set(q.get("named_by") or ()):
+                freed += self._drop_quarantined(q["file"])
+        return freed
+
+    def prune_quarantine(self, max_age_s: float, now: float | None = None) -> int:
+        """What quarantine has held longer than max_age_s, removed (it is there for a person to
+        look at, not kept for ever). → bytes removed."""
+        now = time.time() if now is None else now
+        return sum(self._drop_quarantined(q["file"]) for q in self.quarantined()
+                   if (q.get("at") or 0) < now - max_age_s)
+
+    def _drop_quarantined(self, file: str) -> int:
+        qdir = self.path / QUARANTINE
+        if "/" in file or file.startswith("."):
+            return 0
+        freed = 0
+        for p in (qdir / file, qdir / f"{file}.json", qdir / f"{file}.why"):
+            try:
+                size = p.lstat().st_size
+                p.unlink()
+                freed += size
+            except FileNotFoundError:
+                pass
+        return freed
+
     def quarantined(self) -> list[dict]:
-        """What quarantine() moved aside, newest first: name, why, at, bytes, and its name there."""
+        """What quarantine() moved aside (files, and blocks found damaged: BlockStore.quarantine),
+        newest first: name, why, at, bytes, and its name there."""
         out = []
         try:
             it = os.scandir(self.path / QUARANTINE)

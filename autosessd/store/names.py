@@ -27,6 +27,7 @@ TEMP_PREFIX = ".autosessd-"
 # Files that failed a check before a restore are moved here, with why: never deleted by
 # autosessd, never indexed or restored, listed by status and ls (a person decides).
 QUARANTINE = ".autosessd-quarantine"
+QUARANTINE_KEEP_S = 7 * 86400  # what quarantine holds is there for a person to look at for a week, then pruned
 MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 
 
@@ -120,6 +121,9 @@ class Mark:
 
 
 CHAIN_RE = re.compile(r"^[0-9a-f]{16}$")
+# A block's key (blocks.chain): it names a file under blocks/, so nothing else ever passes for one
+# (a "/" or ".." from a manifest someone edited would leave the directory).
+BLOCK_KEY_RE = re.compile(r"\A[0-9a-f]{32}\Z")
 
 
 def marks_from(v: object) -> tuple[Mark, ...]:
@@ -227,7 +231,7 @@ def _blocks_from(v: object) -> tuple[tuple[str, int, str], ...]:
         raise ValueError("blocks: not a list")
     out = []
     for b in v:
-        if not (isinstance(b, list) and len(b) == 3 and isinstance(b[0], str) and len(b[0]) == 32
+        if not (isinstance(b, list) and len(b) == 3 and isinstance(b[0], str) and BLOCK_KEY_RE.match(b[0])
                 and type(b[1]) is int and b[1] > 0 and isinstance(b[2], str)):
             raise ValueError(f"blocks: not a block reference: {b!r}")
         out.append((b[0], b[1], b[2]))

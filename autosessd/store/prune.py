@@ -37,6 +37,13 @@ class PrunePlan:
     block_bytes: dict[str, int] | None = None
 
     @property
+    def kept_bytes(self) -> int:
+        """What the kept conversations take: whole files' bytes, and their blocks each once."""
+        held = {k for e in self.keep for k in e.blocks}
+        return sum(e.bytes for e in self.keep if not e.blocks) + sum((self.block_bytes or {}).get(k, 0)
+                                                                      for k in held)
+
+    @property
     def freed(self) -> int:
         """Whole files' bytes, and the blocks only removed conversations held (each once)."""
         held = {k for e in self.keep for k in e.blocks}

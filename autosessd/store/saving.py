@@ -39,6 +39,7 @@ from ..base.files import Ident
 from . import blocks, kvfile
 from .kvfile import KVFile
 from .slotfile import MAGIC_BYTES
+from .staging import Staging
 from .names import FILE_MODE, TEMP_PREFIX, Meta, StoreError, Unfinished, auto_name, fsync_dir, manual_name
 
 log = logging.getLogger("autosessd")
@@ -58,22 +59,18 @@ class Saving:
     _temp_readers: Counter[str]
     _unread: threading.Condition
 
-    def temp_path(self, key: str) -> Path: ...  # Store's
+    hot: Staging
+    cut: bool
 
-    if TYPE_CHECKING:  # the other rooms' own: a stub here would come before them in Store's MRO
-        cut: bool
-        def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False) -> str | None: ...
+    if TYPE_CHECKING:  # Store's own, and Space's: a stub here would come before them in Store's MRO
+        def temp_path(self, key: str) -> Path: ...
+        def bin_path(self, key: str) -> Path: ...
+        def meta_path(self, key: str) -> Path: ...
         def hot_path(self, key: str) -> Path: ...
-        def _meta_changed(self, key: str, meta: Meta | None) -> list[str]: ...
-        def _remove_blocks(self, keys: list[str]) -> int: ...
-        def _hot_added(self, name: str, meta: Meta | None = None, digest: str | None = None) -> None: ...
-        def written_blocks(self, n: int) -> None: ...
-    def bin_path(self, key: str) -> Path: ...  # Store's
-    def meta_path(self, key: str) -> Path: ...  # Store's
-    if TYPE_CHECKING:  # Space's own: a stub here would come before it in Store's MRO
+        def _named(self, key: str, meta: Meta | None) -> tuple[str, ...]: ...
         def _saw(self, meta: Meta) -> None: ...
-    @staticmethod
-    def _unlink(path: Path) -> bool: ...  # Store's
+        @staticmethod
+        def _unlink(path: Path) -> bool: ...
 
     def verify_temp(self, key: str, n_written: int, magic: bytes | None = None) -> int:
         """The engine said it wrote n_written bytes to the temporary: check it did. Returns the
@@ -193,14 +190,16 @@ class Saving:
         meta = dataclasses.replace(meta, digest=digest, ident=ident, blocks=(), kv=None, tokens=None)
         self._write_meta(meta)
         if self.staging != self.path:
-            self._hot_added(auto_name(meta.key), meta)  # checked: the engine's bytes, this save's digest
+            self.hot.added(auto_name(meta.key), meta, held=1)  # checked: the engine's bytes, this save's digest
         return meta
 
     def _finalize_blocks(self, key: str, meta: Meta, digest: str, kv: KVFile, src: Path, again: bool) -> Meta:
-        """Its blocks stored (those not stored yet), then the engine's file kept as the copy for a
-        quick return (not fsynced: the blocks are the durable copy), then the manifest: a crash
-        before the manifest leaves blocks no manifest names (the next start removes them) and a
-        copy without metadata (removed too)."""
+        """Its blocks stored (those not stored yet; pinned from before the look until the
+        manifest names them), then the engine's file kept as the copy for a quick return (not
+        fsynced: the blocks are the durable copy; within the copies' budget), then the manifest:
+        a crash before the manifest leaves blocks no manifest names (the next start sweeps them)
+        and a copy without metadata (removed too). The blocks the manifest named before and no
+        longer names (its last partial block, say) go at the next prune's sweep."""
         from .slotfile import encode
 
         temp, hot = self.temp_path(key), self.hot_path(meta.key)
@@ -211,8 +210,8 @@ class Saving:
         assert self.blocks is not None
         cells = encode(kv.tokens[:kv.n_cells])
         keys = blocks.chain(meta.model, kv.shape, cells, kv.n_cells)
-        with self.blocks.pinned(keys):  # no prune takes a block this manifest is about to name
-            refs, written = blocks.split(self.blocks, kv, src, meta.model, keys)
+        with self.blocks.pinned(keys):  # no sweep takes a block this manifest is about to name
+            refs, _ = blocks.split(self.blocks, kv, src, meta.model, keys)
             if src == temp:
                 fd = os.open(temp, os.O_RDONLY)
                 try:
@@ -225,19 +224,21 @@ class Saving:
             meta = dataclasses.replace(meta, digest=digest, ident=ident, whole=None,
                                        blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
                                        kv=kv.shape.to_json(), tokens=encode(kv.tokens))
-            self._write_meta(meta)  # counts its blocks: from here on they are named, pinned or not
+            self._write_meta(meta)  # names its blocks: from here on they are named, pinned or not
         if self.staging != self.path:
             self._unlink(self.bin_path(meta.key))  # a whole file of it from before: the blocks hold it now
-        self.written_blocks(written)
-        self._hot_added(auto_name(meta.key), meta)
+        # The caller (a finalize) holds the name: that hold does not keep a copy beyond the budget.
+        self.hot.added(auto_name(meta.key), meta, digest, held=1)
         return meta
 
     def import_whole(self, key: str) -> str | None:
-        """A whole auto file saved before the block store (or while it was off), kept as blocks
-        now when it can be cut: its blocks stored, then its manifest written in place of its
-        metadata, unless a save of it landed meanwhile (its metadata changed). In the store's
-        own directory the .bin stays as its copy; in a separate store it goes. → what was done,
-        for the log; None: nothing to do. Blocking."""
+        """A whole auto file saved before the block store (or while it was off, or downloaded
+        from the bucket), kept as blocks now when it can be cut: its bytes checked against its
+        digest as they are cut (blocks.split: no damaged byte becomes a block later saves name;
+        a file that fails is quarantined), its blocks stored, then its manifest written in place
+        of its metadata, unless a save of it landed meanwhile (its metadata changed). In the
+        store's own directory the .bin stays as its copy; in a separate store it goes. → what
+        was done, for the log; None: nothing to do. Blocking."""
         if self.blocks is None or not self.cut:
             return None
         path, meta_path = self.bin_path(key), self.meta_path(key)
@@ -245,50 +246,64 @@ class Saving:
         meta = self._meta_at(meta_path) if ident0 is not None else None
         if meta is None or meta.key != key or meta.in_blocks or meta.whole is not None:
             return None
-        bad = self.check_whole(auto_name(key))  # never cut damaged bytes into blocks others would reuse
-        if bad is not None:
-            return f"{auto_name(key)} not kept as blocks: {bad}"
+        if meta.digest is None:  # from before digests: nothing to tell damaged bytes by
+            meta = dataclasses.replace(meta, whole="saved before digests: its bytes cannot be checked, so it is "
+                                                   "not cut into blocks others would reuse")
+            return f"{auto_name(key)} stays whole: {meta.whole}" if self._replace_meta(meta, ident0) else None
+        bin_ident = files.regular_ident(path)
+        if bin_ident is None or bin_ident.size != meta.bytes:
+            return f"{auto_name(key)} not kept as blocks: it is missing or not its metadata's size"
         kv, why = self._cuttable(path)
         if kv is None:
             meta = dataclasses.replace(meta, whole=why or "not a llama-server slot file")
-        else:
-            from .slotfile import encode
-
-            keys = blocks.chain(meta.model, kv.shape, encode(kv.tokens[:kv.n_cells]), kv.n_cells)
-            with self.blocks.pinned(keys):
-                refs, written = blocks.split(self.blocks, kv, path, meta.model, keys)
-                self.written_blocks(written)
-                meta = dataclasses.replace(meta, blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
-                                           kv=kv.shape.to_json(), tokens=encode(kv.tokens), whole=None,
-                                           ident=files.regular_ident(path))
-                if not self._replace_meta(meta, ident0):
-                    return None
-        if kv is None:
             if not self._replace_meta(meta, ident0):
                 return None
             return f"{auto_name(key)} stays whole: {meta.whole}"
+        from .slotfile import encode
+
+        keys = blocks.chain(meta.model, kv.shape, encode(kv.tokens[:kv.n_cells]), kv.n_cells)
+        with self.blocks.pinned(keys):
+            before = self.blocks.bytes_written
+            try:
+                refs, _ = blocks.split(self.blocks, kv, path, meta.model, keys, expect=meta.digest)
+            except blocks.NotTheFile as e:
+                moved = self.quarantine(auto_name(key), str(e), seen=bin_ident)
+                return f"{auto_name(key)} not kept as blocks: {e}" + (f" (moved aside: {moved})" if moved else "")
+            written = self.blocks.bytes_written - before
+            meta = dataclasses.replace(meta, blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
+                                       kv=kv.shape.to_json(), tokens=encode(kv.tokens), whole=None,
+                                       ident=files.regular_ident(path))
+            if not self._replace_meta(meta, ident0):
+                return None
         if self.staging != self.path:
             self._unlink(path)
         else:
-            self._hot_added(auto_name(key))
+            self.hot.added(auto_name(key), meta)
         return f"{auto_name(key)} kept as {len(meta.blocks)} blocks ({written:,} bytes written)"
 
-    def _replace_meta(self, meta: Meta, ident0: Ident) -> bool:
-        """Write `meta` in place of the metadata whose identity was ident0, unless it changed
-        (a save landed meanwhile): then nothing is written. → whether it was."""
-        tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.import.json.partial"
-        written = self._meta_temp(meta, tmp)
+    def _replace_meta(self, meta: Meta | None, ident0: Ident | None, key: str | None = None,
+                      held_ok: bool = False) -> bool:
+        """Write `meta` (None: remove the metadata of `key`) in place of the metadata whose
+        identity was ident0, unless it changed (a save landed meanwhile) or, unless held_ok,
+        someone holds the name: then nothing is written. → whether it was."""
+        key = meta.key if meta is not None else key
+        assert key is not None
+        tmp = self.path / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.replace.json.partial"
+        written = self._meta_temp(meta, tmp) if meta is not None else None
         try:
             with self._lock:
-                if files.regular_ident(self.meta_path(meta.key)) != ident0 or auto_name(meta.key) in self.in_use:
+                if files.regular_ident(self.meta_path(key)) != ident0 or (not held_ok and auto_name(key) in self.in_use):
                     return False
-                os.replace(tmp, self.meta_path(meta.key))
-                self._remember_meta(meta.key, written)
-                unused = self._meta_changed(meta.key, meta)
+                if meta is None:
+                    os.rename(self.meta_path(key), tmp)  # the name gone; the file after the lock
+                    self._named(key, None)
+                else:
+                    os.replace(tmp, self.meta_path(key))
+                    self._remember_meta(key, written)
+                    self._named(key, meta)
         finally:
             self._unlink(tmp)
         fsync_dir(self.path)
-        self._remove_blocks(unused)
         return True
 
     def _copy_durable(self, src: Path, final: Path) -> None:
@@ -348,7 +363,7 @@ class Saving:
             self._copy_durable(temp, final)
             with self._unread_temp(temp):
                 os.replace(temp, self.staging / manual_name(name))
-            self._hot_added(manual_name(name))  # a copy: within the budget of copies (on tmpfs: memory)
+            self.hot.added(manual_name(name), held=1)  # a copy: within the budget of copies (on tmpfs: memory)
         else:
             os.replace(temp, final)
         fsync_dir(self.path)
@@ -376,17 +391,15 @@ class Saving:
                             e.strerror, os.fstat(fd).st_mode & 0o777)
 
     def _write_meta(self, meta: Meta) -> None:
-        """The metadata (or manifest) whole in place; the blocks it names counted in the same
-        section as the rename, and those no manifest names any more (its last partial block of
-        before, say) removed after."""
+        """The metadata (or manifest) whole in place; the blocks it names named in the same
+        section as the rename (those it no longer names go at the next sweep)."""
         tmp = self.path / f"{TEMP_PREFIX}{meta.key}.json.partial"
         written = self._meta_temp(meta, tmp)
         with self._lock:
             os.replace(tmp, self.meta_path(meta.key))
-            unused = self._meta_changed(meta.key, meta)
+            self._named(meta.key, meta)
         self._remember_meta(meta.key, written)
         fsync_dir(self.path)
-        self._remove_blocks(unused)
 
     def _meta_temp(self, meta: Meta, tmp: Path) -> tuple[int, bytes]:
         """The metadata, whole and fsynced, under the temporary name tmp; (its inode, its bytes)."""

@@ -6,10 +6,14 @@ is this class and the directory; the attributes declared below are Store's own."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from .names import Meta
+
+if TYPE_CHECKING:
+    from .staging import Staging
 
 # Headroom kept free on the disk beyond the estimated size of a save.
 FREE_MARGIN = 64 * 1024 * 1024
@@ -19,9 +23,13 @@ class Space:
     """Store's disk-space half (see the module's docstring)."""
 
     path: Path
+    staging: Path
+    hot: Staging
     _per_token: float | None  # bytes a token of the densest file seen; None: not looked yet
 
-    def scan(self, with_meta: bool = True) -> list: ...  # Store's: sets _per_token
+    if TYPE_CHECKING:  # Store's own: a stub here would come before it in Store's MRO
+        def scan(self, with_meta: bool = True) -> list: ...  # sets _per_token
+        def copies_on_store_disk(self) -> int: ...
 
     def free_bytes(self) -> int:
         return psutil.disk_usage(str(self.path)).free
@@ -45,21 +53,23 @@ class Space:
         return (self.estimate_bytes(n_tokens) or 0) + min(FREE_MARGIN, total // 20)
 
     def check_space(self, n_tokens: int) -> str | None:
-        """None when a save of n_tokens fits; otherwise why not (the save is skipped). With a
-        staging directory apart (tmpfs), the engine writes the whole save there first: its free
-        space counts too, after the copies kept there beyond what the save needs are let go."""
+        """None when a save of n_tokens fits; otherwise why not (the save is skipped). The
+        copies in staging are disposable: they are let go first, on the store's disk as on a
+        staging directory apart (tmpfs: the engine writes the whole save there first, so its
+        free space counts too), before a save is refused and prune removes a conversation."""
         free, need = self.free_bytes(), self.space_needed(n_tokens)
+        if free < need and self.copies_on_store_disk():
+            self.hot.make_room(need - free)
+            free = self.free_bytes()
         if free < need:
             return f"disk full: {free / 1e6:,.1f} MB free in {self.path}, a save needs about {need / 1e6:,.1f} MB"
-        staging = getattr(self, "staging", self.path)
-        if staging != self.path:
+        if self.staging != self.path:
             est = self.estimate_bytes(n_tokens) or 0
-            room = psutil.disk_usage(str(staging)).free
+            room = psutil.disk_usage(str(self.staging)).free
             if room < est:
-                self.make_room_in_staging(est - room)
-                room = psutil.disk_usage(str(staging)).free
+                self.hot.make_room(est - room)
+                room = psutil.disk_usage(str(self.staging)).free
             if room < est:
-                return f"staging full: {room / 1e6:,.1f} MB free in {staging}, a save needs about {est / 1e6:,.1f} MB"
+                return (f"staging full: {room / 1e6:,.1f} MB free in {self.staging}, a save needs about "
+                        f"{est / 1e6:,.1f} MB")
         return None
-
-    def make_room_in_staging(self, n_bytes: int) -> int: ...  # Staging's (Store's MRO: it comes first)

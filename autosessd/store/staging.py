@@ -6,17 +6,25 @@ writes never reach the disk: only the blocks a save adds do.
 What lives in staging besides the temporaries being written:
 
     hot copies    auto-<key>.bin of a conversation kept as blocks (the engine's own file, or one
-                  assembled from blocks), kept within `hot_budget` bytes, the least recently
-                  used going first: a return finds its file there and restores it as is. Never
+                  assembled from blocks), kept within `budget` bytes, the least recently used
+                  going first: a return finds its file there and restores it as is. Never
                   durable, never needed: one that is gone, or fails its check, is assembled again
     assembled     .autosessd-<key>.<hex>.asm.partial, the first n tokens of a conversation
                   assembled for one restore (a request sharing only part of it), removed after
     copies        with a separate store, a whole file's copy the engine reads (a sliding-window
                   model's save, a person's parked file), kept as a hot copy
 
-stage(name, n) says which name the engine reads for a file: its hot copy when it is whole
-(size, and digest unless it is the file checked before), else what it assembles or copies.
-Store (directory.py) is this class and the directory; the attributes declared below are Store's.
+Staging is an object the Store owns and hands what it needs: the block store, a reader of the
+manifests, the one lock, and who holds a name. It keeps one record per copy (Copy): its
+identity, its digest and the save it copies. A copy is trusted as it is when its identity is
+the one recorded in this process's life for the save it copies; otherwise (after a restart: a
+copy is never fsynced, a crash can leave it with the right size and holes in it) its digest is
+checked against the save's before the engine reads it, and one that cannot be checked so (an
+assembly's digest is its own) is assembled again.
+
+stage(name, n) says which name the engine reads for a file: its copy when whole, else what it
+assembles or copies. The blocks a manifest names are pinned in the same section as the
+manifest is read, so no finalize of the same name and no sweep removes one before it is read.
 """
 
 from __future__ import annotations
@@ -27,15 +35,15 @@ import os
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from ..base import files
 from ..base.files import Ident
 from . import blocks
-from .blocks import BadBlock, BlockRef, BlockStore
+from .blocks import BadBlock, BlockRef, BlockStore, Unreadable
 from .kvfile import Shape
 from .names import AUTO_BIN, TEMP_PREFIX, Meta, StoreError
 
@@ -43,11 +51,14 @@ log = logging.getLogger("autosessd")
 
 
 class Refused(StoreError):
-    """A file that may not be handed to the engine; bad: damaged (moved aside), not just absent."""
+    """A file that may not be handed to the engine; bad: damaged (moved aside), not just absent
+    or unreadable for now. cut: the session files whose manifests were cut back to the blocks
+    before a damaged one (their first tokens are still restorable), by name."""
 
-    def __init__(self, why: str, bad: bool = True):
+    def __init__(self, why: str, bad: bool = True, cut: tuple[str, ...] = ()):
         super().__init__(why)
         self.bad = bad
+        self.cut = cut
 
 
 @dataclass(frozen=True)
@@ -66,80 +77,111 @@ class Staged:
     digest: str | None = None
 
 
+@dataclass(frozen=True)
+class Copy:
+    """A hot copy's one record: its bytes, the identity it had when this process made or
+    checked it (None: found at start, not checked yet), its digest (None: not known) and the
+    save it copies (the manifest's saved_at; None: not known)."""
+
+    size: int
+    ident: Ident | None = None
+    digest: str | None = None
+    of: float | None = None
+
+
+# What Staging is given by its Store.
+ReadManifest = Callable[[str], "tuple[Meta | None, Ident | None]"]  # key → (metadata, its file's identity)
+BadBlockFound = Callable[[str, str], "tuple[str, ...]"]  # (block key, why) → the names cut back or removed
+
+
 class Staging:
-    """Store's staging half (see the module's docstring). _hot holds only copies: never the
-    store's own file (in the store's own directory, a whole file's .bin is the store's, and
-    references._meta_changed takes it out of _hot when a save makes it so). _staged records each
-    copy as checked: name → (its identity, the save it is a copy of (saved_at), its digest)."""
+    """The staging directory's copies and assemblies (see the module's docstring). Every method
+    is safe from any thread; the records under `lock` (the Store's), no I/O under it but the
+    renames that take a name, and no unlink of a copy."""
 
-    path: Path
-    staging: Path
-    blocks: BlockStore | None
-    mode: int
-    _lock: threading.RLock
-    in_use: Counter[str]
-    _temp_readers: Counter[str]
-    _uses: dict[str, tuple[str, ...]]
-
-    if TYPE_CHECKING:  # the other rooms' own: a stub here could come before them in Store's MRO
-        def meta_path(self, key: str) -> Path: ...
-        def _meta_at(self, path: Path) -> Meta | None: ...
-        def _own(self, fd: int, path: Path) -> None: ...
-        def _drop_manifests_of(self, key: str) -> list[str]: ...
-
-    def _staging_init(self, hot_budget: int) -> None:
-        self.hot_budget = hot_budget
-        self._hot: OrderedDict[str, int] = OrderedDict()  # name → bytes, least recently used first
-        self._staged: dict[str, tuple[Ident, float, str | None]] = {}
+    def __init__(self, directory: Path, store_dir: Path, block_store: BlockStore, read_manifest: ReadManifest,
+                 lock: threading.RLock, mode: int, own: Callable[[int, Path], None],
+                 holders: Callable[[str], int], bad_block: BadBlockFound, budget: int):
+        """holders(name): how many hold the name now (Store.in_use, and a restore reading a
+        temporary): a held copy is never let go. bad_block: what the Store does with a block
+        found damaged (quarantine, its manifests cut back)."""
+        self.dir = directory
+        self.store_dir = store_dir
+        self.blocks = block_store
+        self._read_manifest = read_manifest
+        self.lock = lock
+        self.mode = mode
+        self._own = own
+        self._holders = holders
+        self._bad_block = bad_block
+        self.budget = budget
+        self._copies: OrderedDict[str, Copy] = OrderedDict()  # least recently used first
         self.assembled_bytes = 0  # block bytes read to assemble files since the start
         self.assemblies = 0
+        self.read_errors = 0  # assemblies that failed for an error of the process or the system
 
-    def hot_path(self, key: str) -> Path:
-        return self.staging / f"auto-{key}.bin"
+    def path(self, key: str) -> Path:
+        return self.dir / f"auto-{key}.bin"
 
-    # -- the hot copies ------------------------------------------------------------------------
-    def _hot_added(self, name: str, meta: Meta | None = None, digest: str | None = None) -> None:
-        """A copy just put in staging: counted (and, with the save it copies, recorded as checked),
-        the least recently used beyond the budget go."""
-        ident = files.regular_ident(self.staging / name)
+    # -- the copies ----------------------------------------------------------------------------
+    def added(self, name: str, meta: Meta | None = None, digest: str | None = None, held: int = 0) -> None:
+        """A copy just put in staging by this process: recorded (with the save it copies, as
+        checked: meta.saved_at and digest, the save's own unless given), then the least recently
+        used beyond the budget go — this one too when it does not fit, unless someone other
+        than the caller (its `held` holds) holds it."""
+        ident = files.regular_ident(self.dir / name)
         if ident is None:
             return
-        with self._lock:
-            self._hot[name] = ident.size
-            self._hot.move_to_end(name)
-            if meta is not None:
-                self._staged[name] = (ident, meta.saved_at, digest or meta.digest)
-        self.trim_hot()
+        with self.lock:
+            self._copies[name] = Copy(ident.size, ident, digest or (meta.digest if meta else None),
+                                      meta.saved_at if meta else None)
+            self._copies.move_to_end(name)
+        self.trim({name: held} if held else None)
 
-    def hot_used(self, name: str) -> None:
-        with self._lock:
-            if name in self._hot:
-                self._hot.move_to_end(name)
+    def found(self, name: str, size: int) -> None:
+        """A copy found at start: counted in the budget, trusted only after its digest (whole())."""
+        with self.lock:
+            self._copies[name] = Copy(size)
+
+    def used(self, name: str) -> None:
+        with self.lock:
+            if name in self._copies:
+                self._copies.move_to_end(name)
+
+    def registered(self, name: str) -> bool:
+        with self.lock:
+            return name in self._copies
+
+    def drop_record(self, name: str) -> None:
+        """The name is not a copy any more (the store's own whole file in its own directory)."""
+        with self.lock:
+            self._copies.pop(name, None)
 
     def _set_aside(self, name: str) -> tuple[Path, int] | None:
-        """Under _lock: the copy `name` out of _hot and renamed aside (the caller unlinks it
+        """Under lock: the copy out of the records and renamed aside (the caller unlinks it
         outside the lock: a multi-GB unlink on a disk is not held under it)."""
-        size = self._hot.pop(name, None)
-        self._staged.pop(name, None)
-        if size is None:
+        rec = self._copies.pop(name, None)
+        if rec is None:
             return None
-        dead = self.staging / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.evicted.partial"
+        dead = self.dir / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.evicted.partial"
         try:
-            os.rename(self.staging / name, dead)
+            os.rename(self.dir / name, dead)
         except FileNotFoundError:
             return None
-        return dead, size
+        return dead, rec.size
 
-    def trim_hot(self) -> int:
-        """Remove the least recently used copies until they fit hot_budget; never one being
-        written or read. → bytes removed."""
+    def _free(self, name: str, own: dict[str, int] | None) -> bool:
+        return self._holders(name) <= (own or {}).get(name, 0)
+
+    def _let_go(self, enough: Callable[[int], bool], own: dict[str, int] | None = None) -> int:
+        """Copies let go, least recently used first, never one held (but by `own`'s holds),
+        until enough(bytes freed so far). → bytes freed."""
         freed = 0
         while True:
-            with self._lock:
-                if sum(self._hot.values()) <= self.hot_budget:
+            with self.lock:
+                if enough(freed):
                     return freed
-                victim = next((n for n in self._hot if not self.in_use.get(n) and not self._temp_readers.get(n)),
-                              None)
+                victim = next((n for n in self._copies if self._free(n, own)), None)
                 if victim is None:
                     return freed
                 got = self._set_aside(victim)
@@ -148,27 +190,20 @@ class Staging:
                     got[0].unlink()
                 freed += got[1]
 
-    def make_room_in_staging(self, n_bytes: int) -> int:
-        """Copies let go, least recently used first, until n_bytes are freed (a save needs the
-        room in staging): → bytes freed."""
-        freed = 0
-        while freed < n_bytes:
-            with self._lock:
-                victim = next((n for n in self._hot if not self.in_use.get(n) and not self._temp_readers.get(n)),
-                              None)
-                got = self._set_aside(victim) if victim is not None else None
-            if victim is None:
-                return freed
-            if got is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    got[0].unlink()
-                freed += got[1]
-        return freed
+    def trim(self, own: dict[str, int] | None = None) -> int:
+        """The least recently used copies removed until the rest fit the budget. own: holds of
+        a name that are the caller's own (they do not keep it). → bytes removed."""
+        return self._let_go(lambda _: sum(c.size for c in self._copies.values()) <= self.budget, own)
 
-    def forget_hot(self, name: str) -> int:
-        """A copy dropped (its conversation removed): → its bytes. Only a registered copy is
+    def make_room(self, n_bytes: int) -> int:
+        """Copies let go, least recently used first, until n_bytes are freed (a save needs the
+        room): → bytes freed."""
+        return self._let_go(lambda freed: freed >= n_bytes)
+
+    def forget(self, name: str) -> int:
+        """A copy dropped (its conversation removed): → its bytes. Only a recorded copy is
         removed, never the store's own whole file under the same name."""
-        with self._lock:
+        with self.lock:
             got = self._set_aside(name)
         if got is None:
             return 0
@@ -176,24 +211,22 @@ class Staging:
             got[0].unlink()
         return got[1]
 
-    def hot_copies(self) -> dict[str, int]:
-        with self._lock:
-            return {"files": len(self._hot), "bytes": sum(self._hot.values()), "budget": self.hot_budget}
+    def usage(self) -> dict[str, int]:
+        with self.lock:
+            return {"files": len(self._copies), "bytes": sum(c.size for c in self._copies.values()),
+                    "budget": self.budget, "read_errors": self.read_errors}
 
-    def _hot_whole(self, name: str, meta: Meta) -> str | None:
-        """The copy of `name` in staging is the save its metadata is (its size, and the identity
-        it was checked at for that very save, or its digest): → its digest ("" when not known);
-        None when it is not."""
-        path = self.staging / name
+    def whole(self, name: str, meta: Meta) -> str | None:
+        """The copy of `name` is the save `meta` is: → its digest ("" when not known); None when
+        it is not (or cannot be told: then it goes, and is assembled again)."""
+        path = self.dir / name
         ident = files.regular_ident(path)
         if ident is None or ident.size != meta.bytes:
             return None
-        if meta.in_blocks and meta.ident == ident:
-            return meta.digest or ""  # the engine's own file, kept by the finalize that wrote this manifest
-        with self._lock:
-            rec = self._staged.get(name)
-        if rec is not None and rec[0] == ident and rec[1] == meta.saved_at:
-            return rec[2] or ""
+        with self.lock:
+            rec = self._copies.get(name)
+        if rec is not None and rec.ident == ident and rec.of == meta.saved_at:
+            return rec.digest or ""
         if meta.digest is None:
             return None
         try:
@@ -201,9 +234,13 @@ class Staging:
         except OSError:
             return None
         if digest != meta.digest:
+            if rec is not None:  # found at start or changed since: not this save's bytes
+                log.info("auto sessions: the copy %s in staging is not its save's bytes: assembled again", name)
+                self.forget(name)
             return None
-        with self._lock:
-            self._staged[name] = (now, meta.saved_at, digest)
+        with self.lock:
+            if name in self._copies:
+                self._copies[name] = Copy(now.size, now, digest, meta.saved_at)
         return digest
 
     # -- what the engine reads -----------------------------------------------------------------
@@ -215,17 +252,34 @@ class Staging:
         store. The caller holds the name (Store.using). Blocking: run it in a thread. Refused:
         none can be read."""
         m = AUTO_BIN.match(name)
-        meta_ident = files.regular_ident(self.meta_path(m.group(1))) if m else None
-        meta = self._meta_at(self.meta_path(m.group(1))) if m else None
-        if meta is None or not meta.in_blocks:
-            if self.staging == self.path:
-                return Staged(name, digest=meta.digest if meta is not None else None)
-            return self._copy_in(name, meta)
-        have = self._hot_whole(name, meta)
-        if have is not None:
-            self.hot_used(name)
-            return Staged(name, digest=have or None)
-        assert self.blocks is not None
+        key = m.group(1) if m else None
+        with self.lock:  # the manifest read and its blocks pinned in one section
+            meta, meta_ident = self._read_manifest(key) if key else (None, None)
+            pins = self.blocks.pin(b[0] for b in meta.blocks) if meta is not None and meta.in_blocks else []
+        try:
+            if meta is None or not meta.in_blocks:
+                if self.dir == self.store_dir:
+                    return Staged(name, digest=meta.digest if meta is not None else None)
+                return self._copy_in(name, meta)
+            have = self.whole(name, meta)
+            if have is not None:
+                self.used(name)
+                return Staged(name, digest=have or None)
+            try:
+                return self._assemble(name, key, meta, meta_ident, n_tokens)
+            except Unreadable as e:  # an error of the process or the system: once more, then this restore fails
+                log.info("auto sessions: assembling %s: %s; reading it again", name, e)
+                try:
+                    return self._assemble(name, key, meta, meta_ident, n_tokens)
+                except Unreadable as e2:
+                    with self.lock:
+                        self.read_errors += 1
+                    raise Refused(f"{name}: {e2} (the blocks are kept; the next restore reads them again)",
+                                  bad=False) from None
+        finally:
+            self.blocks.unpin(pins)
+
+    def _assemble(self, name: str, key: str, meta: Meta, meta_ident: Ident | None, n_tokens: int | None) -> Staged:
         t0 = time.monotonic()
         tokens = meta.tokens or b""
         n_all = len(tokens) // 4
@@ -233,37 +287,39 @@ class Staging:
         cells = min(want, meta.n_cells)
         shape = Shape.from_json(meta.kv)
         refs = [BlockRef(*b) for b in meta.blocks]
-        key = m.group(1)
-        tmp = self.staging / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.asm.partial"
+        tmp: Path | None = self.dir / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.asm.partial"
         try:
-            with self.blocks.pinned(r.key for r in refs):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
-                with os.fdopen(fd, "wb") as out:
-                    self._own(out.fileno(), tmp)
-                    digest = blocks.assemble(self.blocks, shape, tokens[:4 * want], refs, cells, out)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
+            with os.fdopen(fd, "wb") as out:
+                self._own(out.fileno(), tmp)
+                digest = blocks.assemble(self.blocks, shape, tokens[:4 * want], refs, cells, out)
         except BadBlock as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            gone = self._bad_block(e, refs)
-            raise Refused(f"{name}: {e}" + (f" (removed: {', '.join(gone)})" if gone else "")) from None
+            bad = next((r.key for r in refs if r.key in str(e)), None)
+            changed = self._bad_block(bad, str(e)) if bad is not None else ()
+            raise Refused(f"{name}: {e}" + (f" (cut back or removed: {', '.join(changed)})" if changed else ""),
+                          cut=changed) from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
         read = sum(blocks.payload_size(shape, r.n_cells)
                    for r in refs[:(cells + blocks.BLOCK_TOKENS - 1) // blocks.BLOCK_TOKENS])
-        with self._lock:
+        with self.lock:
             self.assembled_bytes += read
             self.assemblies += 1
         ms = (time.monotonic() - t0) * 1000
         if want >= n_all:
-            with self._lock:  # kept as the copy only while nobody else holds the name (a finalize of
-                # a newer save) and its manifest is the one assembled: never over a newer file
-                if self.in_use.get(name, 0) <= 1 and files.regular_ident(self.meta_path(key)) == meta_ident:
-                    os.replace(tmp, self.staging / name)
+            size = os.path.getsize(tmp)
+            with self.lock:  # kept as the copy only while nobody else holds the name (a finalize of
+                # a newer save), its manifest is the one assembled, and it fits the budget
+                if self._holders(name) <= 1 and size <= self.budget \
+                        and files.regular_ident(self.store_dir / f"auto-{key}.json") == meta_ident:
+                    os.replace(tmp, self.dir / name)
                     tmp = None
             if tmp is None:
-                self._hot_added(name, meta, digest)
+                self.added(name, meta, digest, held=1)
                 return Staged(name, None, assembled=True, bytes_read=read, ms=ms, digest=digest)
         return Staged(tmp.name, want, temporary=True, assembled=True, bytes_read=read, ms=ms, digest=digest)
 
@@ -271,21 +327,21 @@ class Staging:
         """After the engine read it: a temporary assembly goes."""
         if staged.temporary and staged.name.startswith(TEMP_PREFIX):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.staging / staged.name)
+                os.unlink(self.dir / staged.name)
 
     def _copy_in(self, name: str, meta: Meta | None) -> Staged:
         """A whole file of a separate store, copied into staging (kept as a copy)."""
-        hot, src = self.staging / name, self.path / name
+        hot, src = self.dir / name, self.store_dir / name
         if meta is not None:
-            have = self._hot_whole(name, meta)
+            have = self.whole(name, meta)
             if have is not None:
-                self.hot_used(name)
+                self.used(name)
                 return Staged(name, digest=have or None)
         if not src.exists():
             if hot.exists() and meta is None and not AUTO_BIN.match(name):
                 return Staged(name)  # a person's file the engine wrote into staging itself
-            raise Refused(f"{name} is not in {self.path}", bad=False)
-        tmp = self.staging / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.copy.partial"
+            raise Refused(f"{name} is not in {self.store_dir}", bad=False)
+        tmp = self.dir / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.copy.partial"
         try:
             f, _ = files.open_regular(src)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
@@ -298,28 +354,18 @@ class Staging:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        self._hot_added(name, meta)
+        self.added(name, meta, held=1)
         return Staged(name, digest=meta.digest if meta is not None else None)
 
-    def _bad_block(self, e: BadBlock, refs: list[BlockRef]) -> list[str]:
-        """A block that failed its check: moved aside, and the manifests naming it removed (they
-        cannot be assembled); → their names."""
-        key = next((r.key for r in refs if r.key in str(e)), None)
-        if key is None or self.blocks is None:
-            return []
-        self.blocks.quarantine(key, self.path / "quarantine")
-        log.warning("auto sessions: block %s moved aside: %s", key, e)
-        return self._drop_manifests_of(key)
-
     def block_paths(self, name: str, n_tokens: int | None = None) -> list[Path]:
-        """The files a restore of `name` (its first n_tokens) would read: its hot copy when there
-        is one, else its blocks (for warming them into the page cache)."""
+        """The files a restore of `name` (its first n_tokens) would read: its copy when there is
+        one, else its blocks (for warming them into the page cache)."""
         m = AUTO_BIN.match(name)
-        meta = self._meta_at(self.meta_path(m.group(1))) if m else None
-        if meta is None or not meta.in_blocks or self.blocks is None:
-            return [self.staging / name] if (self.staging / name).exists() else [self.path / name]
-        if (self.staging / name).exists():
-            return [self.staging / name]
+        meta = self._read_manifest(m.group(1))[0] if m else None
+        if meta is None or not meta.in_blocks:
+            return [self.dir / name] if (self.dir / name).exists() else [self.store_dir / name]
+        if (self.dir / name).exists():
+            return [self.dir / name]
         n = meta.n_cells if n_tokens is None else min(n_tokens, meta.n_cells)
         out, at = [], 0
         for key, cells, _ in meta.blocks:

@@ -134,10 +134,10 @@ async def test_a_turn_writes_about_its_new_tokens(tmp_path):
         manifest(s, A).kv), 1)
     for _ in range(3):
         for k in (A, B2):
-            before = s.store.block_bytes_written
+            before = s.store.blocks.bytes_written
             n[k] += 20
             await request(s, k, conv(k, n[k]))
-            written = s.store.block_bytes_written - before
+            written = s.store.blocks.bytes_written - before
             # The switch saved the other one (20 new tokens): ≤ 1.3 × its new tokens + one block.
             assert written <= 1.3 * 20 * cell + (BLOCK * cell + 2 * B.HEADER.size), (written, cell)
 

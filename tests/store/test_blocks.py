@@ -182,18 +182,22 @@ def test_a_damaged_or_missing_block_is_never_assembled(tmp_path, monkeypatch):
         assembled(store, kv, refs, 30, tmp_path)
 
 
-def test_a_block_is_set_aside_only_when_nobody_holds_it(tmp_path, monkeypatch):
+def test_a_block_is_swept_only_when_nobody_names_or_holds_it(tmp_path, monkeypatch):
     monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
     store = BlockStore(tmp_path / "home")
     p = write(tmp_path, "a.bin", slot_file(list(range(24))))
     refs, _ = split(store, parse(p), p, MODEL)
     keys = [r.key for r in refs]
-    with store.pinned(keys[:1]):
-        assert store.set_aside(keys[0]) is None  # a save or an assembly holds it
-    dead, size = store.set_aside(keys[1])
-    assert not store.path(keys[1]).exists() and dead.exists() and size == dead.stat().st_size
+    store.name("m" * 16, keys[2:])  # a manifest names the last
+    with store.pinned(keys[:1]):  # a save or an assembly holds the first
+        n, freed = store.sweep()
+    assert n == 1 and freed == B.HEADER.size + B.payload_size(parse(p).shape, 8)
     assert set(store.scan()) == {keys[0], keys[2]}
-    assert len(store.cleanup()) == 1 and not dead.exists()  # what a crash between the two steps leaves
+    store.name("m" * 16, None)
+    assert store.sweep(keys[2:]) == (1, freed) and set(store.scan()) == {keys[0]}
+    dead = store.path(keys[0]).parent / f".{keys[0]}.0123abcd.dead.partial"
+    dead.write_bytes(b"x")  # what a crash between a sweep's rename and its unlink leaves
+    assert len(store.cleanup()) == 1 and not dead.exists()
 
 
 def test_the_stores_gc_takes_only_blocks_no_manifest_names(tmp_path, monkeypatch):
@@ -215,6 +219,6 @@ def test_the_stores_gc_takes_only_blocks_no_manifest_names(tmp_path, monkeypatch
     s.write_meta(dataclasses.replace(meta, n_tokens=16))
     extra = refs[2].key
     with s.blocks.pinned([extra]):
-        assert s.unused_blocks()[1] == 0 and extra in s.blocks.scan()
-    n, freed = s.unused_blocks()
+        assert s.blocks.sweep()[1] == 0 and extra in s.blocks.scan()
+    n, freed = s.blocks.sweep()
     assert n == 1 and freed > 0 and set(s.blocks.scan()) == {refs[0].key, refs[1].key}

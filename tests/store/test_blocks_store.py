@@ -12,6 +12,8 @@ from autosessd.store import blocks
 from autosessd.store.directory import Meta, Store
 from autosessd.store.index import TokenIndex
 from autosessd.store.staging import Refused
+from autosessd.store.kvfile import parse
+from autosessd.store.slotfile import encode
 from kv_common import slot_file
 
 TOKS = list(range(100, 120))
@@ -43,34 +45,44 @@ def test_turning_blocks_off_keeps_every_conversation_kept_as_blocks(tmp_path):
 
 def test_a_whole_save_after_blocks_of_the_same_conversation_is_the_stores_own_file(tmp_path):
     """A context shift makes a conversation's next save whole: in the store's own directory its
-    .bin is then the store's file, never a copy the budget removes; its old blocks go."""
+    .bin is then the store's file, never a copy the budget removes; its old blocks go at the
+    next prune's sweep."""
     s, k = Store(tmp_path, hot_budget=10**9), "fedcba9876543210"
     first = save(s, k, slot_file(TOKS), 20)
     assert first.in_blocks and s.blocks.scan()
     shifted = slot_file(TOKS + [7, 8], positions=[p + 5 for p in range(22)])
     second = save(s, k, shifted, 22)
     assert not second.in_blocks and "context shift" in second.whole
-    assert k not in s._uses and not s.blocks.scan()
+    assert not s.blocks.naming(k)
+    s.prune(keep=12, max_bytes=10**12)
+    assert not s.blocks.scan()
     assert [e.key for e in s.scan()] == [k]
     s.hot_budget = 0
     s.trim_hot()
     assert s.bin_path(k).read_bytes() == shifted and s.read_meta(k) is not None
 
 
-def test_a_missing_block_removes_the_manifests_that_name_it(tmp_path):
+def test_a_missing_block_cuts_the_manifests_back_to_the_blocks_before_it(tmp_path):
+    """Block 1 of 5 gone: the conversation keeps its first block (restorable), the next restore
+    of all of it is refused once, and the block's loss is noted in quarantine's listing."""
     s, k = Store(tmp_path), "00000000000000dd"
     save(s, k, slot_file(TOKS), 20)
-    os.unlink(s.blocks.path(s._uses[k][1]))
-    s.forget_hot(f"auto-{k}.bin")
+    os.unlink(s.blocks.path(s.blocks.naming(k)[1]))
+    s.hot.forget(f"auto-{k}.bin")
     s.bin_path(k).unlink(missing_ok=True)
-    with pytest.raises(Refused, match="missing"):
+    with pytest.raises(Refused, match="missing") as e:
         s.stage(f"auto-{k}.bin")
-    assert s.read_meta(k) is None and k not in s._uses
+    assert e.value.bad and e.value.cut == (f"auto-{k}.bin",)
+    meta = s.read_meta(k)
+    assert meta is not None and meta.n_tokens == 4 and len(meta.blocks) == 1 and meta.tokens == encode(TOKS[:4])
+    staged = s.stage(f"auto-{k}.bin")
+    assert staged.assembled and list(parse(tmp_path / staged.name).tokens) == TOKS[:4]
+    assert [q["named_by"] for q in s.quarantined() if q.get("block")] == [[k]]
 
 
 def test_the_gc_never_takes_a_block_a_save_named_after_it_looked(tmp_path):
-    """unused_blocks lists the blocks, and a save lands before it removes them: the save's blocks
-    stay (checked again under the locks at the moment of removal)."""
+    """A sweep lists the blocks, and a save lands before it removes them: the save's blocks stay
+    (named or pinned, looked at under the lock at the moment of removal)."""
     s, k = Store(tmp_path), "00000000000000aa"
     listed = s.blocks.scan
 
@@ -80,9 +92,9 @@ def test_the_gc_never_takes_a_block_a_save_named_after_it_looked(tmp_path):
         return {**there, **listed()}
 
     s.blocks.scan = listing_then_a_save
-    s.unused_blocks()
+    s.blocks.sweep()
     s.blocks.scan = listed
-    s.forget_hot(f"auto-{k}.bin")
+    s.hot.forget(f"auto-{k}.bin")
     s.bin_path(k).unlink(missing_ok=True)
     staged = s.stage(f"auto-{k}.bin")  # assembled from every block: none is missing
     assert staged.assembled and (tmp_path / staged.name).exists()
@@ -104,7 +116,7 @@ def test_an_assembled_copy_says_its_own_digest(tmp_path):
     copy's digest is its own (what an upload must send), not the engine's file's."""
     s, k = Store(tmp_path), "00000000000000cc"
     m = save(s, k, slot_file(TOKS, order=list(range(10, 20)) + list(range(10))), 20)
-    s.forget_hot(f"auto-{k}.bin")
+    s.hot.forget(f"auto-{k}.bin")
     st = s.stage(f"auto-{k}.bin")
     assert st.digest == files.digest_file(tmp_path / st.name)[0] != m.digest
 
@@ -114,7 +126,7 @@ def test_an_assembly_never_replaces_a_newer_save_of_the_same_conversation(tmp_pa
     the assembly stays a temporary, the new copy is kept."""
     s, k = Store(tmp_path), "00000000000000ee"
     save(s, k, slot_file(TOKS), 20)
-    s.forget_hot(f"auto-{k}.bin")
+    s.hot.forget(f"auto-{k}.bin")
     name = f"auto-{k}.bin"
     with s.using(name), s.using(name):  # the restore's hold and a finalize's
         st = s.stage(name)

@@ -131,7 +131,9 @@ def check(home: Path, staging: Path) -> int:
         shape = Shape.from_json(meta.kv)
         refs = [BlockRef(*b) for b in meta.blocks]
         for r in refs:  # each block there, whole, its digest its manifest's
-            store.blocks.opened(r, shape)
+            rd = store.blocks.reader(r, shape, keep_open=True)
+            rd.read(rd.size)
+            rd.finish()
         buf = io.BytesIO()
         assemble(store.blocks, shape, meta.tokens, refs, meta.n_cells, buf)
         out = staging / "check.bin"
