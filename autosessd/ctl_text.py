@@ -175,7 +175,9 @@ def shared_lines(sh: dict[str, Any], arrivals: int | None = None) -> list[str]:
     rate = f", {sh['download_mb_s']:,.0f} MB/s" if sh.get("download_mb_s") else ""
     out = [f"shared    s3 {sh['bucket']}/{sh['prefix']} at {sh['endpoint']} as {sh['host']}: {listed}",
            f"          uploads {sh['uploads_pending']:,} pending ({sh['uploads_retrying']:,} retrying), "
-           f"{sh['uploads_done']:,} done, {sh['upload_failures']:,} failed attempts, {gb(sh['bytes_up'])} up",
+           f"{sh['uploads_done']:,} done, {sh['upload_failures']:,} failed attempts"
+           + (f", {sh['uploads_dropped']:,} dropped (the local save could not be read)" if sh.get("uploads_dropped")
+              else "") + f", {gb(sh['bytes_up'])} up",
            f"          downloads {sh['downloads']:,} hits, {sh['download_failures']:,} failed, "
            f"{sh['downloads_skipped_slower']:,} skipped as slower than re-reading, "
            f"{sh['downloads_skipped_unreachable']:,} while the bucket failed, "

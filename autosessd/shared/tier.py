@@ -32,7 +32,8 @@ log = logging.getLogger("autosessd.shared")
 class Counters:
     uploads_done: int = 0
     uploads_superseded: int = 0
-    upload_failures: int = 0  # failed attempts (each is retried)
+    upload_failures: int = 0  # failed attempts (each is retried, but for those dropped)
+    uploads_dropped: int = 0  # saves that could not be read to be sent (damaged): never retried
     bytes_up: int = 0
     downloads: int = 0  # hits: a remote save brought into the session directory
     downloads_moved: int = 0  # of those, saves another host made: conversations that moved here
@@ -226,7 +227,8 @@ class SharedStore(Uploads, Downloads, BucketPrune):
                 "endpoint": self.cfg.endpoint_url, "bucket": self.bucket, "prefix": self.prefix, "host": self.host,
                 "uploads_pending": len(self._jobs) + (1 if self._running else 0), "uploads_retrying": retrying,
                 "uploads_done": c.uploads_done, "uploads_superseded": c.uploads_superseded,
-                "upload_failures": c.upload_failures, "last_upload_error": c.last_upload_error,
+                "upload_failures": c.upload_failures, "uploads_dropped": c.uploads_dropped,
+                "last_upload_error": c.last_upload_error,
                 "bytes_up": c.bytes_up,
                 "downloads": c.downloads, "downloads_moved": c.downloads_moved,
                 "bytes_down_moved": c.bytes_down_moved, "download_failures": c.download_failures,

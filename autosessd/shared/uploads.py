@@ -31,7 +31,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..store import slotfile
-from ..store.directory import Meta, Store
+from ..store.directory import Meta, Store, StoreError
+from ..store.staging import Refused
 from .bucket import FORMAT, SESSIONS, SharedError, _why, model_id, parse_key, plan_bucket_prune, stem_of
 
 log = logging.getLogger("autosessd.shared")
@@ -75,7 +76,7 @@ class Uploads:
         """Start the upload worker. With the local store and the engine's model, first re-queue
         local saves of that model that the bucket lacks (uploads lost at a stop or crash)."""
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None and self._thread.is_alive():
                 return
             self._stopping = False
             self._reconcile = (store, model) if store is not None and model else None
@@ -165,12 +166,18 @@ class Uploads:
             return len(self._jobs) + (1 if self._running else 0)
 
     def _work(self) -> None:
+        """The worker's loop. No job's failure ends it: a failure is counted, said, and the job
+        retried with backoff (the bucket, or an error nobody foresaw) or dropped (its local save
+        is gone, or damaged: no later try can send it); every job after it is still sent."""
         if self._reconcile is not None:
             try:
                 self._requeue_missing(*self._reconcile)
             except (SharedError, *self._errors) as e:
                 log.warning("auto sessions: shared: could not compare the bucket with %s at start: %s",
                             self._reconcile[0].path, _why(e))
+            except Exception as e:
+                log.exception("auto sessions: shared: could not compare the bucket with %s at start: %s",
+                              self._reconcile[0].path, e)
         while True:
             with self._cond:
                 job = None
@@ -195,8 +202,17 @@ class Uploads:
                         self.counters.uploads_superseded += 1
                 (log.info if outcome == "done" else log.debug)("auto sessions: shared: upload of %s: %s",
                                                                job.path.name, outcome)
-            except (SharedError, *self._errors) as e:
-                why = _why(e)
+            except Refused as e:  # its save damaged: no later try can send it
+                with self._cond:
+                    self.counters.upload_failures += 1
+                    self.counters.uploads_dropped += 1
+                    self.counters.last_upload_error = f"{job.path.name}: {e}"
+                log.warning("auto sessions: shared: upload of %s dropped: the local save cannot be read: %s",
+                            job.path.name, e)
+            except Exception as e:  # the bucket, the local disk, or a bug: tried again later
+                why = _why(e) if isinstance(e, (SharedError, *self._errors)) else f"{type(e).__name__}: {e}"
+                if not isinstance(e, (SharedError, *self._errors, StoreError)):
+                    log.exception("auto sessions: shared: upload of %s: %s", job.path.name, why)
                 job.attempts += 1
                 job.last_error = why
                 delay = min(self.cfg.retry_max_s, 2.0 ** (job.attempts - 1)) * random.uniform(0.5, 1.0)
@@ -220,6 +236,10 @@ class Uploads:
             f, digest = self._open(job)
         except FileNotFoundError:
             return "superseded: the local file is gone"
+        except Refused as e:
+            if not e.bad:
+                raise StoreError(str(e)) from None  # unreadable for now: tried again
+            raise
         if digest is not None and digest != meta.digest:
             # Assembled from blocks (position order, not the engine's cache order): the bytes
             # sent are those, and a download checks them against their own digest.
@@ -310,6 +330,9 @@ class Uploads:
         store = self._store
         if store is None or not job.meta.in_blocks:
             return open(job.path, "rb"), None
+        now = store.read_meta(job.meta.key)
+        if now is None or now.saved_at != job.meta.saved_at:
+            raise FileNotFoundError(job.path)  # forgotten, pruned or saved again since it was queued
         with store.using(job.path.name):
             staged = store.stage(job.path.name)
             f = open(store.staging / staged.name, "rb")
