@@ -1,7 +1,26 @@
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
 import harness
 from harness import Engine, engine_paths
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_staging_left_behind():
+    """Tests leave nothing in /dev/shm: the tmpfs staging directories `--exec` made for the
+    tests' stores (memory until the next boot) go at the end of the session."""
+    parent = Path(f"/dev/shm/autosessd-{os.getuid()}")
+    before = set(os.listdir(parent)) if parent.is_dir() else None
+    yield
+    if not parent.is_dir():
+        return
+    for name in set(os.listdir(parent)) - (before or set()):
+        shutil.rmtree(parent / name, ignore_errors=True)
+    if before is None and not os.listdir(parent):
+        parent.rmdir()
 
 
 @pytest.fixture(scope="session")

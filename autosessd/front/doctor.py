@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..engines import gguf
 from ..engines.base import EngineError
 from ..engines.process import engine_command
-from ..store import slotfile
+from ..store import places, slotfile
 from ..store.runs import common_prefix
 from ..store.slotfile import encode
 
@@ -76,6 +76,12 @@ class Facts:
     blocks: bool = False
     staging_tmpfs: bool | None = None
     whole: dict[str, int] | None = None
+    # The staging directory (issue 46): why it is not autosessd's own now (None: it is), its copies
+    # against their budget, and tmpfs staging directories of stores that no longer exist.
+    staging_unsafe: str | None = None
+    hot_bytes: int = 0
+    hot_budget: int | None = None
+    stale_staging: tuple[str, ...] = ()
 
 
 def _flag(flags: dict[str, str | bool] | None, *names: str) -> str | bool | None:
@@ -145,6 +151,17 @@ def checks(f: Facts) -> list[Finding]:
                            "engine through `autosessd --exec`, which does so"))
     elif f.blocks and f.staging_tmpfs:
         out.append(Finding("ok", "staging", "the engine saves on tmpfs; the store writes only new blocks"))
+    if f.staging_unsafe:
+        out.append(Finding("problem", "staging", f.staging_unsafe,
+                           "give autosessd and the engine a directory only autosessd's user owns and may write"))
+    if f.hot_budget is not None and f.hot_bytes > f.hot_budget:
+        out.append(Finding("problem", "staging_max_gb", f"the copies in staging take {f.hot_bytes / 1e9:,.2f} GB, over "
+                           f"their budget of {f.hot_budget / 1e9:,.2f} GB (copies held by a restore or a save stay "
+                           "until it ends)", "if it lasts: lower staging_max_gb, or look for a stuck restore"))
+    if f.stale_staging:
+        out.append(Finding("problem", "staging", "tmpfs staging of stores that no longer exist (memory until the "
+                           f"next boot): {'; '.join(f.stale_staging)}",
+                           "autosessd removes them at its next start; or remove them by hand"))
     if f.whole:
         why = "; ".join(f"{n:,} {w}" for w, n in sorted(f.whole.items(), key=lambda kv: -kv[1])[:3])
         out.append(Finding("unknown", "store", f"conversation(s) kept whole, not as blocks: {why}"))
@@ -237,6 +254,8 @@ async def facts(s: Sessions) -> Facts:
         if e.meta is not None and not e.blocks and e.meta.whole:
             whole[e.meta.whole] = whole.get(e.meta.whole, 0) + 1
     tmpfs = await loop.run_in_executor(None, on_tmpfs, str(s.store.staging))
+    unsafe, stale = await loop.run_in_executor(None, _staging_facts, s)
+    hot = s.store.hot_copies()
     sizes = [e.meta.n_tokens for e in entries if e.meta is not None and e.meta.model == s.model]
     n_ctx = info.n_ctx if info is not None else None
     c, nr = s.counters, s.restore_log.not_reused
@@ -247,7 +266,26 @@ async def facts(s: Sessions) -> Facts:
                  files_over_ctx=sum(1 for n in sizes if n_ctx is not None and n >= n_ctx), arch=arch,
                  recurrent=recurrent, reused=c.restores_reused, not_reused=c.restores_not_reused,
                  not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries,
-                 blocks=s.store.cut, staging_tmpfs=tmpfs, whole=whole or None)
+                 blocks=s.store.cut, staging_tmpfs=tmpfs, whole=whole or None, staging_unsafe=unsafe,
+                 hot_bytes=hot["bytes"], hot_budget=hot["budget"], stale_staging=stale)
+
+
+def _staging_facts(s: Sessions) -> tuple[str | None, tuple[str, ...]]:
+    """Why the staging directory is not autosessd's own now (None: it is), and the tmpfs staging
+    directories beside it whose store is gone."""
+    staging = s.store.staging
+    made_here = staging.parent.name == f"autosessd-{os.getuid()}"
+    group = s.store.group
+    try:
+        if made_here:
+            places.check_dir(staging.parent, "the tmpfs staging directory", made_here=True, group=group)
+        places.check_dir(staging, "slot_save_path", made_here=made_here, group=group)
+        unsafe = None
+    except places.NotOurs as e:
+        unsafe = str(e)
+    stale = tuple(f"{d} ({size / 1e6:,.1f} MB, of {store})"
+                  for d, store, size in (places.stale(staging.parent) if made_here else []))
+    return unsafe, stale
 
 
 def on_tmpfs(path: str, mounts_file: str = "/proc/mounts") -> bool | None:

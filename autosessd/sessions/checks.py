@@ -19,6 +19,8 @@ from pathlib import Path
 from ..base.config import Config
 from ..engines.base import Engine, EngineError, SlotSavingOff, SlotsHidden
 from ..engines.process import engine_command
+from ..store import places
+from ..store.names import QUARANTINE
 from ..store import slotfile
 from ..store.directory import TEMP_PREFIX, Store
 from ..store.slotfile import KVLayout
@@ -235,11 +237,29 @@ def router_refusals(cfg: Config) -> None:
                                f"hook only, and keeps its files locally; unset {key}")
 
 
+def tmpfs_staging_of(cfg: Config) -> bool:
+    """slot_save_path is the tmpfs staging autosessd makes itself (config.tmpfs_staging)."""
+    return cfg.store_path is not None and Path(cfg.slot_save_path).parent.name == f"autosessd-{os.getuid()}"
+
+
 def check_store(cfg: Config) -> Store:
+    """The store and its staging, each a directory of autosessd's own (store/places.py), or a
+    StartupError that names it and what is wrong. A tmpfs staging is claimed for this process,
+    and those of stores that no longer exist are removed."""
+    import grp
+
     path = Path(cfg.slot_save_path)
-    if not path.is_dir():
+    group = grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None
+    made_here = tmpfs_staging_of(cfg)
+    if not path.is_dir() and not path.is_symlink():
         raise StartupError(f"slot_save_path {path} is not a directory: create it, and start the engine with "
                            f"--slot-save-path {path}")
+    try:
+        if made_here:
+            places.check_dir(path.parent, "the tmpfs staging directory", made_here=True, group=group)
+        places.check_dir(path, "slot_save_path", made_here=made_here, group=group)
+    except places.NotOurs as e:
+        raise StartupError(str(e)) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"slot_save_path {path} is not writable by uid {os.getuid()}")
     home = cfg.effective_store()
@@ -250,8 +270,21 @@ def check_store(cfg: Config) -> Store:
             raise StartupError(f"store_path {home}: cannot create it: {e.strerror or e}") from None
         if not os.access(home, os.W_OK | os.X_OK):
             raise StartupError(f"store_path {home} is not writable by uid {os.getuid()}")
-    import grp
-
+    try:
+        if home != path:
+            places.check_dir(home, "store_path", group=group)
+        for sub in (home / "blocks", home / QUARANTINE):  # made by autosessd, 0700
+            if os.path.lexists(sub):
+                places.check_dir(sub, f"{sub.name}/ in the store", made_here=True, group=group)
+    except places.NotOurs as e:
+        raise StartupError(str(e)) from None
     # Session files share the socket's audience: the owner, or with control.group its members too.
-    return Store(home, grp.getgrnam(cfg.control.group).gr_gid if cfg.control.group else None, staging=path,
-                 blocks=cfg.store_blocks, hot_budget=cfg.hot_budget())
+    store = Store(home, group, staging=path, blocks=cfg.store_blocks, hot_budget=cfg.hot_budget())
+    if made_here:
+        try:
+            store.claim = places.claim(path, home.resolve())
+        except places.NotOurs as e:
+            raise StartupError(str(e)) from None
+        for what in places.reclaim(path.parent):
+            log.info("auto sessions: removed %s", what)
+    return store

@@ -116,6 +116,7 @@ class Store(Saving, Integrity, Space):
         self.hot = Staging(self.staging, self.path, self.blocks, self._read_manifest, self._lock, self.mode,
                            self._own, self._holders, self._bad_block, hot_budget)
         self._mode_warned = False
+        self.claim: int | None = None  # a tmpfs staging's claim, locked while this store uses it (places.claim)
         # Bytes per token of the densest file seen (None: not looked yet). Set by the first
         # scan with metadata, raised by every finalize: a save's space check reads it
         # instead of scanning the directory on the event loop.
