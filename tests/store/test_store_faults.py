@@ -213,3 +213,17 @@ def test_quarantined_blocks_are_listed_reclaimed_and_gone_with_a_forgotten_conve
     assert len(s.quarantined()) == 1
     assert s.prune_quarantine(7 * 86400, now=time.time() + 6 * 86400) == 0
     assert s.prune_quarantine(7 * 86400, now=time.time() + 8 * 86400) > 0 and s.quarantined() == []
+
+
+# -- 10: a copy never outlives a budget it does not fit -----------------------------------------
+def test_a_save_finalized_under_its_own_hold_keeps_no_copy_beyond_the_budget(tmp_path):
+    """staging_max_gb = 0: the engine's file does not stay as a copy, though the finalize that
+    would keep it holds the name (as the sessions' finalize does); the next restore of a prefix
+    is assembled from the blocks, not read whole from a copy."""
+    s = Store(tmp_path, hot_budget=0)
+    with s.using(f"auto-{A}.bin"):
+        save(s, A, TOKS)
+    assert not s.bin_path(A).exists()
+    with s.using(f"auto-{A}.bin"):
+        staged = s.stage(f"auto-{A}.bin", 8)
+    assert staged.assembled and staged_tokens(s, staged) == TOKS[:8]
