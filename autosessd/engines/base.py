@@ -54,6 +54,10 @@ class EngineInfo:
     # The chat template's identity (a digest of /props chat_template): the same messages give
     # the same tokens only under the same template (keys.chain's seed). "": not known.
     template: str = ""
+    # What changes the KV bytes of the same tokens beside the weights (RoPE/YaRN, LoRA, control
+    # vectors: process.kv_flags), in the fingerprint when there is any. None: the engine's command
+    # line could not be read (a remote engine, another user's, a container): not known.
+    kv_settings: tuple[str, ...] | None = ()
 
 
 class EngineError(Exception):

@@ -32,8 +32,9 @@ from urllib.parse import urlencode
 import aiohttp
 
 from . import http1
+from .process import engine_command, kv_flags
 from .upstream import Upstream
-from .base import (EngineBadAnswer, EngineInfo, EngineLacks, EngineRefused, EngineTimeout, EngineUnreachable,
+from .base import (EngineBadAnswer, EngineError, EngineInfo, EngineLacks, EngineRefused, EngineTimeout, EngineUnreachable,
                    PrefillResult, RestoreResult, SaveResult, SlotSavingOff, SlotsHidden, SlotState)
 
 
@@ -84,8 +85,11 @@ class LlamaServer:
             return f"{path}{sep}{urlencode({'model': self.model_id, 'autoload': 'false'})}", body
         return f"{path}{sep}autoload=false", {**(body or {}), "model": self.model_id}
 
-    async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
-        path, body = self._route(method, path, body)
+    async def _call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None,
+                    route: bool = True) -> Any:
+        """route False: the router's own call, from a model's adapter."""
+        if route:
+            path, body = self._route(method, path, body)
         if self.lean is not None:
             status, text = await self._lean_call(method, path, body, timeout_s or self.timeout_s)
             return self._answer(method, path, status, text)
@@ -298,6 +302,12 @@ class LlamaServer:
         ident = {"name": name, **{k: meta.get(k) for k in ("size", "n_params", "n_vocab", "n_embd")}}
         if self.model_id is not None:
             ident["router_model"] = self.model_id
+        # What changes the K/V of the same tokens besides the weights (process.kv_flags): in the
+        # fingerprint, so that no file or block computed under other settings is read under these.
+        # Only when there are some: an engine without them keeps the fingerprint it always had.
+        kv, read = await self._kv_settings()
+        if kv:
+            ident["kv"] = list(kv)
         fp = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         dgs = props.get("default_generation_settings")
         n_ctx = dgs.get("n_ctx") if isinstance(dgs, dict) else None
@@ -308,7 +318,37 @@ class LlamaServer:
             if isinstance(chat["chat_template"], str) else ""
         return EngineInfo(model=fp, model_name=name, total_slots=int(props.get("total_slots") or 1),
                           model_path=str(props.get("model_path") or ""),
-                          n_ctx=n_ctx if type(n_ctx) is int and n_ctx > 0 else None, template=template)
+                          n_ctx=n_ctx if type(n_ctx) is int and n_ctx > 0 else None, template=template,
+                          kv_settings=kv if read else None)
+
+    async def _kv_settings(self) -> tuple[tuple[str, ...], bool]:
+        """(the settings that change the KV bytes: its command line's (process.kv_flags; behind a
+        router, the model's args from GET /models) and the LoRA adapters it has loaded, with their
+        scales (GET /lora-adapters); whether its command line could be read)."""
+        out: list[str] = []
+        try:
+            adapters = await self._call("GET", "/lora-adapters")
+        except EngineError:
+            adapters = None
+        for a in adapters if isinstance(adapters, list) else ():
+            if isinstance(a, dict) and a.get("path"):
+                out.append(f"lora-adapter={os.path.basename(str(a['path']))}:{a.get('scale')}")
+        command: tuple[list[str], dict[str, str]] | None = None
+        if self.model_id is not None:
+            try:
+                d = await self._call("GET", "/models", route=False)
+                entry = next((m for m in (d.get("data") or []) if isinstance(m, dict) and m.get("id") == self.model_id),
+                             None) if isinstance(d, dict) else None
+                args = ((entry or {}).get("status") or {}).get("args")
+                if isinstance(args, list):
+                    command = ([str(a) for a in args], {})
+            except (EngineError, AttributeError):
+                command = None
+        else:
+            command = await asyncio.to_thread(engine_command, self.kind, self.url)
+        if command is not None:
+            out += kv_flags(*command)
+        return tuple(sorted(out)), command is not None
 
 
 def _error_message(data: Any, text: str) -> str:

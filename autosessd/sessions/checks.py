@@ -105,6 +105,14 @@ async def check_engine(cfg: Config, engine: Engine, store: Store) -> Checked:
         raise StartupError(f"cannot read the engine's properties: {e}") from None
     if info.router:
         return Checked("router", "router", True, 0, router=True, max_loaded=info.max_loaded)
+    if info.kv_settings is None:
+        log.warning("engine: the command line of the engine at %s cannot be read from here (another user's "
+                    "process, a container, another host): settings that change its KV (--rope-*, --yarn-*, --lora, "
+                    "--control-vector, --override-kv) cannot be told apart; after changing one, give autosessd a "
+                    "new store_path (or forget the old saves): saves made under the old ones would be restored",
+                    engine.address)
+    elif info.kv_settings:
+        log.info("engine: its saves are told apart from those of other settings by: %s", ", ".join(info.kv_settings))
     if cfg.engine.slot >= info.total_slots:
         raise StartupError(f"engine.slot is {cfg.engine.slot}, but the engine at {engine.address} runs "
                            f"{info.total_slots} slot(s) (0-{info.total_slots - 1}): fix engine.slot")

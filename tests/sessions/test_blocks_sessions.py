@@ -214,3 +214,19 @@ def test_exec_puts_the_engines_files_on_tmpfs_and_the_store_on_disk(tmp_path, mo
     assert config.tmpfs_staging(chosen, "/dev/shm") is chosen  # the user chose: left alone
     monkeypatch.setattr(config, "_is_tmpfs", lambda p: False)
     assert config.tmpfs_staging(cfg, "/dev/shm") is cfg
+
+
+async def test_a_conversation_whose_requests_name_lora_adapters_is_kept_whole(tmp_path):
+    """A per-request "lora" changes the KV the engine computes for that request alone (issue 46,
+    3): its saves stay whole files, and no block of it is named by a conversation without them."""
+    s = make(tmp_path)
+    await s.prepare()
+    async with await s.admit(None) as t:
+        await s.turn(t, A, body={"messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 0, "scale": 1.0}]})
+        s.engine.ran(conv(A, 70), t.slot_id)
+        await s.ended(t, A, "ok")
+    await s.drain()
+    await request(s, B2, conv(B2, 30))  # A saved at the switch
+    meta = manifest(s, A)
+    assert meta is not None and not meta.in_blocks and "LoRA" in meta.whole
+    assert not s.store.blocks.scan()
