@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("autosessd")
 
+FORGET_WAIT_S = 10.0  # how long forget waits for a reader of a file to let go (an upload, a restore)
+
 
 class Commands:
     def __init__(self, ctx: Context, placement: Placement, observer: Observer, saver: Saver, restorer: Restorer):
@@ -138,7 +140,7 @@ class Commands:
         freed, removed, kept = 0, [], []
         for name in names:
             try:
-                freed += ctx.store.remove(name[5:21])
+                freed += await self._remove_when_free(name)
                 removed.append(name)
             except StoreError as e:
                 kept.append(f"{name}: {e}")
@@ -158,6 +160,20 @@ class Commands:
                 "kept": kept, "erase_failed": erase_failed}
         ctx.events.emit("forgot", **done)
         return done
+
+    async def _remove_when_free(self, name: str, wait_s: float = FORGET_WAIT_S) -> int:
+        """Remove a file of a forgotten conversation, once whoever reads it lets go (an upload
+        assembling it, a restore reading it: both hold it for a moment only); StoreError when it
+        is still held after wait_s (said in forget's answer as kept)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                return await loop.run_in_executor(None, self.ctx.store.remove, name[5:21])
+            except StoreError:
+                if loop.time() >= deadline or not self.ctx.store.users(name):
+                    raise
+            await asyncio.sleep(0.05)
 
     def _files_of(self, key: str) -> list[str]:
         """auto-<key>.bin and the files of its line (branches), as the directory has them."""

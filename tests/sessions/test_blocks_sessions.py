@@ -230,3 +230,19 @@ async def test_a_conversation_whose_requests_name_lora_adapters_is_kept_whole(tm
     meta = manifest(s, A)
     assert meta is not None and not meta.in_blocks and "LoRA" in meta.whole
     assert not s.store.blocks.scan()
+
+
+async def test_forget_waits_for_a_reader_of_the_file_to_let_go(tmp_path):
+    """An upload assembling the file (it holds the name for a moment) when forget comes: the file
+    is removed once it lets go, not kept (a stress seed found the conversation back)."""
+    import threading
+
+    s = make(tmp_path)
+    await s.prepare()
+    await request(s, A, conv(A, 70))
+    await request(s, B2, conv(B2, 30))  # A saved
+    name = f"auto-{A}.bin"
+    s.store.acquire(name)  # the upload's hold
+    threading.Timer(0.3, s.store.release, (name,)).start()
+    done = await s.forget(A)
+    assert done["files"] == [name] and done["kept"] == [] and manifest(s, A) is None
