@@ -168,7 +168,8 @@ def shared_prompt(run: Any, blocks: bool) -> dict[str, Any]:
 def block_sizes(run: Any) -> dict[str, Any]:
     """A's save cut with blocks of 64, 256 and 1024 tokens, offline (the same file each time)."""
     from autosessd.store import blocks as B
-    from autosessd.store.blocks import BlockStore, assemble, split
+    from autosessd.store.blocks import BlockStore
+    from autosessd.store.cutting import assemble, split
     from autosessd.store.kvfile import parse
     from autosessd.store.slotfile import encode
     from kv8b import ask, facts, going_on, post

@@ -232,10 +232,6 @@ class Sessions:
         slot = self.placement.slot_of(ticket)
         if self.sleep is not None:
             await self.sleep.before_turn(slot)
-        if key is not None and isinstance(body, dict) and body.get("lora"):
-            # The engine applies these adapters to this request alone: the KV it computes is
-            # theirs, and no block of it may be named by a conversation without them.
-            self.ctx.kv_whole[key] = "its requests name LoRA adapters of their own (\"lora\"), which change its KV"
         result = await self._turn.run(slot, key, sees_end, body)
         if self.cfg.auto_sessions:
             self.upkeep.schedule_prune()

@@ -38,12 +38,10 @@ the lock is let go. See install() for what a crash leaves.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
 import threading
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -55,9 +53,7 @@ from .integrity import Integrity
 from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, QUARANTINE, QUARANTINE_KEEP_S, TEMP_PREFIX,  # noqa: F401
                     InUse, Meta, NewerHere, StoreError, auto_name, fsync_dir, manual_name, meta_name,
                     temp_name)  # names re-exported for callers
-from . import blocks as blocks_mod
 from .blocks import BlockStore
-from .kvfile import Shape
 from .prune import Entry, PrunePlan, plan_prune
 from .saving import Saving
 from .staging import Staged, Staging
@@ -90,8 +86,9 @@ class Store(Saving, Integrity, Space):
 
     The store is made of two objects it owns and wires: `blocks` (BlockStore: every block's
     life) and `hot` (Staging: the copies and assemblies in staging, given a manifest reader),
-    both under this one lock. Saving (the save path), Integrity (a whole file's checks, the
-    quarantine) and Space (a save's room) are the directory's own halves.
+    both under this one lock. Saving (the save path, and install: a download's), Integrity (a
+    whole file's checks, the quarantine, a damaged block's manifests cut back) and Space (a
+    save's room) are the directory's own halves.
     Nothing fsyncs under _lock, and nothing large is unlinked under it. finalize takes no lock: a local save holds acquire(final)
     from before its finalize to after it, which is what install() looks for.
     """
@@ -201,45 +198,6 @@ class Store(Saving, Integrity, Space):
                 self.hot.drop_record(auto_name(key))
         return old
 
-    def _bad_block(self, key: str, why: str) -> tuple[str, ...]:
-        """A block found damaged (evidence about its own bytes): moved into quarantine with why,
-        and each manifest naming it cut back to the blocks before it (those tokens are still
-        restorable), or removed when it is the first. → the names changed."""
-        assert self.blocks is not None
-        named_by = self.blocks.manifests_naming(key)
-        moved = self.blocks.quarantine(key, why)
-        log.warning("auto sessions: block %s moved aside%s: %s", key, f" to {QUARANTINE}/{moved}" if moved else "",
-                    why)
-        changed = []
-        for m in named_by:
-            with contextlib.suppress(StoreError, OSError):
-                if self._cut_back(m, key):
-                    changed.append(auto_name(m))
-        return tuple(changed)
-
-    def _cut_back(self, key: str, bad: str) -> bool:
-        """Manifest `key` without block `bad` and those after it: rewritten with the blocks
-        before it, or removed when there are none, unless it changed since it was read (a save
-        landed: the next restore judges that one). Its copy in staging goes either way."""
-        ident0 = files.regular_ident(self.meta_path(key))
-        meta = self._meta_at(self.meta_path(key)) if ident0 is not None else None
-        if meta is None or not meta.in_blocks:
-            return False
-        at = next((i for i, b in enumerate(meta.blocks) if b[0] == bad), None)
-        if at is None:
-            return False
-        self.hot.forget(auto_name(key))
-        if at == 0:
-            return self._replace_meta(None, ident0, key=key, held_ok=True)
-        keep = meta.blocks[:at]
-        n = sum(b[1] for b in keep)
-        shape = Shape.from_json(meta.kv)
-        cut = dataclasses.replace(meta, n_tokens=n, bytes=blocks_mod.file_size(shape, n, n), blocks=keep,
-                                  tokens=(meta.tokens or b"")[:4 * n], digest=None, ident=None,
-                                  n_prompt=min(meta.n_prompt, n) if meta.n_prompt is not None else None,
-                                  marks=tuple(m for m in meta.marks if m.n_tokens <= n))
-        return self._replace_meta(cut, ident0, held_ok=True)
-
     # -- names -------------------------------------------------------------
     # -- names -------------------------------------------------------------
     def bin_path(self, key: str) -> Path:
@@ -275,59 +233,6 @@ class Store(Saving, Integrity, Space):
             yield
         finally:
             self.release(name)
-
-    def install(self, temp: Path, name: str, meta: Meta | None, *, claimed: bool) -> None:
-        """Put `temp` (in this directory, whole and fsynced: a download from the shared tier)
-        in place as `name`, with `meta` as its metadata, as finalize does for a local save.
-        name is auto-<meta.key>.bin, or a parked name with meta None. Blocking.
-
-        Refused, with nothing under the name changed (the caller removes temp):
-          InUse      someone else holds the name: in_use counts more than the caller's own
-                     (claimed: the caller holds one count itself, else none)
-          NewerHere  meta given, and auto-<meta.key>.bin has metadata at least as new
-                     (saved_at): a local save finalized meanwhile is kept
-        Both are judged under _lock, in the same section as the renames: no acquire() and
-        no other install comes between the look and the renames. A local save holds
-        acquire(final) from before its finalize, so one finalizing now is refused (InUse),
-        and one that acquires later finalizes after both renames are done.
-
-        Order: the metadata to a temporary of its own, fsynced (no lock); under _lock: the
-        look, rename temp → name, rename the metadata; then fsync the directory (no lock).
-        A crash before that fsync leaves the old pair, the new pair, or the new .bin with
-        the old metadata (a journaling filesystem keeps two renames in one directory in
-        order), as a crash inside finalize does: a .bin whose metadata is missing or
-        disagrees (key, bytes) is treated as absent by every reader and removed by
-        cleanup() at start, with the temporaries. No torn .bin: temp was whole before."""
-        if meta is not None and name != auto_name(meta.key):
-            raise ValueError(f"install: {name} is not the file of {meta.key}'s metadata")
-        if Path(name).name != name or name.startswith("."):
-            raise ValueError(f"install: {name!r} is not a bare file name")
-        final = self.path / name
-        meta_tmp = None
-        if meta is not None:
-            meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
-            written = self._meta_temp(meta, meta_tmp)
-        try:
-            with self._lock:
-                if self.in_use.get(name, 0) > (1 if claimed else 0):
-                    raise InUse(f"{name} is being written or read")
-                local = self.read_meta(meta.key) if meta is not None else None
-                if local is not None and local.saved_at >= meta.saved_at:
-                    raise NewerHere(f"{name}: the local save (saved_at {local.saved_at:.3f}) is as new")
-                os.replace(temp, final)
-                if meta_tmp is not None:
-                    os.replace(meta_tmp, self.meta_path(meta.key))
-                    meta_tmp = None
-                    self._remember_meta(meta.key, written)
-                    self._named(meta.key, meta)  # a whole file now, where a manifest may have been
-                    now = files.regular_ident(final)
-                    if meta.digest is not None and now is not None:
-                        # The rename moved the ctime the metadata recorded: checked as it arrived.
-                        self._checked[name] = (now, meta.digest)
-        finally:
-            if meta_tmp is not None:
-                self._unlink(meta_tmp)
-        fsync_dir(self.path)
 
     def discard_temp(self, key: str) -> None:
         try:
@@ -484,7 +389,7 @@ class Store(Saving, Integrity, Space):
             self._unlink(self.bin_path(key))  # its copy there holds the blocks it lost
             if self._cut_back(key, missing):
                 removed.append(f"{meta_name(key)}'s blocks from {missing} on (the block is missing)")
-        removed += self._cleanup_staging()
+        removed += self.hot.cleanup()
         if self.blocks is not None:
             removed += self.blocks.cleanup()
             n, freed = self.blocks.sweep()
@@ -492,39 +397,6 @@ class Store(Saving, Integrity, Space):
                 removed.append(f"{n} block(s) no manifest names ({freed:,} bytes)")
         if removed:
             fsync_dir(self.path)
-        return removed
-
-    def _cleanup_staging(self) -> list[str]:
-        """Staging's temporaries go; its copies stay as hot copies when their metadata says their
-        size (their digest is checked before the engine reads one: Staging.whole), the oldest
-        first in the budget's order."""
-        removed = []
-        try:
-            names = sorted(os.listdir(self.staging))
-        except FileNotFoundError:
-            return removed
-        hot = []
-        for name in names:
-            path = self.staging / name
-            if self.staging != self.path and name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
-                if self._unlink(path):
-                    removed.append(f"{name} (leftover temporary in staging)")
-                continue
-            m = AUTO_BIN.match(name)
-            if m is None:
-                continue
-            meta = self._read_manifest(m.group(1))[0]
-            if self.staging == self.path and (meta is None or not meta.in_blocks):
-                continue  # a whole file: the store's own, looked at above
-            ident = files.regular_ident(path)
-            if meta is None or ident is None or ident.size != meta.bytes:
-                if self._unlink(path):
-                    removed.append(f"{name} (a copy in staging nothing vouches for)")
-                continue
-            hot.append((ident, name))
-        for ident, name in sorted(hot, key=lambda x: x[0].ctime_ns):
-            self.hot.found(name, ident.size)
-        self.hot.trim()
         return removed
 
     def remove(self, key: str, ident: tuple[int, int, int] | None = None) -> int:

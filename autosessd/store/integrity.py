@@ -1,12 +1,13 @@
 """Whether a session file is still the one saved, before the engine reads it (directory.py's
-docstring: "Before a restore"), and the quarantine that moves a bad one aside with a note of
-why. Store (directory.py) is this class and the directory; the attributes declared below
+docstring: "Before a restore"), the quarantine that moves a bad one aside with a note of why,
+and what a block found damaged does to the manifests naming it (cut back to before it). Store (directory.py) is this class and the directory; the attributes declared below
 are Store's own, and its lock is taken here only as Store takes it: for a look and a rename.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -14,11 +15,17 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..base import files
 from ..base.files import Ident
-from . import slotfile
-from .names import AUTO_BIN, FILE_MODE, QUARANTINE, Meta, fsync_dir
+from . import cutting, slotfile
+from .kvfile import Shape
+from .names import AUTO_BIN, FILE_MODE, QUARANTINE, Meta, StoreError, auto_name, fsync_dir
+
+if TYPE_CHECKING:
+    from .blocks import BlockStore
+    from .staging import Staging
 
 log = logging.getLogger("autosessd")
 
@@ -29,11 +36,17 @@ class Integrity:
     """Store's integrity half (see the module's docstring)."""
 
     path: Path
+    blocks: BlockStore | None
+    hot: Staging
     _lock: threading.RLock
     _checked: dict[str, tuple[Ident, str]]
 
     def meta_path(self, key: str) -> Path: ...  # Store's
     def _meta_at(self, path: Path) -> Meta | None: ...  # Store's
+
+    if TYPE_CHECKING:  # Saving's own: a stub here would come before it in Store's MRO
+        def _replace_meta(self, meta: Meta | None, ident0: Ident | None, key: str | None = None,
+                          held_ok: bool = False) -> bool: ...
 
     def check_whole(self, name: str, n_blocks: int | None = None, stat_only: bool = False,
                     ident: Ident | None = None) -> str | None:
@@ -87,6 +100,46 @@ class Integrity:
         if end is not None and end > ident.size:
             return f"{path.name} has {ident.size:,} bytes, its own fields need {end:,}: it is cut short"
         return None
+
+    # -- a block found damaged ---------------------------------------------
+    def _bad_block(self, key: str, why: str) -> tuple[str, ...]:
+        """A block found damaged (evidence about its own bytes): moved into quarantine with why,
+        and each manifest naming it cut back to the blocks before it (those tokens are still
+        restorable), or removed when it is the first. → the names changed."""
+        assert self.blocks is not None
+        named_by = self.blocks.manifests_naming(key)
+        moved = self.blocks.quarantine(key, why)
+        log.warning("auto sessions: block %s moved aside%s: %s", key, f" to {QUARANTINE}/{moved}" if moved else "",
+                    why)
+        changed = []
+        for m in named_by:
+            with contextlib.suppress(StoreError, OSError):
+                if self._cut_back(m, key):
+                    changed.append(auto_name(m))
+        return tuple(changed)
+
+    def _cut_back(self, key: str, bad: str) -> bool:
+        """Manifest `key` without block `bad` and those after it: rewritten with the blocks
+        before it, or removed when there are none, unless it changed since it was read (a save
+        landed: the next restore judges that one). Its copy in staging goes either way."""
+        ident0 = files.regular_ident(self.meta_path(key))
+        meta = self._meta_at(self.meta_path(key)) if ident0 is not None else None
+        if meta is None or not meta.in_blocks:
+            return False
+        at = next((i for i, b in enumerate(meta.blocks) if b[0] == bad), None)
+        if at is None:
+            return False
+        self.hot.forget(auto_name(key))
+        if at == 0:
+            return self._replace_meta(None, ident0, key=key, held_ok=True)
+        keep = meta.blocks[:at]
+        n = sum(b[1] for b in keep)
+        shape = Shape.from_json(meta.kv)
+        cut = dataclasses.replace(meta, n_tokens=n, bytes=cutting.file_size(shape, n, n), blocks=keep,
+                                  tokens=(meta.tokens or b"")[:4 * n], digest=None, ident=None,
+                                  n_prompt=min(meta.n_prompt, n) if meta.n_prompt is not None else None,
+                                  marks=tuple(m for m in meta.marks if m.n_tokens <= n))
+        return self._replace_meta(cut, ident0, held_ok=True)
 
     # -- quarantine --------------------------------------------------------
     def quarantine(self, name: str, why: str, seen: Ident | None = None) -> str | None:

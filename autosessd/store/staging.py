@@ -42,7 +42,7 @@ from typing import Callable
 
 from ..base import files
 from ..base.files import Ident
-from . import blocks
+from . import blocks, cutting
 from .blocks import BadBlock, BlockRef, BlockStore, Unreadable
 from .kvfile import Shape
 from .names import AUTO_BIN, TEMP_PREFIX, Meta, StoreError
@@ -138,10 +138,40 @@ class Staging:
             self._copies.move_to_end(name)
         self.trim({name: held} if held else None)
 
-    def found(self, name: str, size: int) -> None:
-        """A copy found at start: counted in the budget, trusted only after its digest (whole())."""
+    def cleanup(self) -> list[str]:
+        """At start: staging's temporaries go (where staging is not the store: there the store's
+        own cleanup has them); its copies stay as copies when their metadata says their size
+        (their digest is checked before the engine reads one: whole()), the oldest first in the
+        budget's order; any other copy goes. → what went."""
+        removed = []
+        try:
+            names = sorted(os.listdir(self.dir))
+        except FileNotFoundError:
+            return removed
+        found = []
+        for name in names:
+            path = self.dir / name
+            if self.dir != self.store_dir and name.startswith(TEMP_PREFIX) and name.endswith(".partial"):
+                if _unlink(path):
+                    removed.append(f"{name} (leftover temporary in staging)")
+                continue
+            m = AUTO_BIN.match(name)
+            if m is None:
+                continue
+            meta = self._read_manifest(m.group(1))[0]
+            if self.dir == self.store_dir and (meta is None or not meta.in_blocks):
+                continue  # a whole file: the store's own
+            ident = files.regular_ident(path)
+            if meta is None or ident is None or ident.size != meta.bytes:
+                if _unlink(path):
+                    removed.append(f"{name} (a copy in staging nothing vouches for)")
+                continue
+            found.append((ident, name))
         with self.lock:
-            self._copies[name] = Copy(size)
+            for ident, name in sorted(found, key=lambda x: x[0].ctime_ns):
+                self._copies[name] = Copy(ident.size)  # trusted only after its digest (whole())
+        self.trim()
+        return removed
 
     def used(self, name: str) -> None:
         with self.lock:
@@ -292,7 +322,7 @@ class Staging:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
             with os.fdopen(fd, "wb") as out:
                 self._own(out.fileno(), tmp)
-                digest = blocks.assemble(self.blocks, shape, tokens[:4 * want], refs, cells, out)
+                digest = cutting.assemble(self.blocks, shape, tokens[:4 * want], refs, cells, out)
         except BadBlock as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -374,3 +404,11 @@ class Staging:
             out.append(self.blocks.path(key))
             at += cells
         return out
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return False

@@ -14,7 +14,7 @@ import pytest
 
 from autosessd.engines.llama_server import LlamaServer
 from autosessd.engines.process import kv_flags
-from autosessd.store.blocks import cut
+from autosessd.store.cutting import cut
 from autosessd.store.directory import Meta, Store
 from autosessd.store.kvfile import parse
 

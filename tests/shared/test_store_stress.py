@@ -84,7 +84,7 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
         # A restore's reads of a block (BlockReader opens them read-only, nothing else is asked).
         if faults["on"] and str(path).endswith(".blk") and flags == os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC:
             with fault_lock:
-                fail = fault_rng.random() < 0.15
+                fail = not faults["opens_failed"] or fault_rng.random() < 0.15  # the first, then at random
                 if fail:
                     faults["opens_failed"] += 1
             if fail:
@@ -99,7 +99,7 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
         with fault_lock:
             first_try = (key, meta.saved_at) not in seen
             seen.add((key, meta.saved_at))
-            fail = faults["on"] and first_try and fault_rng.random() < 0.15
+            fail = faults["on"] and first_try and (not faults["finalizes_failed"] or fault_rng.random() < 0.15)
             if fail:
                 faults["finalizes_failed"] += 1
         if fail:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from autosessd.store import blocks as B
-from autosessd.store.blocks import BadBlock, BlockStore, assemble, chain, split
+from autosessd.store.blocks import BadBlock, BlockStore, chain
+from autosessd.store.cutting import assemble, file_size, split
 from autosessd.store.kvfile import NotSliceable, parse
 from autosessd.store.slotfile import encode
 from kv_common import slot_file
@@ -76,7 +77,7 @@ def test_a_file_cut_into_blocks_and_assembled_holds_every_cell_it_held(tmp_path,
         out, digest = assembled(store, kv, refs, m, tmp_path, f"m{m}.bin")
         got_tokens, got = cells_by_position(out)
         assert got_tokens == want_tokens[:m] and got == want[:m]
-        assert out.stat().st_size == B.file_size(kv.shape, m, m)
+        assert out.stat().st_size == file_size(kv.shape, m, m)
         from autosessd.base.files import digest_file
         assert digest_file(out)[0] == digest
 

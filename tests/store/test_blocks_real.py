@@ -12,7 +12,8 @@ import io
 import pytest
 
 from autosessd.store import blocks as B
-from autosessd.store.blocks import BlockStore, assemble, split
+from autosessd.store.blocks import BlockStore
+from autosessd.store.cutting import assemble, split
 from autosessd.store.kvfile import NotSliceable, parse
 from autosessd.store.slotfile import encode
 from harness import chat_body, going_on, long_text

@@ -26,7 +26,8 @@ from autosessd.engines.base import RestoreResult, SaveResult, SlotState
 from autosessd.sessions.facade import Sessions
 from autosessd.sessions.policy import Held
 from autosessd.store import blocks as B
-from autosessd.store.blocks import BlockRef, BlockStore, assemble
+from autosessd.store.blocks import BlockRef, BlockStore
+from autosessd.store.cutting import assemble
 from autosessd.store.directory import AUTO_BIN, TEMP_PREFIX, Store
 from autosessd.store.kvfile import Shape, parse as parse_kv
 from kv_common import slot_file
