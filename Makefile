@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages smg-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages smg-packages systemd-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,10 +45,16 @@ haproxy-packages:
 smg-packages:
 	@PYTHON=$(PYTHON) scripts/smg-tool install || echo "make: the SMG front-door test will be skipped (why: above)"
 
+# The service tests run `systemd-analyze verify` on systemd/ (tests/cli/test_service.py): Debian's
+# systemd package (scripts/systemd-tool), installed here as root, once (nothing is started);
+# otherwise that test is skipped and says why (AUTOSESSD_REQUIRE_SYSTEMD=1: fail).
+systemd-packages:
+	@scripts/systemd-tool install || echo "make: the systemd-analyze test will be skipped (why: above)"
+
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
 # First the layers (pyproject.toml's import-linter contracts) and the import graph's circles, then
 # the documentation site (make docs; not --quiet: it hides the warnings --strict counts).
-test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages smg-packages
+test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages smg-packages systemd-packages
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python scripts/import_cycles.py
 	$(MKDOCS) build --strict

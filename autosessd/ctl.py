@@ -31,16 +31,29 @@ class CtlError(Exception):
         self.exit_code = code
 
 
+# A system service's socket (systemd/autosessd.service: --socket, RuntimeDirectory=autosessd).
+SYSTEM_SOCKET = Path("/run/autosessd/autosessd.sock")
+
+
 def socket_path(explicit: str | None) -> Path:
-    """--socket, else the configured control.socket, else the default path."""
+    """--socket, else the configured control.socket, else the default path; where nothing is at
+    the default path but a system service's runtime directory exists, that service's socket (a
+    user's plain `autosessctl status` then reaches the system service: as a member of
+    control.group, or told why not)."""
     if explicit:
         return Path(explicit)
     from .base import config
 
     try:
-        return config.load(None, {"slot_save_path": "/"}).effective_socket()
+        configured = config.load(None, {"slot_save_path": "/"}).control.socket
     except ConfigError:
-        return default_socket_path()
+        configured = None
+    if configured:
+        return Path(configured)
+    path = default_socket_path()
+    if path != SYSTEM_SOCKET and not os.path.lexists(path) and os.path.isdir(SYSTEM_SOCKET.parent):
+        return SYSTEM_SOCKET
+    return path
 
 
 def connect(path: Path, timeout: float | None) -> socket.socket:
@@ -152,7 +165,8 @@ def run(f: Callable[[], None]) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--socket", "sock", metavar="PATH", help="the daemon's control socket "
-              "(default: control.socket from the config, else $XDG_RUNTIME_DIR/autosessd/autosessd.sock)")
+              "(default: control.socket from the config, else $XDG_RUNTIME_DIR/autosessd/autosessd.sock, "
+              "else a system service's /run/autosessd/autosessd.sock)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 @click.pass_context
 def cli(ctx: click.Context, sock: str | None, as_json: bool) -> None:

@@ -87,6 +87,11 @@ Permission denied: the socket's mode, or the peer-credential check.
 .I $XDG_RUNTIME_DIR/autosessd/autosessd.sock
 The control socket, unless \fB\-\-socket\fR or \fBcontrol.socket\fR says otherwise
 (\fI/run/autosessd/autosessd.sock\fR for root).
+.TP
+.I /run/autosessd/autosessd.sock
+A system service's socket (the systemd unit's \fB\-\-socket\fR), used when nothing is at
+the default path and \fI/run/autosessd\fR exists; a user reaches it as a member of
+\fBcontrol.group\fR.
 .SH SEE ALSO
 .BR autosessd (1).
 The documentation site: \fBmake docs\fR in the source tree, or its \fIdocs/\fR folder.

@@ -1,5 +1,6 @@
 """Service files: systemd units verify, launchd agents parse and carry the keys that matter;
-and the daemon's side of the systemd protocol (sd_notify)."""
+and the daemon's side of the systemd protocol (sd_notify). The units run as written:
+test_service_as_written.py."""
 
 import os
 import plistlib
@@ -17,9 +18,21 @@ UNITS = ROOT / "systemd"
 AGENTS = ROOT / "launchd"
 
 
+def systemd_analyze_or_skip() -> str:
+    """systemd-analyze (Debian's systemd package: `make test` installs it as root, scripts/systemd-tool).
+    Missing: the test skips and says why, or fails where AUTOSESSD_REQUIRE_SYSTEMD is set (.ci/run)."""
+    path = shutil.which("systemd-analyze")
+    if path is None:
+        why = ("systemd-analyze is not installed here (Debian/Ubuntu: sudo apt-get install -y systemd, or "
+               "make systemd-packages as root)")
+        if os.environ.get("AUTOSESSD_REQUIRE_SYSTEMD"):
+            pytest.fail(f"AUTOSESSD_REQUIRE_SYSTEMD is set: {why}")
+        pytest.skip(reason=why)
+    return path
+
+
 def test_systemd_units_verify(tmp_path):
-    if not shutil.which("systemd-analyze"):
-        pytest.skip(reason="systemd-analyze is not installed here (Debian/Ubuntu: apt-get install systemd)")
+    systemd_analyze_or_skip()
     # verify checks that ExecStart binaries exist: point them at the ones this checkout has.
     autosessd = shutil.which("autosessd") or str(ROOT / ".venv" / "bin" / "autosessd")
     server = engine_paths()["LLAMA_SERVER"]
@@ -166,3 +179,4 @@ def test_sighup_reloads_and_keeps_the_old_config_when_the_new_one_is_bad(tmp_pat
     finally:
         d.stop()
         eng.stop()
+
