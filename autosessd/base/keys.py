@@ -42,11 +42,20 @@ def is_key(s: object) -> bool:
     return isinstance(s, str) and KEY_RE.match(s) is not None
 
 
+def names_own_adapters(body: Any) -> bool:
+    """A body with llama-server's per-request `"lora"` (adapters and scales for this request
+    alone): the KV the engine computes for it is theirs, so it is no conversation of autosessd's
+    (nothing of it is saved, nothing restored into it; the slot's conversation is saved before it
+    runs, as before any request without one)."""
+    return isinstance(body, dict) and bool(body.get("lora"))
+
+
 def conversation_key(body: Any) -> str | None:
     """Key of a request body: OpenAI chat (`messages`), Anthropic (`messages`; `system`
     is not a user message) or OpenAI responses (`input`: a string or a list of items).
-    Never raises: anything malformed simply has no key."""
-    if not isinstance(body, dict):
+    Never raises: anything malformed simply has no key, and neither has a body naming its own
+    LoRA adapters (names_own_adapters)."""
+    if not isinstance(body, dict) or names_own_adapters(body):
         return None
     text = None
     if isinstance(body.get("messages"), list):

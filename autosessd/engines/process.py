@@ -66,7 +66,7 @@ def kv_flags(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, .
     a control vector) by its base name and size, so that the same file anywhere is the same
     setting and another file under the same name is not."""
     out = []
-    i = 1
+    i = 1 if argv and not argv[0].startswith("-") else 0  # the program's path (a router's args may lack it)
     while i < len(argv):
         a = argv[i]
         name, eq, value = a.partition("=")
@@ -78,11 +78,12 @@ def kv_flags(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, .
             continue
         values = [value] if eq else argv[i + 1:i + 1 + n]
         i += 1 + (0 if eq else n)
-        if name == "--lora-scaled" and not eq and values and ":" not in values[0] and i < len(argv):
-            values.append(argv[i])  # the older form: FNAME SCALE
-            i += 1
         if name in _FILE_VALUED:
             values = [_file_id(v) for v in values]
+        if name in ("--lora-scaled", "--control-vector-scaled") and not eq and values and ":" not in values[0] \
+                and i < len(argv):
+            values.append(argv[i])  # the older form: FNAME SCALE
+            i += 1
         out.append(f"{name}={' '.join(values)}" if values else name)
     for k, v in sorted((env or {}).items()):
         if k.startswith("LLAMA_ARG_") and any(w in k for w in KV_ENV):

@@ -273,8 +273,10 @@ async def facts(s: Sessions) -> Facts:
 def _staging_facts(s: Sessions) -> tuple[str | None, tuple[str, ...]]:
     """Why the staging directory is not autosessd's own now (None: it is), and the tmpfs staging
     directories beside it whose store is gone."""
+    from ..sessions.checks import tmpfs_staging_of
+
     staging = s.store.staging
-    made_here = staging.parent.name == f"autosessd-{os.getuid()}"
+    made_here = tmpfs_staging_of(s.ctx.cfg)
     group = s.store.group
     try:
         if made_here:

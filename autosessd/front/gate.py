@@ -43,7 +43,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from ..base.config import Config, parse_hostport
-from ..base.keys import conversation_id_key, conversation_key
+from ..base.keys import conversation_id_key, conversation_key, names_own_adapters
 from ..engines.keepalive import Keepalive
 from ..engines.upstream import SSEWatcher, Upstream, gate_error
 from ..follow.requestlog import RequestLog
@@ -267,7 +267,8 @@ class Gate:
         # streams on; behind SMG also X-SMG-Routing-Key); else its first user message.
         key = (next((k for k in (conversation_id_key(request.headers.get(h))
                                  for h in self.cfg.gate.conversation_id_headers) if k), None)
-               or conversation_key(parsed) if request.path in CONVERSATION_PATHS else None)
+               or conversation_key(parsed) if request.path in CONVERSATION_PATHS and not names_own_adapters(parsed)
+               else None)
         # Only an OpenAI chat body has its tokens from the engine's /apply-template; the other
         # APIs' bodies keep the key rule.
         chat = parsed if request.path in CHAT_PATHS and isinstance(parsed, dict) else None

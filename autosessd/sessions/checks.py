@@ -281,9 +281,10 @@ def check_store(cfg: Config) -> Store:
     try:
         if home != path:
             places.check_dir(home, "store_path", group=group)
-        for sub in (home / "blocks", home / QUARANTINE):  # made by autosessd, 0700
-            if os.path.lexists(sub):
-                places.check_dir(sub, f"{sub.name}/ in the store", made_here=True, group=group)
+        for sub in (home / "blocks", home / QUARANTINE, home / "quarantine"):  # made by autosessd, 0700
+            done = places.tighten(sub, f"{sub.name}/ in the store", group=group)
+            if done:
+                log.info("auto sessions: %s", done)
     except places.NotOurs as e:
         raise StartupError(str(e)) from None
     # Session files share the socket's audience: the owner, or with control.group its members too.

@@ -96,9 +96,6 @@ class Context:
     # Files asked into the page cache lately (warm.py), name → (identity, when): one memory
     # bound for the house, whatever model behind a router asked.
     warmed: dict = field(default_factory=dict)
-    # Conversations whose KV a request computed under settings of its own (a per-request "lora"):
-    # key → why their saves stay whole files, never blocks another conversation would reuse.
-    kv_whole: dict = field(default_factory=dict)
 
     @property
     def chat(self) -> ChatEngine | None:

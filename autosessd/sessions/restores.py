@@ -28,6 +28,7 @@ restart (commands.py). Each holds the slot's ticket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ from ..engines.base import EngineError, EngineRefused
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, auto_name
 from ..store.integrity import NEEDS_READ
+from ..store.runs import decode
 from ..store.staging import Refused, Staged
 from .observe import SLEPT, UNLOADED
 from .phases import timed
@@ -179,6 +181,13 @@ class Restorer:
                 result.errors.append(f"restore of {name} refused: {e}")
             if ctx.index is not None and isinstance(e, Refused) and e.bad:
                 ctx.index.forget_if_gone(name)
+                for cut in e.cut:  # a damaged block cut these back: the index learns what they hold now
+                    meta = ctx.store.read_meta(cut[5:21])
+                    if meta is None or not meta.in_blocks:
+                        ctx.index.forget_if_gone(cut)
+                        continue
+                    with contextlib.suppress(OSError, ValueError):
+                        ctx.index.add(cut, decode(meta.tokens or b""), meta.model, meta.marks)
             return None
 
     def _checked_in_staging(self, name: str) -> bool:

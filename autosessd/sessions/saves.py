@@ -228,8 +228,7 @@ class Saver(Finalizing):
         meta = Meta(key=file_key, n_tokens=res.n_tokens, bytes=res.n_bytes, saved_at=time.time(), model=model,
                     save_ms=round(res.ms, 2), line=line, n_prompt=len(prefix) // 4 if prefix is not None else n_prompt,
                     prefix=prefix is not None, layout=layout.fingerprint() if layout else None,
-                    marks=self._marks(v, n_prompt, tokens) if mine and target is None else (),
-                    whole=ctx.kv_whole.get(key))
+                    marks=self._marks(v, n_prompt, tokens) if mine and target is None else ())
         # One finalize per final file at a time: a file's name comes from its line's key, and
         # one save per temporary (that key) runs at a time, after that temporary's finalize
         # (temp_free); a person's name is kept under the temporary's key.

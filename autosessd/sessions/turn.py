@@ -78,10 +78,6 @@ class Turn(Choosing):
         result = TurnResult(key=key, slot=s.id)
         t0 = time.monotonic()
         carry: Carry | None = None
-        if key is not None and body is not None and body.get("lora"):
-            # The engine applies these adapters to this request alone: the KV it computes is
-            # theirs, and no block of it may be named by a conversation without them.
-            ctx.kv_whole[key] = "its requests name LoRA adapters of their own (\"lora\"), which change its KV"
         try:
             self.observer.launch.forget_look(s)  # this turn's own look, or none
             if key is not None and ctx.cfg.auto_sessions:

@@ -297,6 +297,9 @@ def _gauges(s: Reported) -> list[Row]:
         ("staging_hot_bytes", "gauge", "Bytes of copies kept in staging for a quick return", usage["hot"]["bytes"]),
         ("staging_hot_budget_bytes", "gauge", "staging_max_gb: what those copies are kept under",
          usage["hot"]["budget"]),
+        ("store_block_read_errors_total", "counter", "Assemblies that failed twice on an error of the process or the "
+                                                     "system reading a block (the store kept as it was)",
+         usage["hot"]["read_errors"]),
         ("session_budget_bytes", "gauge", "auto_sessions_max_gb: what prune keeps the auto files under",
          int(cfg.auto_sessions_max_gb * 1e9)),
         ("session_keep_files", "gauge", "auto_sessions_keep: the newest auto files prune keeps", cfg.auto_sessions_keep),

@@ -37,6 +37,8 @@ from .bucket import FORMAT, SESSIONS, SharedError, _why, model_id, parse_key, pl
 
 log = logging.getLogger("autosessd.shared")
 
+LOCAL_TRIES = 8  # an upload whose local save cannot be read this many times is dropped (counted)
+
 
 def _read_header_fd(f, size: int) -> slotfile.SlotHeader:
     """slotfile.read_header on an open file (the upload reads the inode it opened, not the path)."""
@@ -56,6 +58,7 @@ class _Job:
     meta: Meta
     stem: str
     attempts: int = 0
+    local_failures: int = 0  # attempts that failed reading the local save (not the bucket)
     due: float = 0.0  # time.monotonic() before which it is not tried
     last_error: str | None = None
 
@@ -213,6 +216,15 @@ class Uploads:
                 why = _why(e) if isinstance(e, (SharedError, *self._errors)) else f"{type(e).__name__}: {e}"
                 if not isinstance(e, (SharedError, *self._errors, StoreError)):
                     log.exception("auto sessions: shared: upload of %s: %s", job.path.name, why)
+                job.local_failures += not isinstance(e, (SharedError, *self._errors))
+                if job.local_failures >= LOCAL_TRIES:  # the local save stays unreadable: not for ever
+                    with self._cond:
+                        self.counters.upload_failures += 1
+                        self.counters.uploads_dropped += 1
+                        self.counters.last_upload_error = f"{job.path.name}: {why}"
+                    log.warning("auto sessions: shared: upload of %s dropped: the local save could not be read "
+                                "%d times: %s", job.path.name, job.local_failures, why)
+                    continue
                 job.attempts += 1
                 job.last_error = why
                 delay = min(self.cfg.retry_max_s, 2.0 ** (job.attempts - 1)) * random.uniform(0.5, 1.0)

@@ -31,7 +31,6 @@ Cutting a file into blocks and assembling one from them is cutting.py's.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -113,6 +112,16 @@ def _raw_digest(digest: str) -> bytes:
     return bytes.fromhex(digest[len(prefix):])
 
 
+class OtherBlock(BadBlock):
+    """A whole block under the key (its payload is its own header's digest), but not the bytes
+    the manifest recorded: the key's block was written again since (the same tokens' KV, other
+    bytes). Nothing is wrong with the block; only that manifest cannot be assembled as it is."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(why)
+        self.key = key
+
+
 class NotTheFile(StoreError):
     """A file whose bytes are no longer those its metadata's digest says: never cut into blocks."""
 
@@ -136,8 +145,10 @@ class BlockStore:
     Prune sweeps the whole directory; a removal sweeps the blocks it un-named.
 
     Only evidence about a block's own bytes condemns it (BadBlock: missing, its size, its
-    header, its digest); then quarantine() moves it aside with a note of why and of the
-    manifests that named it. Any other error reading it is Unreadable."""
+    header, its payload matching neither its manifest's digest nor its own header's); then
+    quarantine() moves it aside with a note of why and of the manifests that named it. A whole
+    block of other bytes than a manifest recorded (OtherBlock: written again under its key
+    since) condemns only that manifest's tail. Any other error reading it is Unreadable."""
 
     def __init__(self, home: Path, mode: int = 0o600, lock: threading.RLock | None = None):
         self.home = home
@@ -145,6 +156,7 @@ class BlockStore:
         self.mode = mode
         self.lock = lock if lock is not None else threading.RLock()
         self._named: dict[str, tuple[str, ...]] = {}  # manifest key → the blocks it names
+        self._dropped: set[str] = set()  # blocks a manifest stopped naming since the last sweep of them
         self._pins: Counter[str] = Counter()  # blocks a save or a reader holds
         self._checked: dict[str, tuple[Ident, str]] = {}  # key → (identity, digest) read whole lately
         self.bytes_written = 0  # bytes of blocks written since the start
@@ -158,10 +170,10 @@ class BlockStore:
         gone). The caller holds `lock` across the manifest's rename and this call."""
         keys = tuple(keys or ())
         with self.lock:
+            old = self._named.pop(manifest, ())
             if keys:
                 self._named[manifest] = keys
-            else:
-                self._named.pop(manifest, None)
+            self._dropped.update(set(old) - set(keys))
 
     def naming(self, manifest: str) -> tuple[str, ...]:
         with self.lock:
@@ -204,6 +216,8 @@ class BlockStore:
         there = self.scan() if candidates is None else self._sizes(candidates)
         doomed: list[tuple[Path, int]] = []
         with self.lock:
+            if candidates is None:
+                self._dropped.clear()
             live = set(self._pins).union(*self._named.values())
             dead = [k for k in there if k not in live]
             if dry_run:
@@ -222,6 +236,14 @@ class BlockStore:
                 aside.unlink()
         return len(doomed), sum(size for _, size in doomed)
 
+    def sweep_dropped(self) -> tuple[int, int]:
+        """sweep() of the blocks a manifest stopped naming since they were last swept (a removal,
+        a save's old last block, a conversation saved whole after its blocks): no scan of the
+        directory. → (blocks, bytes)."""
+        with self.lock:
+            dropped, self._dropped = self._dropped, set()
+        return self.sweep(dropped)
+
     def _sizes(self, keys: Iterable[str]) -> dict[str, int]:
         out = {}
         for k in keys:
@@ -234,7 +256,7 @@ class BlockStore:
         """(cells, digest) of the block stored under `key`, from its header; None: none."""
         try:
             f, st = files.open_regular(self.path(key))
-        except FileNotFoundError:
+        except (FileNotFoundError, files.NotRegular):  # a link or a FIFO at its name: no block (put replaces it)
             return None
         with f:
             head = f.read(HEADER.size)
@@ -254,7 +276,8 @@ class BlockStore:
         if have is not None and have[0] == n_cells:
             return have[1], 0
         final = self.path(key)
-        final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # its own mode: as a parent it would be 0755
+        final.parent.mkdir(exist_ok=True, mode=0o700)
         tmp = final.parent / f".{key}.{uuid.uuid4().hex[:8]}.partial"
         h = Hasher()
         written = 0
@@ -302,9 +325,6 @@ class BlockStore:
             fsync_dir(self.dir)
 
     # -- reading -------------------------------------------------------------------------------
-    def reader(self, ref: BlockRef, shape: Shape, keep_open: bool) -> "BlockReader":
-        return BlockReader(self, ref, shape, keep_open)
-
     def _checked_as(self, key: str) -> tuple[Ident, str] | None:
         with self.lock:
             return self._checked.get(key)
@@ -343,8 +363,10 @@ class BlockStore:
                 "block_bytes_written": self.bytes_written}
 
     def cleanup(self) -> list[str]:
-        """At start: the temporaries a crash left in the block directories."""
-        removed = []
+        """At start: the temporaries a crash left in the block directories, and blocks an
+        earlier version set aside in quarantine/ (no note, never pruned), moved to the
+        quarantine with one."""
+        removed = self._old_quarantine()
         try:
             subs = list(os.scandir(self.dir))
         except FileNotFoundError:
@@ -360,6 +382,30 @@ class BlockStore:
                             removed.append(f"{DIR}/{sub.name}/{d.name} (leftover temporary)")
         return removed
 
+    def _old_quarantine(self) -> list[str]:
+        old = self.home / "quarantine"
+        try:
+            entries = list(os.scandir(old))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        done = []
+        for e in entries:
+            key = e.name.split(".")[0]
+            if e.is_file(follow_symlinks=False) and len(key) == 32:
+                qdir = self.home / QUARANTINE
+                qdir.mkdir(mode=0o700, exist_ok=True)
+                dest = qdir / f"block-{e.name}"
+                note = {"name": f"block {key}", "why": "set aside by an earlier version (its note was not kept)",
+                        "at": e.stat(follow_symlinks=False).st_mtime, "bytes": e.stat(follow_symlinks=False).st_size,
+                        "block": key, "named_by": []}
+                with open(dest.with_name(dest.name + ".why"), "x") as f:
+                    f.write(json.dumps(note) + "\n")
+                os.rename(e.path, dest)
+                done.append(f"quarantine/{e.name} (moved to {QUARANTINE}/ with a note)")
+        with contextlib.suppress(OSError):
+            old.rmdir()
+        return done
+
     def quarantine(self, key: str, why: str) -> str | None:
         """A block found damaged (BadBlock), moved into the store's quarantine with a note of why
         and of the manifests that named it (forget finds it by them). → its name there, None
@@ -370,112 +416,26 @@ class BlockStore:
         dest = qdir / f"block-{key}.blk.{stamp}.{uuid.uuid4().hex[:6]}"
         with self.lock:
             named_by = sorted(m for m, keys in self._named.items() if key in keys)
+        try:
+            size: int | None = os.lstat(self.path(key)).st_size
+        except FileNotFoundError:
+            size = None
+        # The note first (whole, fsynced), then the block: a crash between leaves a note whose
+        # block is still in blocks/ (found damaged again), never a block nobody lists or forgets.
+        note = {"name": f"block {key}", "why": why, "at": time.time(), "bytes": size, "block": key,
+                "named_by": named_by}
+        tmp = qdir / f".{dest.name}.why.partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(note) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest.with_name(dest.name + ".why"))
+        with self.lock:
             try:
-                size = os.lstat(self.path(key)).st_size
                 os.rename(self.path(key), dest)
             except FileNotFoundError:
                 size = None
             self._checked.pop(key, None)
-        note = {"name": f"block {key}", "why": why, "at": time.time(), "bytes": size, "block": key,
-                "named_by": named_by}
-        fd = os.open(dest.with_name(dest.name + ".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(note) + "\n")
         fsync_dir(qdir)
         return dest.name if size is not None else None
-
-
-class BlockReader:
-    """One block read for an assembly, section by section in the order of its payload (its
-    cells' meta, K per layer, V per layer): each section with a pread, the file opened again
-    for it unless keep_open (the first OPEN_AT_ONCE blocks of an assembly keep theirs), so an
-    assembly of any length holds at most that many descriptors. Every opening must find the
-    file of the first (its identity); the payload is hashed as it is read, unless this very
-    file was read whole and found right before, and finish() compares the digest.
-
-    BadBlock: evidence about the block itself (missing, its size, its header, its digest).
-    Unreadable: anything else (EMFILE, EIO, EACCES, the file replaced while read)."""
-
-    def __init__(self, store: BlockStore, ref: BlockRef, shape: Shape, keep_open: bool):
-        self.store, self.ref, self.shape = store, ref, shape
-        self.size = payload_size(shape, ref.n_cells)
-        self.keep_open = keep_open
-        self.fd: int | None = None
-        self.at = 0
-        fd = self._open()
-        try:
-            st = os.fstat(fd)
-            if st.st_size != HEADER.size + self.size:
-                raise BadBlock(f"block {ref.key} has {st.st_size:,} bytes, {HEADER.size + self.size:,} were written")
-            head = self._pread(fd, HEADER.size, 0)
-            magic, n, cb, raw_key, raw_digest = HEADER.unpack(head)
-            if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells or cb != shape.cell_bytes \
-                    or _digest_of(raw_digest) != ref.digest:
-                raise BadBlock(f"block {ref.key}'s header is not the one its manifest names")
-            self.ident = Ident.of(st)
-            self.hasher = None if store._checked_as(ref.key) == (self.ident, ref.digest) else Hasher()
-        except BaseException:
-            os.close(fd)
-            raise
-        if keep_open:
-            self.fd = fd
-        else:
-            os.close(fd)
-
-    def _open(self) -> int:
-        p = self.store.path(self.ref.key)
-        try:
-            return os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise BadBlock(f"block {self.ref.key} is missing") from None
-        except OSError as e:
-            raise Unreadable(f"block {self.ref.key}: {e.strerror or e}") from None
-
-    def _pread(self, fd: int, n: int, offset: int) -> bytes:
-        try:
-            got = os.pread(fd, n, offset)
-        except OSError as e:
-            raise Unreadable(f"block {self.ref.key}: {e.strerror or e}") from None
-        if len(got) != n:
-            raise BadBlock(f"block {self.ref.key} ends {n - len(got):,} bytes early")
-        return got
-
-    def read(self, section: int, take: int | None = None) -> bytes:
-        """The next `section` bytes of the payload (only their first `take` when the rest is not
-        wanted and nothing needs hashing)."""
-        want = section if take is None or self.hasher is not None else take
-        fd = self.fd
-        if fd is None:
-            fd = self._open()
-        try:
-            if self.fd is None and Ident.of(os.fstat(fd)) != self.ident:
-                raise Unreadable(f"block {self.ref.key} was replaced while it was read")
-            got = self._pread(fd, want, HEADER.size + self.at)
-        finally:
-            if self.fd is None:
-                os.close(fd)
-        self.at += section
-        if self.hasher is not None:
-            self.hasher.update(got)
-        return got
-
-    def finish(self) -> None:
-        """Every section read: the payload is the one its manifest names."""
-        self.close()
-        if self.hasher is None:
-            return
-        if self.at != self.size:
-            raise BadBlock(f"block {self.ref.key}: {self.at:,} of its {self.size:,} bytes read")
-        digest = self.hasher.hexdigest()
-        if digest != self.ref.digest:
-            raise BadBlock(f"block {self.ref.key}'s bytes changed: its digest is {digest}")
-        self.store._read_whole(self.ref.key, self.ident, digest)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def errno_is_space(e: OSError) -> bool:
-    return e.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -6,11 +6,12 @@ are in cache order: cut() gathers each block's by position) and stores those not
 assemble() writes a slot file of the first m tokens from a manifest's blocks: the engine's
 header and payload with those tokens, one stream of min(m, cells) cells at positions 0…m−1,
 the data per layer from each block in order, and the manifest's stream count. It reads each
-block section by section (BlockReader): at most OPEN_AT_ONCE descriptors whatever its length.
+block section by section (BlockReader, below): at most OPEN_AT_ONCE descriptors whatever its length.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
@@ -18,9 +19,10 @@ from typing import BinaryIO, Iterator, Sequence
 import numpy as np
 
 from ..base import files
-from ..base.files import Hasher
+from ..base.files import Hasher, Ident
 from . import blocks
-from .blocks import BadBlock, BlockReader, BlockRef, BlockStore, NotTheFile, chain
+from .blocks import HEADER, MAGIC_BLOCK, BadBlock, BlockRef, BlockStore, NotTheFile, OtherBlock, Unreadable, chain, \
+    payload_size
 from .kvfile import KVFile, Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
@@ -79,7 +81,7 @@ def assemble(store: BlockStore, shape: Shape, tokens: bytes, refs: Sequence[Bloc
     readers: list[BlockReader] = []
     try:
         for i, (r, _) in enumerate(take):
-            readers.append(store.reader(r, shape, keep_open=i < blocks.OPEN_AT_ONCE))
+            readers.append(BlockReader(store, r, shape, keep_open=i < blocks.OPEN_AT_ONCE))
         cb = shape.cell_bytes
         at0 = 0
         for rd, (r, k) in zip(readers, take):  # the cells' meta: positions 0 … n_cells−1, checked
@@ -151,3 +153,96 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str,
     return refs, written
 
 
+class BlockReader:
+    """One block read for an assembly, section by section in the order of its payload (its
+    cells' meta, K per layer, V per layer): each section with a pread, the file opened again
+    for it unless keep_open (the first OPEN_AT_ONCE blocks of an assembly keep theirs), so an
+    assembly of any length holds at most that many descriptors. Every opening must find the
+    file of the first (its identity); the payload is hashed as it is read, unless this very
+    file was read whole and found right before, and finish() compares the digest.
+
+    BadBlock: evidence about the block itself (missing, its size, its header, its digest).
+    Unreadable: anything else (EMFILE, EIO, EACCES, the file replaced while read)."""
+
+    def __init__(self, store: BlockStore, ref: BlockRef, shape: Shape, keep_open: bool):
+        self.store, self.ref, self.shape = store, ref, shape
+        self.size = payload_size(shape, ref.n_cells)
+        self.keep_open = keep_open
+        self.fd: int | None = None
+        self.at = 0
+        fd = self._open()
+        try:
+            st = os.fstat(fd)
+            if st.st_size != HEADER.size + self.size:
+                raise BadBlock(f"block {ref.key} has {st.st_size:,} bytes, {HEADER.size + self.size:,} were written")
+            head = self._pread(fd, HEADER.size, 0)
+            magic, n, cb, raw_key, raw_digest = HEADER.unpack(head)
+            if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells or cb != shape.cell_bytes:
+                raise BadBlock(f"block {ref.key}'s header is not the one its manifest names")
+            self.own_digest = blocks._digest_of(raw_digest)  # what its header says: finish() tells damage from another block
+            self.ident = Ident.of(st)
+            self.hasher = None if store._checked_as(ref.key) == (self.ident, ref.digest) else Hasher()
+        except BaseException:
+            os.close(fd)
+            raise
+        if keep_open:
+            self.fd = fd
+        else:
+            os.close(fd)
+
+    def _open(self) -> int:
+        p = self.store.path(self.ref.key)
+        try:
+            return os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise BadBlock(f"block {self.ref.key} is missing") from None
+        except OSError as e:
+            raise Unreadable(f"block {self.ref.key}: {e.strerror or e}") from None
+
+    def _pread(self, fd: int, n: int, offset: int) -> bytes:
+        try:
+            got = os.pread(fd, n, offset)
+        except OSError as e:
+            raise Unreadable(f"block {self.ref.key}: {e.strerror or e}") from None
+        if len(got) != n:
+            raise BadBlock(f"block {self.ref.key} ends {n - len(got):,} bytes early")
+        return got
+
+    def read(self, section: int, take: int | None = None) -> bytes:
+        """The next `section` bytes of the payload (only their first `take` when the rest is not
+        wanted and nothing needs hashing)."""
+        want = section if take is None or self.hasher is not None else take
+        fd = self.fd
+        if fd is None:
+            fd = self._open()
+        try:
+            if self.fd is None and Ident.of(os.fstat(fd)) != self.ident:
+                raise Unreadable(f"block {self.ref.key} was replaced while it was read")
+            got = self._pread(fd, want, HEADER.size + self.at)
+        finally:
+            if self.fd is None:
+                os.close(fd)
+        self.at += section
+        if self.hasher is not None:
+            self.hasher.update(got)
+        return got
+
+    def finish(self) -> None:
+        """Every section read: the payload is the one its manifest names."""
+        self.close()
+        if self.hasher is None:
+            return
+        if self.at != self.size:
+            raise BadBlock(f"block {self.ref.key}: {self.at:,} of its {self.size:,} bytes read")
+        digest = self.hasher.hexdigest()
+        if digest != self.ref.digest:
+            if digest == self.own_digest:  # whole: the key's block was written again since the manifest
+                raise OtherBlock(self.ref.key, f"block {self.ref.key} holds other bytes than its manifest recorded "
+                                               f"(written again since): {digest}")
+            raise BadBlock(f"block {self.ref.key}'s bytes changed: its digest is {digest}")
+        self.store._read_whole(self.ref.key, self.ident, digest)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

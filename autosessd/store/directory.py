@@ -3,8 +3,8 @@
 The directory is shared with the engine (unless store_path sets the store apart from the
 engine's staging directory: staging.py). autosessd owns exactly `auto-<16 hex>.bin` and
 `auto-<16 hex>.json`, its temporaries `.autosessd-*`, `blocks/` (blocks.py: a conversation kept
-as token blocks, its metadata the manifest and its .bin, if any, a copy) and `quarantine/`;
-every other file is a person's and is never touched.
+as token blocks, its metadata the manifest and its .bin, if any, a copy) and
+`.autosessd-quarantine/`; every other file is a person's and is never touched.
 
 How a save becomes visible (no torn `auto-*.bin`, ever): saving.py, Store's save path.
 
@@ -406,7 +406,6 @@ class Store(Saving, Integrity, Space):
         freed. Refuses a file in use, and with `ident` (inode, mtime_ns, size), a file that is
         not that one (saved again since the caller looked: of the .bin, or of a manifest)."""
         doomed = self.path / f"{TEMP_PREFIX}{key}.removing.partial"  # a leftover goes at the next start
-        named: tuple[str, ...] = ()
         with self._lock:  # no acquire() between the check and the rename away
             in_blocks = self.blocks is not None and bool(self.blocks.naming(key))
             path = self.meta_path(key) if in_blocks else self.bin_path(key)
@@ -418,13 +417,15 @@ class Store(Saving, Integrity, Space):
                     raise StoreError(f"{auto_name(key)} was saved again since it was planned for removal")
                 size = st.st_size
                 os.rename(path, doomed)  # the name is gone at once; a multi-GB unlink is not held under the lock
-                named = self._named(key, None)
+                self._named(key, None)
             except FileNotFoundError:
                 size = 0
         self._unlink(doomed)
+        if self.blocks is not None:
+            # Its blocks, and those its earlier saves named (a last block since replaced, blocks
+            # before a whole save), that nothing else names or pins: forget leaves none of them.
+            size += self.blocks.sweep_dropped()[1]
         if in_blocks:
-            assert self.blocks is not None
-            size += self.blocks.sweep(named)[1]  # those of its blocks nothing else names or pins
             size += self.hot.forget(auto_name(key))
             self._unlink(self.bin_path(key))  # a copy in the same directory, not recorded yet
         else:
@@ -450,7 +451,7 @@ class Store(Saving, Integrity, Space):
         what a refused save needs beyond what the copies freed. Then the blocks nothing names or
         pins are swept. Returns what was really removed."""
         must_free = max(0, free_target - self.free_bytes()) if free_target else 0
-        if must_free and not dry_run:
+        if must_free and not dry_run and self.copies_on_store_disk():  # copies on tmpfs free memory, not disk
             must_free = max(0, must_free - self.hot.make_room(must_free))
         with self._lock:
             in_use = set(self.in_use)  # a snapshot: the loop changes in_use meanwhile

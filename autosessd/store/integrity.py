@@ -102,11 +102,19 @@ class Integrity:
         return None
 
     # -- a block found damaged ---------------------------------------------
-    def _bad_block(self, key: str, why: str) -> tuple[str, ...]:
+    def _bad_block(self, key: str, why: str, only: str | None = None) -> tuple[str, ...]:
         """A block found damaged (evidence about its own bytes): moved into quarantine with why,
         and each manifest naming it cut back to the blocks before it (those tokens are still
-        restorable), or removed when it is the first. → the names changed."""
+        restorable), or removed when it is the first. only: the block is whole, but not the bytes
+        manifest `only` recorded (blocks.OtherBlock): that manifest alone is cut back, the block
+        stays. → the names changed."""
         assert self.blocks is not None
+        if only is not None:
+            log.warning("auto sessions: %s cut back before block %s: %s", auto_name(only), key, why)
+            with contextlib.suppress(StoreError, OSError):
+                if self._cut_back(only, key):
+                    return (auto_name(only),)
+            return ()
         named_by = self.blocks.manifests_naming(key)
         moved = self.blocks.quarantine(key, why)
         log.warning("auto sessions: block %s moved aside%s: %s", key, f" to {QUARANTINE}/{moved}" if moved else "",
@@ -129,14 +137,20 @@ class Integrity:
         at = next((i for i, b in enumerate(meta.blocks) if b[0] == bad), None)
         if at is None:
             return False
-        self.hot.forget(auto_name(key))
+        if self.hot.held(auto_name(key)):
+            self.hot.drop_record(auto_name(key))  # a restore reads it now: it stays, unrecorded (no longer its save)
+        else:
+            self.hot.forget(auto_name(key))
         if at == 0:
             return self._replace_meta(None, ident0, key=key, held_ok=True)
         keep = meta.blocks[:at]
         n = sum(b[1] for b in keep)
         shape = Shape.from_json(meta.kv)
+        # saved_at a little older: the save's whole copy in the shared bucket, when there is one,
+        # is newer than what is left of it here (a download brings it back).
         cut = dataclasses.replace(meta, n_tokens=n, bytes=cutting.file_size(shape, n, n), blocks=keep,
                                   tokens=(meta.tokens or b"")[:4 * n], digest=None, ident=None,
+                                  saved_at=meta.saved_at - 0.001,
                                   n_prompt=min(meta.n_prompt, n) if meta.n_prompt is not None else None,
                                   marks=tuple(m for m in meta.marks if m.n_tokens <= n))
         return self._replace_meta(cut, ident0, held_ok=True)

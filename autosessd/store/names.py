@@ -2,7 +2,7 @@
 
     auto-<16 hex>.bin / .json   autosessd's own session files and their metadata (Meta)
     .autosessd-*.partial        its temporaries: a save, a download, a removal under way
-    .autosessd-quarantine/      files that failed a check before a restore, with why
+    .autosessd-quarantine/      files and blocks that failed a check before a restore, with why
     anything else               a person's: never touched (a parked NAME.bin is one)
 
 The store (directory.py) does the I/O; this module only names and parses, and gives the
@@ -24,8 +24,9 @@ from ..base.files import Ident
 AUTO_BIN = re.compile(r"^auto-([0-9a-f]{16})\.bin$")
 AUTO_META = re.compile(r"^auto-([0-9a-f]{16})\.json$")
 TEMP_PREFIX = ".autosessd-"
-# Files that failed a check before a restore are moved here, with why: never deleted by
-# autosessd, never indexed or restored, listed by status and ls (a person decides).
+# Files and blocks that failed a check before a restore are moved here, with a note of why:
+# never indexed or restored, listed by status and ls, kept a week for a person to look at (and
+# removed with a forgotten conversation they belonged to).
 QUARANTINE = ".autosessd-quarantine"
 QUARANTINE_KEEP_S = 7 * 86400  # what quarantine holds is there for a person to look at for a week, then pruned
 MANUAL_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")

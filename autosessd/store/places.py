@@ -22,6 +22,7 @@ import fcntl
 import os
 import pwd
 import stat
+import time
 from pathlib import Path
 
 CLAIM = ".autosessd-store"  # in a tmpfs staging directory: the absolute path of its store, locked while used
@@ -67,18 +68,49 @@ def check_dir(path: str | Path, what: str, *, made_here: bool = False, group: in
                       + f"; chmod {'700' if made_here else 'go-w'} {path}, or remove it")
 
 
+def tighten(path: str | Path, what: str, group: int | None = None) -> str | None:
+    """A directory autosessd made inside its store (blocks/, the quarantine): NotOurs when it is
+    a symbolic link or another user's; when it is ours but open to others (an earlier version
+    made blocks/ 0755 under umask 022), closed (0700; 0750 with control.group). → what was done."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NotOurs(f"{what} {path} is not a directory (a symbolic link?): autosessd uses only a directory of its "
+                      f"own; remove it")
+    if st.st_uid != os.geteuid():
+        raise NotOurs(f"{what} {path} belongs to {owner_name(st.st_uid)}, not to {owner_name(os.geteuid())} that "
+                      f"autosessd runs as; remove it")
+    mode = stat.S_IMODE(st.st_mode)
+    want = 0o750 if group is not None and st.st_gid == group else 0o700
+    if mode & ~want & 0o777:
+        os.chmod(path, mode & want)
+        return f"{what} {path} was mode {mode:04o}, open to others: made {mode & want:04o}"
+    return None
+
+
 def claim(staging: Path, store: Path) -> int:
     """Write staging's CLAIM (the store it serves) and lock it for this process's life (the
     descriptor returned stays open). NotOurs when another process holds it."""
     p = staging / CLAIM
-    fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise NotOurs(f"staging {staging} is in use by another autosessd (it holds {p})") from None
-        raise
+    deadline = time.monotonic() + 2.0  # a reclaim or a doctor looking at it holds it a moment
+    while True:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            if time.monotonic() > deadline:
+                raise NotOurs(f"staging {staging} is in use by another autosessd (it holds {p})") from None
+            time.sleep(0.05)
+            continue
+        if os.path.lexists(p) and os.stat(p).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # a reclaim removed the file it locked: lock the new one
     os.ftruncate(fd, 0)
     os.pwrite(fd, (str(store) + "\n").encode(), 0)
     return fd
@@ -124,22 +156,39 @@ def stale(parent: Path) -> list[tuple[Path, str, int]]:
 
 
 def reclaim(parent: Path) -> list[str]:
-    """Remove the stale() staging directories: what autosessd put there (its copies, its
-    temporaries, the claim), then the directory when nothing else is left. → what was done."""
+    """Remove the staging directories under `parent` whose store is gone and that nobody holds
+    (stale()): what autosessd put there (its copies, its temporaries, the claim), then the
+    directory when nothing else is left; each under the claim's lock, so that no daemon claims it
+    meanwhile. → what was done."""
     done = []
-    for d, store, size in stale(parent):
-        left = []
-        for e in os.scandir(d):
-            ours = e.name == CLAIM or e.name.startswith(".autosessd-") or \
-                (e.name.startswith("auto-") and e.name.endswith(".bin"))
-            if ours and e.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.path)
-            else:
-                left.append(e.name)
-        if not left:
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
-        done.append(f"staging {d} of {store}, which no longer exists ({size / 1e6:,.1f} MB)"
-                    + (f"; kept what is not autosessd's: {', '.join(sorted(left)[:5])}" if left else ""))
+    for d, _, _ in stale(parent):
+        try:
+            fd = os.open(d / CLAIM, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # claimed since
+            store = os.read(fd, 4096).decode(errors="replace").strip()
+            if not store or os.path.isdir(store):
+                continue
+            size, left = 0, []
+            for e in os.scandir(d):
+                ours = e.name == CLAIM or e.name.startswith(".autosessd-") or \
+                    (e.name.startswith("auto-") and e.name.endswith(".bin"))
+                if ours and e.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        size += e.stat(follow_symlinks=False).st_size
+                        os.unlink(e.path)
+                else:
+                    left.append(e.name)
+            if not left:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+            done.append(f"staging {d} of {store}, which no longer exists ({size / 1e6:,.1f} MB)"
+                        + (f"; kept what is not autosessd's: {', '.join(sorted(left)[:5])}" if left else ""))
+        finally:
+            os.close(fd)
     return done

@@ -143,8 +143,7 @@ class Saving:
             digest, _ = files.digest_file(temp)  # the bytes are in the page cache now
         try:
             src = temp if temp.exists() or not again else self.hot_path(meta.key)  # a retry: where it is
-            # meta.whole given: the caller knows it must stay whole (a per-request LoRA made it)
-            kv, why = (None, meta.whole) if meta.whole else self._cuttable(src)
+            kv, why = self._cuttable(src)
             done = None
             if kv is not None:
                 try:

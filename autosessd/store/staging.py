@@ -43,7 +43,7 @@ from typing import Callable
 from ..base import files
 from ..base.files import Ident
 from . import blocks, cutting
-from .blocks import BadBlock, BlockRef, BlockStore, Unreadable
+from .blocks import BadBlock, BlockRef, BlockStore, OtherBlock, Unreadable
 from .kvfile import Shape
 from .names import AUTO_BIN, TEMP_PREFIX, Meta, StoreError
 
@@ -91,7 +91,8 @@ class Copy:
 
 # What Staging is given by its Store.
 ReadManifest = Callable[[str], "tuple[Meta | None, Ident | None]"]  # key → (metadata, its file's identity)
-BadBlockFound = Callable[[str, str], "tuple[str, ...]"]  # (block key, why) → the names cut back or removed
+# (block key, why, only this manifest or None: every one naming it) → the names cut back or removed
+BadBlockFound = Callable[[str, str, "str | None"], "tuple[str, ...]"]
 
 
 class Staging:
@@ -177,6 +178,9 @@ class Staging:
         with self.lock:
             if name in self._copies:
                 self._copies.move_to_end(name)
+
+    def held(self, name: str) -> bool:
+        return self._holders(name) > 0
 
     def registered(self, name: str) -> bool:
         with self.lock:
@@ -283,9 +287,7 @@ class Staging:
         none can be read."""
         m = AUTO_BIN.match(name)
         key = m.group(1) if m else None
-        with self.lock:  # the manifest read and its blocks pinned in one section
-            meta, meta_ident = self._read_manifest(key) if key else (None, None)
-            pins = self.blocks.pin(b[0] for b in meta.blocks) if meta is not None and meta.in_blocks else []
+        meta, meta_ident, pins = self._pinned_manifest(key) if key else (None, None, [])
         try:
             if meta is None or not meta.in_blocks:
                 if self.dir == self.store_dir:
@@ -309,6 +311,19 @@ class Staging:
         finally:
             self.blocks.unpin(pins)
 
+    def _pinned_manifest(self, key: str) -> tuple[Meta | None, Ident | None, list[str]]:
+        """The manifest of `key` with its blocks pinned as it is: read (parsed, the first time)
+        outside the lock, then under it looked at again (a stat: its parse is cached by its
+        identity) and pinned only if it is still that file; read again if a save replaced it
+        meanwhile. No save of the same name, no sweep, takes a block between the read and the pin."""
+        while True:
+            meta, ident = self._read_manifest(key)
+            with self.lock:
+                _, now = self._read_manifest(key)
+                if now == ident:
+                    keys = [b[0] for b in meta.blocks] if meta is not None and meta.in_blocks else []
+                    return meta, ident, self.blocks.pin(keys)
+
     def _assemble(self, name: str, key: str, meta: Meta, meta_ident: Ident | None, n_tokens: int | None) -> Staged:
         t0 = time.monotonic()
         tokens = meta.tokens or b""
@@ -326,8 +341,10 @@ class Staging:
         except BadBlock as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            bad = next((r.key for r in refs if r.key in str(e)), None)
-            changed = self._bad_block(bad, str(e)) if bad is not None else ()
+            bad = e.key if isinstance(e, OtherBlock) else next((r.key for r in refs if r.key in str(e)), None)
+            # A whole block of other bytes condemns this manifest's tail only; damage, the block
+            # and every manifest's tail from it.
+            changed = self._bad_block(bad, str(e), key if isinstance(e, OtherBlock) else None) if bad else ()
             raise Refused(f"{name}: {e}" + (f" (cut back or removed: {', '.join(changed)})" if changed else ""),
                           cut=changed) from None
         except BaseException:
@@ -349,7 +366,7 @@ class Staging:
                     os.replace(tmp, self.dir / name)
                     tmp = None
             if tmp is None:
-                self.added(name, meta, digest, held=1)
+                self.added(name, meta, digest)  # held by the caller until the engine read it: it stays till then
                 return Staged(name, None, assembled=True, bytes_read=read, ms=ms, digest=digest)
         return Staged(tmp.name, want, temporary=True, assembled=True, bytes_read=read, ms=ms, digest=digest)
 
@@ -360,7 +377,8 @@ class Staging:
                 os.unlink(self.dir / staged.name)
 
     def _copy_in(self, name: str, meta: Meta | None) -> Staged:
-        """A whole file of a separate store, copied into staging (kept as a copy)."""
+        """A whole file of a separate store, copied into staging: kept as a copy when it fits the
+        budget, else a temporary for this restore."""
         hot, src = self.dir / name, self.store_dir / name
         if meta is not None:
             have = self.whole(name, meta)
@@ -373,18 +391,20 @@ class Staging:
             raise Refused(f"{name} is not in {self.store_dir}", bad=False)
         tmp = self.dir / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.copy.partial"
         try:
-            f, _ = files.open_regular(src)
+            f, st = files.open_regular(src)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
             with f, os.fdopen(fd, "wb") as out:
                 self._own(out.fileno(), tmp)
                 while chunk := f.read(files.CHUNK):
                     out.write(chunk)
+            if st.st_size > self.budget:  # read once, from a temporary that goes after the restore
+                return Staged(tmp.name, temporary=True, digest=meta.digest if meta is not None else None)
             os.replace(tmp, hot)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-        self.added(name, meta, held=1)
+        self.added(name, meta)  # held by the caller until the engine read it: it stays till then
         return Staged(name, digest=meta.digest if meta is not None else None)
 
     def block_paths(self, name: str, n_tokens: int | None = None) -> list[Path]:

@@ -30,6 +30,8 @@ from autosessd.store.kvfile import parse
     (["llama-server", "--lora-scaled", "/x/a.gguf:0.5,/y/b.gguf:1"], {}, ("--lora-scaled=a.gguf[?]:0.5,b.gguf[?]:1",)),
     (["llama-server"], {"LLAMA_ARG_ROPE_FREQ_BASE": "500000", "LLAMA_ARG_CTX_SIZE": "4096"},
      ("LLAMA_ARG_ROPE_FREQ_BASE=500000",)),
+    (["--rope-freq-base", "20000", "--port", "8080"], {}, ("--rope-freq-base=20000",)),  # a router's model args
+    (["s", "--control-vector-scaled", "/v/cv.gguf", "0.8"], {}, ("--control-vector-scaled=cv.gguf[?] 0.8",)),
 ])
 def test_the_settings_that_change_the_kv_are_read_from_a_command_line(argv, env, want):
     assert kv_flags(argv, env) == want

@@ -216,20 +216,22 @@ def test_exec_puts_the_engines_files_on_tmpfs_and_the_store_on_disk(tmp_path, mo
     assert config.tmpfs_staging(cfg, "/dev/shm") is cfg
 
 
-async def test_a_conversation_whose_requests_name_lora_adapters_is_kept_whole(tmp_path):
+async def test_a_request_naming_its_own_lora_adapters_is_no_conversation(tmp_path):
     """A per-request "lora" changes the KV the engine computes for that request alone (issue 46,
-    3): its saves stay whole files, and no block of it is named by a conversation without them."""
+    3): the gate gives it no key, so the slot's conversation is saved before it, nothing of it is
+    saved or restored, and the conversation's return restores its own file."""
+    from autosessd.base.keys import conversation_key
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 0, "scale": 1.0}]}
+    assert conversation_key(body) is None
+    assert conversation_key({**body, "lora": []}) is not None
     s = make(tmp_path)
     await s.prepare()
-    async with await s.admit(None) as t:
-        await s.turn(t, A, body={"messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 0, "scale": 1.0}]})
-        s.engine.ran(conv(A, 70), t.slot_id)
-        await s.ended(t, A, "ok")
-    await s.drain()
-    await request(s, B2, conv(B2, 30))  # A saved at the switch
-    meta = manifest(s, A)
-    assert meta is not None and not meta.in_blocks and "LoRA" in meta.whole
-    assert not s.store.blocks.scan()
+    await request(s, A, conv(A, 70))
+    await request(s, None, conv(C, 50))  # the LoRA request: A saved before it
+    assert manifest(s, A) is not None and manifest(s, C) is None
+    r = await request(s, A, conv(A, 70))
+    assert r.restored is not None and s.engine.held[0] == conv(A, 70)
 
 
 async def test_forget_waits_for_a_reader_of_the_file_to_let_go(tmp_path):

@@ -32,7 +32,9 @@ from autosessd.sessions.remote import Remote
 from autosessd.shared import SharedStore
 from autosessd.store import blocks as B
 from autosessd.store.directory import Store
+from autosessd.store.kvfile import Shape
 from autosessd.store.kvfile import parse as parse_kv
+from autosessd.store.slotfile import encode
 from autosessd.store.staging import Refused
 from harness import wait_until
 from shared_common import shared_cfg
@@ -186,6 +188,15 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
     await s.drain()
     await asyncio.get_running_loop().run_in_executor(
         None, lambda: wait_until(lambda: sh.pending() == 0, 120, what="the uploads, the bucket back"))
+    # Before any prune's sweep: no block of a forgotten conversation is on the disk (forget
+    # removed those of every save of it), but those a kept conversation names too (the prompt).
+    on_disk = set(store.blocks.scan())
+    live = {b[0] for e in store.scan() if e.meta is not None for b in e.meta.blocks}
+    shape = next(Shape.from_json(e.meta.kv) for e in store.scan() if e.meta is not None and e.meta.in_blocks)
+    for key in forgotten:
+        toks = encode(conv(key, length[key]))
+        ever = {k for n in range(1, length[key] + 1) for k in B.chain("stub-model", shape, toks, n)}
+        assert not (ever & on_disk) - live, f"forgotten {key}'s blocks are still on the disk"
     await s.prune(keep=100)  # the sweep (an upload that met a damaged block cut its manifest back)
     await s.close()
     s.ctx.remote.pool.shutdown()

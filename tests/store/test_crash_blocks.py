@@ -27,7 +27,7 @@ from autosessd.sessions.facade import Sessions
 from autosessd.sessions.policy import Held
 from autosessd.store import blocks as B
 from autosessd.store.blocks import BlockRef, BlockStore
-from autosessd.store.cutting import assemble
+from autosessd.store.cutting import BlockReader, assemble
 from autosessd.store.directory import AUTO_BIN, TEMP_PREFIX, Store
 from autosessd.store.kvfile import Shape, parse as parse_kv
 from kv_common import slot_file
@@ -132,7 +132,7 @@ def check(home: Path, staging: Path) -> int:
         shape = Shape.from_json(meta.kv)
         refs = [BlockRef(*b) for b in meta.blocks]
         for r in refs:  # each block there, whole, its digest its manifest's
-            rd = store.blocks.reader(r, shape, keep_open=True)
+            rd = BlockReader(store.blocks, r, shape, keep_open=True)
             rd.read(rd.size)
             rd.finish()
         buf = io.BytesIO()

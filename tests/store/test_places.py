@@ -134,6 +134,9 @@ def test_doctor_names_an_unsafe_staging_directory_and_stale_ones(tmpfs_like, tmp
     class Sess:
         store = s
 
+        class ctx:
+            cfg = cfg_for(staging, store_dir)
+
     assert doctor._staging_facts(Sess) == (None, ())
     os.chmod(staging, 0o777)
     stale = staging.parent / "eeeeeeeeeeee"
@@ -149,3 +152,25 @@ def test_doctor_names_an_unsafe_staging_directory_and_stale_ones(tmpfs_like, tmp
     assert ("staging", unsafe) in found
     assert any(setting == "staging_max_gb" and "over their budget" in says for setting, says in found)
     assert any(setting == "staging" and "no longer exist" in says for setting, says in found)
+
+
+def test_a_store_with_blocks_starts_again_and_an_older_open_blocks_directory_is_closed(tmpfs_like):
+    import time
+
+    from autosessd.store.directory import Meta
+    from kv_common import slot_file
+
+    staging, store_dir = tmpfs_like
+    old = os.umask(0o022)
+    try:
+        s = check_store(cfg_for(staging, store_dir))
+        data = slot_file(list(range(300)))
+        s.temp_path("a" * 16).write_bytes(data)
+        assert s.finalize("a" * 16, Meta("a" * 16, 300, len(data), time.time(), "m", 1.0)).in_blocks
+        close(s)
+        assert os.stat(store_dir / "blocks").st_mode & 0o777 == 0o700
+        os.chmod(store_dir / "blocks", 0o755)  # as an earlier version made it
+        close(check_store(cfg_for(staging, store_dir)))
+        assert os.stat(store_dir / "blocks").st_mode & 0o777 == 0o700
+    finally:
+        os.umask(old)
