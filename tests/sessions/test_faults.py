@@ -44,7 +44,9 @@ def small_fs(tmp_path):
         pytest.skip(reason="mounting a small tmpfs for the session directory needs root")
     d = tmp_path / "small"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(d)], capture_output=True, text=True)
+    # mode=0700: a directory of its own, as autosessd requires (a tmpfs is mounted 1777 otherwise)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m,mode=0700", "tmpfs", str(d)], capture_output=True,
+                       text=True)
     if r.returncode != 0:
         pytest.skip(reason=f"cannot mount a tmpfs here: {r.stderr.strip()}")
     yield d
