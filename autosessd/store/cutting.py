@@ -11,6 +11,7 @@ block section by section (BlockReader, below): at most OPEN_AT_ONCE descriptors 
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -155,11 +156,12 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str,
 
 class BlockReader:
     """One block read for an assembly, section by section in the order of its payload (its
-    cells' meta, K per layer, V per layer): each section with a pread, the file opened again
-    for it unless keep_open (the first OPEN_AT_ONCE blocks of an assembly keep theirs), so an
-    assembly of any length holds at most that many descriptors. Every opening must find the
-    file of the first (its identity); the payload is hashed as it is read, unless this very
-    file was read whole and found right before, and finish() compares the digest.
+    cells' meta, K per layer, V per layer). keep_open (the first OPEN_AT_ONCE blocks of an
+    assembly): the file mapped once (one descriptor, the map's own), its sections handed out as
+    views of the map, with no copy; the others: each section with a pread, the file opened again
+    for it. So an assembly of any length holds at most OPEN_AT_ONCE descriptors. Every opening
+    must find the file of the first (its identity); the payload is hashed as it is read, unless
+    this very file was read whole and found right before, and finish() compares the digest.
 
     BadBlock: evidence about the block itself (missing, its size, its header, its digest).
     Unreadable: anything else (EMFILE, EIO, EACCES, the file replaced while read)."""
@@ -168,7 +170,7 @@ class BlockReader:
         self.store, self.ref, self.shape = store, ref, shape
         self.size = payload_size(shape, ref.n_cells)
         self.keep_open = keep_open
-        self.fd: int | None = None
+        self.mm: mmap.mmap | None = None
         self.at = 0
         fd = self._open()
         try:
@@ -185,9 +187,12 @@ class BlockReader:
         except BaseException:
             os.close(fd)
             raise
-        if keep_open:
-            self.fd = fd
-        else:
+        try:
+            if keep_open:
+                self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # it holds a descriptor of its own
+        except OSError as e:
+            raise Unreadable(f"block {ref.key}: {e.strerror or e}") from None
+        finally:
             os.close(fd)
 
     def _open(self) -> int:
@@ -208,19 +213,20 @@ class BlockReader:
             raise BadBlock(f"block {self.ref.key} ends {n - len(got):,} bytes early")
         return got
 
-    def read(self, section: int, take: int | None = None) -> bytes:
+    def read(self, section: int, take: int | None = None) -> bytes | memoryview:
         """The next `section` bytes of the payload (only their first `take` when the rest is not
         wanted and nothing needs hashing)."""
         want = section if take is None or self.hasher is not None else take
-        fd = self.fd
-        if fd is None:
+        if self.mm is not None:
+            start = HEADER.size + self.at
+            got: bytes | memoryview = memoryview(self.mm)[start:start + want]
+        else:
             fd = self._open()
-        try:
-            if self.fd is None and Ident.of(os.fstat(fd)) != self.ident:
-                raise Unreadable(f"block {self.ref.key} was replaced while it was read")
-            got = self._pread(fd, want, HEADER.size + self.at)
-        finally:
-            if self.fd is None:
+            try:
+                if Ident.of(os.fstat(fd)) != self.ident:
+                    raise Unreadable(f"block {self.ref.key} was replaced while it was read")
+                got = self._pread(fd, want, HEADER.size + self.at)
+            finally:
                 os.close(fd)
         self.at += section
         if self.hasher is not None:
@@ -243,6 +249,9 @@ class BlockReader:
         self.store._read_whole(self.ref.key, self.ident, digest)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view of it is still held: it is unmapped when the last one goes
+                pass
+            self.mm = None

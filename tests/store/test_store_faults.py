@@ -69,12 +69,13 @@ def test_an_error_opening_a_block_fails_one_restore_and_leaves_the_store_as_it_w
 
 
 def test_an_assembly_of_many_blocks_needs_few_descriptors(tmp_path):
-    """400 tokens: 100 blocks, assembled with fewer descriptors free than blocks."""
+    """400 tokens: 100 blocks, assembled with fewer descriptors free than blocks (it maps its
+    first OPEN_AT_ONCE, 64, and reads the others a section at a time)."""
     s = Store(tmp_path, hot_budget=0)
     toks = list(range(1000, 1400))
     save(s, A, toks)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 48, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + blocks.OPEN_AT_ONCE + 16, hard))
     try:
         staged = s.stage(f"auto-{A}.bin")
     finally:
