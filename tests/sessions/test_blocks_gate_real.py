@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from autosessd.store import blocks as B
+from autosessd.store.entries import is_manifest
 from harness import Daemon, long_text, wait_until
 
 pytestmark = pytest.mark.engine
@@ -47,7 +48,13 @@ def test_a_shared_system_prompt_is_restored_from_the_first_blocks_alone(engines,
     try:
         a = post(d.gate_url, body(system, "Which box holds the most marbles?"))
         post(d.gate_url, body("Be brief.", "Hello"))  # a switch: A saved as blocks
-        wait_until(lambda: d.status()["store"]["blocks"]["manifests"] >= 1, 60, 0.1, "A's manifest")
+        # A's own manifest: a save of the system prompt alone (a prefix) may be one already, and a
+        # restore before A's finalize would be of the engine's own file, not of blocks.
+        saved = r"saved [\d,]+ tokens \([^)]*\) to auto-(\w+)\.bin"
+        wait_until(lambda: re.search(saved, d.logtext()), 60, 0.1, "A's save")
+        key = re.findall(saved, d.logtext())[-1]
+        wait_until(lambda: is_manifest(store, f"auto-{key}.bin") and not (staging / f"auto-{key}.bin").exists(),
+                   60, 0.1, "A's manifest, and no copy beyond the budget of 0")
         assert not [p for p in store.iterdir() if p.suffix == ".bin"]  # the store: blocks and manifests only
         b = body(system, "Which box holds the fewest marbles?")
         via = post(d.gate_url, b)
