@@ -115,7 +115,7 @@ class Starting:
         s = Sessions(self.cfg, adapter, self.store, info.model, info.model_name, slots_visible=visible,
                      n_slots=info.total_slots, layout=layout, empties_idle_slots=clears, engine_healthy=True,
                      n_ctx=info.n_ctx, house=self.router.house, upkeep=self.router.upkeep, template=info.template)
-        s.ctx.swa_window = await facts.swa_window(s.ctx)
+        await facts.model_memory(s.ctx)
         await s.check_template()
         if self._stop.is_set():
             s.idle.close()  # loaded during the stop's grace: no save while idle after the stop save

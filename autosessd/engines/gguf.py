@@ -1,8 +1,12 @@
-"""The few facts autosessd reads from a model's GGUF file: its architecture and sliding window.
+"""The few facts autosessd reads from a model's GGUF file: its architecture, its sliding window,
+and whether part of its state is recurrent.
 
 llama-server does not say in /props whether its model has sliding-window attention layers,
 but its model file does (`<arch>.attention.sliding_window`, e.g. 512 for Gemma 3), and that
 window decides which saved files the engine can reuse after a restore (index.py, best()).
+A model with recurrent layers (Mamba, RWKV, and the hybrids: Qwen3.5, Qwen3-Next, Granite 4.0-H)
+keeps a state for its last token only; the engine reuses a restore of it only for a request
+that strictly extends the restored tokens (sessions/rewind.py).
 
 GGUF (ggml's docs/gguf.md), little-endian:
 
@@ -21,6 +25,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 MAGIC = b"GGUF"
+# Architectures whose state has recurrent layers (llama.cpp's RS memory, alone or in a hybrid);
+# the keys below say it for architectures not listed here.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "jamba", "falcon-h1",
+                             "granitehybrid", "nemotron_h", "nemotron_h_moe", "plamo2", "lfm2", "lfm2moe",
+                             "qwen3next", "qwen35", "qwen35moe", "bamba", "kimi-linear"})
+RECURRENT_KEYS = ("ssm.conv_kernel", "ssm.state_size", "wkv.head_size", "shortconv.l_cache")
 # value type → struct format of one scalar
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -113,9 +123,19 @@ def read_keys(path: str | Path, wanted: set[str] | None = None, stop_after: int 
 
 def sliding_window(path: str | Path) -> int:
     """The model's sliding attention window in tokens (n_swa), 0 when it has none."""
+    key = f"{architecture(path)}.attention.sliding_window"
+    v = read_keys(path, {key}, stop_after=1).get(key)
+    return int(v) if isinstance(v, (int, float)) and v > 0 else 0
+
+
+def architecture(path: str | Path) -> str:
     arch = read_keys(path, {"general.architecture"}, stop_after=1).get("general.architecture")
     if not isinstance(arch, str):
         raise BadGGUF(f"{path}: no general.architecture")
-    key = f"{arch}.attention.sliding_window"
-    v = read_keys(path, {key}, stop_after=1).get(key)
-    return int(v) if isinstance(v, (int, float)) and v > 0 else 0
+    return arch
+
+
+def recurrent(path: str | Path) -> bool:
+    """Part of the model's state is recurrent (a state for the last token only)."""
+    arch = architecture(path)
+    return arch in RECURRENT_ARCHS or bool(read_keys(path, {f"{arch}.{k}" for k in RECURRENT_KEYS}, stop_after=1))

@@ -52,19 +52,15 @@ def forward_headers(headers: Any) -> dict[str, str]:
 
 
 class SSEWatcher:
-    """Reads the last `timings`/`usage` out of a streamed response without holding it up, and
-    with reply=True the answer's text (an OpenAI chat answer: one choice, text only)."""
+    """Reads the last `timings`/`usage` out of a streamed response without holding it up."""
 
-    def __init__(self, reply: bool = False) -> None:
+    def __init__(self) -> None:
         self._buf = b""
         self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         self.broken = False  # the engine broke off the response
         self.reached = False  # the engine answered (a status line came back)
         self.status: int | None = None  # its status (the client may have had the gate's 200 already)
-        # The answer as the client gets it, in parts; None: not read, or not plain text (tool
-        # calls, reasoning, several choices), which a client sends back otherwise.
-        self._reply: list[str] | None = [] if reply else None
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -72,8 +68,7 @@ class SSEWatcher:
         if len(self._buf) > 1 << 20:  # a line this long carries nothing we read
             self._buf = b""
         for line in lines:
-            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line
-                                              or (self._reply is not None and b'"choices"' in line)):
+            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
                 with contextlib.suppress(ValueError):
                     self.take(json.loads(line[5:]))
 
@@ -85,31 +80,6 @@ class SSEWatcher:
         for holder in (d, d.get("response"), d.get("message")):
             if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
                 self.usage = holder["usage"]
-        if self._reply is not None and "choices" in d:
-            self._take_reply(d["choices"])
-
-    def _take_reply(self, choices: Any) -> None:
-        if not isinstance(choices, list) or len(choices) > 1:
-            self._reply = None
-            return
-        for c in choices:
-            part = c.get("delta", c.get("message")) if isinstance(c, dict) else None
-            if not isinstance(part, dict) or c.get("index", 0) != 0:
-                self._reply = None
-                return
-            if any(part.get(k) for k in ("tool_calls", "function_call", "reasoning_content")):
-                self._reply = None
-                return
-            text = part.get("content")
-            if isinstance(text, str):
-                self._reply.append(text)  # type: ignore[union-attr]
-            elif text is not None:
-                self._reply = None
-                return
-
-    def reply(self) -> str | None:
-        """The answer's text, when it was read and is text only."""
-        return "".join(self._reply) if self._reply else None
 
     def numbers(self) -> tuple[int | None, int | None, int | None]:
         """(cache_n, prompt tokens, prompt + generated tokens) as the response gave them; None

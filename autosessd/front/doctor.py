@@ -36,12 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("autosessd")
 
-# Architectures whose state has recurrent layers (llama.cpp's RS memory: Mamba, RWKV, hybrids):
-# the engine cannot roll it back to a prefix, so a restored file is not reused by a prompt that
-# departs from it anywhere. GGUF keys say it for architectures not listed here.
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "jamba", "falcon-h1",
-                             "granitehybrid", "nemotron_h", "plamo2", "lfm2", "qwen3next", "bamba"})
-RECURRENT_KEYS = ("ssm.conv_kernel", "ssm.state_size", "wkv.head_size", "shortconv.l_cache")
 
 
 @dataclass(frozen=True)
@@ -72,6 +66,9 @@ class Facts:
     not_reused: int
     not_reused_cause: str | None  # the last one's likely cause
     swa_retries: int = 0  # requests that ended inside a file on a sliding-window model (retries)
+    rewinds: int = 0  # slots taken back before a save (rewind.py), of them the engine read again, not done
+    rewinds_reread: int = 0
+    rewinds_not_done: int = 0
     # The store (issue 39): blocks on; the engine's directory on tmpfs; conversations kept whole and why.
     blocks: bool = False
     staging_tmpfs: bool | None = None
@@ -125,8 +122,8 @@ def checks(f: Facts) -> list[Finding]:
                            "keeps only the window's last cells, so such a prompt is read again (a restore made "
                            "without its tokens, after a restart through a tail, is even reused with the window's "
                            "oldest cells missing); a client's next message is restored as always",
-                           "no flag fixes it in llama-server b11434 (docs: Limits); a model without a "
-                           "sliding window restores retries too"))
+                           "send requests through the gate or the hook: there each save holds the state one token "
+                           "before its prompt's end, which a retry goes on from (a tail sees the prompt too late)"))
     # --cache-idle-slots with a unified KV cache
     if f.n_slots > 1 and f.empties_idle:
         out.append(Finding("problem", "--cache-idle-slots", "the engine empties every idle slot whenever a request "
@@ -184,10 +181,17 @@ def checks(f: Facts) -> list[Finding]:
             f"; the largest file {f.largest_file:,}" if f.largest_file else "")))
     # recurrent / hybrid models
     if f.recurrent:
-        out.append(Finding("problem", "model", f"{f.arch}: a recurrent or hybrid model; llama-server cannot cut "
-                           "its recurrent state back to a shared prefix, so a restore is reused only by a prompt "
-                           "that continues the file exactly", "no flag fixes it: auto_sessions = false saves the "
-                           "disk, or serve a transformer model"))
+        checkpoints = _flag(f.flags, "--ctx-checkpoints", "-ctxcp", "--swa-checkpoints")
+        if checkpoints is not None and str(checkpoints).strip() == "0" or f.rewinds_reread:
+            out.append(Finding("problem", "--ctx-checkpoints", f"{f.arch}: recurrent layers, and the engine keeps no "
+                               "context checkpoint near a prompt's end: taking a slot back to one token before it "
+                               f"before a save reads the whole prompt again ({f.rewinds_reread:,} times so far)",
+                               "run llama-server without --ctx-checkpoints 0 (its default keeps 32)"))
+        out.append(Finding("ok", "model", f"{f.arch}: recurrent layers (a hybrid or recurrent model): the engine "
+                           "reuses a restore only for a request that goes on from its end, so each save holds the "
+                           "state one token before its prompt's end, which the next turn and a retry go on from "
+                           f"({f.rewinds:,} so far; {f.rewinds_not_done:,} saves could not be: their prompt was "
+                           "not known, as with a tail's save behind)"))
     elif f.arch:
         out.append(Finding("ok", "model", f"{f.arch}: attention layers only (restores can be reused)"))
     return out
@@ -197,8 +201,9 @@ def checks(f: Facts) -> list[Finding]:
 _BOOL_ENV = {"LLAMA_ARG_SWA_FULL": "--swa-full", "LLAMA_ARG_NO_SLOTS": "--no-slots",
              "LLAMA_ARG_KV_UNIFIED": "--kv-unified"}
 _VALUE_ENV = {"LLAMA_ARG_SLOT_SAVE_PATH": "--slot-save-path", "LLAMA_ARG_CTX_SIZE": "-c",
-              "LLAMA_ARG_N_PARALLEL": "-np"}
+              "LLAMA_ARG_N_PARALLEL": "-np", "LLAMA_ARG_CTX_CHECKPOINTS": "--ctx-checkpoints"}
 _VALUED = {"--slot-save-path", "-c", "--ctx-size", "-np", "--parallel", "--cache-ram", "-cram", "-m", "--model",
+           "--ctx-checkpoints", "-ctxcp", "--swa-checkpoints",
            "--port", "--host"}
 
 
@@ -229,11 +234,7 @@ def _model_facts(path: str) -> tuple[str | None, bool]:
     if not path:
         return None, False
     try:
-        arch = gguf.read_keys(path, {"general.architecture"}, stop_after=1).get("general.architecture")
-        if not isinstance(arch, str):
-            return None, False
-        keys = gguf.read_keys(path, {f"{arch}.{k}" for k in RECURRENT_KEYS})
-        return arch, arch in RECURRENT_ARCHS or bool(keys)
+        return gguf.architecture(path), gguf.recurrent(path)
     except (gguf.BadGGUF, OSError) as e:
         log.debug("doctor: %s: %s", path, e)
         return None, False
@@ -266,6 +267,7 @@ async def facts(s: Sessions) -> Facts:
                  files_over_ctx=sum(1 for n in sizes if n_ctx is not None and n >= n_ctx), arch=arch,
                  recurrent=recurrent, reused=c.restores_reused, not_reused=c.restores_not_reused,
                  not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries,
+                 rewinds=c.rewinds, rewinds_reread=c.rewinds_reread, rewinds_not_done=c.rewinds_not_done,
                  blocks=s.store.cut, staging_tmpfs=tmpfs, whole=whole or None, staging_unsafe=unsafe,
                  hot_bytes=hot["bytes"], hot_budget=hot["budget"], stale_staging=stale)
 

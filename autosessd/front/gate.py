@@ -336,7 +336,7 @@ class Gate:
         # half-way between two conversations while the FIFO moves on.
         turn_task = asyncio.get_running_loop().create_task(s.turn(ticket, key, body=chat))
         forwarded = False
-        watcher = SSEWatcher(reply=chat is not None)
+        watcher = SSEWatcher()
         try:
             result = await (ka.wait(asyncio.shield(turn_task)) if ka else asyncio.shield(turn_task))
             await (ka.wait(s.before_send(ticket)) if ka else s.before_send(ticket))
@@ -448,7 +448,7 @@ class Gate:
         try:
             cache_n, n_prompt, n_tokens = watcher.numbers()
             log.debug("gate: %s ended %s: cache_n %s, prompt %s", key, status, cache_n, n_prompt)
-            await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt, watcher.reply())
+            await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt)
             s.ctx.turn_times.engine_done(ticket.slot_id, key, watcher.timings)  # beside its turn's phases
             if status == "ok":
                 s.prefill_seen(*watcher.prefill(), cache_n=cache_n)

@@ -235,9 +235,9 @@ class Choosing:
         prefer = auto_name(key)
         while True:
             found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), prefer=prefer,
-                                   min_lcp=min_lcp, window=ctx.swa_window)
+                                   min_lcp=min_lcp, window=ctx.reuse_window)
             if found is None or not ctx.index.forget_if_gone(found[0]):
-                return self.saver.pending_best(tokens, ctx.model, found, min_lcp, ctx.swa_window, prefer)
+                return self.saver.pending_best(tokens, ctx.model, found, min_lcp, ctx.reuse_window, prefer)
 
     async def _request_tokens(self, body: dict[str, Any] | None, result: TurnResult) -> bytes | None:
         """The request's prompt tokens from the engine (/apply-template + /tokenize: neither

@@ -202,8 +202,8 @@ class Commands:
                          f"holds no conversation to save ({s.view.phase.value})")
                 return False
             if isinstance(step, Skip):
-                log.info("auto sessions: %s: %s holds %s tokens: not saved (%s)", why, auto_name(step.key),
-                         fmt_tokens(held.n_tokens if held else None), step.reason)
+                log.info("auto sessions: %s: slot %d holds %s tokens of %s: not saved (%s)", why, s.id,
+                         fmt_tokens(held.n_tokens if held else None), step.key, step.reason)
                 return step.reason == policy.UP_TO_DATE
         await self.saver.settled()
         return outcome is SaveOutcome.SAVED

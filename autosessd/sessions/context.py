@@ -73,9 +73,11 @@ class Context:
     # its first save): a file of another layout cannot be loaded and is not restored.
     engine_layout: KVLayout | None = None
     # The token index (index.py) over the session files, from prepare(); None: not loaded,
-    # and every restore follows the key rule. swa_window: the model's sliding window.
+    # and every restore follows the key rule. swa_window: the model's sliding window;
+    # recurrent: part of its state is for the last token only (facts.model_memory).
     index: TokenIndex | None = None
     swa_window: int | None = None
+    recurrent: bool = False
     remote: Bucket | None = None  # the shared bucket ([shared]), when configured
     n_ctx: int | None = None  # tokens one slot can hold: a file of more is never handed to the engine
     # The engine's chat template identity (EngineInfo.template): the seed of every keys.chain,
@@ -101,6 +103,12 @@ class Context:
     def chat(self) -> ChatEngine | None:
         """The engine, when it can tokenize and prefill (the one place that asks)."""
         return self.engine if isinstance(self.engine, ChatEngine) else None
+
+    @property
+    def reuse_window(self) -> int | None:
+        """The window of runs.swa_usable: which files the engine can reuse for a request. 0 for
+        a model with recurrent layers (only from a file's very end), else its sliding window."""
+        return 0 if self.recurrent else self.swa_window
 
     @property
     def min_tokens(self) -> int:

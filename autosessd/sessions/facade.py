@@ -27,7 +27,7 @@ call says what it blocks on.
     s.sent(ticket)                     # right before forwarding: its start is in flight until the
                                        # engine shows it placed (a task of its own, bounded)
     ... forward the request; the response carries timings.cache_n ...
-    await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt, reply)  # settle + verify; on an engine
+    await s.ended(ticket, key, status, n_tokens, cache_n, n_prompt)  # settle + verify; on an engine
                                        # that empties idle slots, the end save. Blocks: the gate, the engine
     ticket.release()                   # safe twice; after a client disconnect, only once the
                                        # engine's slot is idle again (s.wait_idle)
@@ -109,6 +109,7 @@ from .prefix import PrefixReader
 from .fetcher import Fetcher
 from .report import Counters, Events, TurnResult
 from .restores import Restorer
+from .rewind import Rewinder
 from .saves import Saver
 from .savings import Savings
 from .slot import Slot, View
@@ -160,13 +161,13 @@ class Sessions:
         self.launch.look = self.observer.look  # placed yet? the launch gate asks GET /slots
         self.placement.on_release.append(self.launch.released)
         self.saver = Saver(ctx, self.observer)
+        self.saver.rewind = Rewinder(ctx, self.launch, self.saver).rewind  # before a save (rewind.py)
         self.restorer = Restorer(ctx, self.placement, self.launch, self.observer, self.saver)
         self.warmer = Warmer(ctx, self.saver, self.placement)  # files into the page cache before a restore
         prefix, fetcher = PrefixReader(ctx, self.launch, self.observer, self.saver), Fetcher(ctx, self.saver)
         self._turn = Turn(ctx, self.observer, self.saver, self.restorer, prefix, fetcher, self.warmer)
         self.commands = Commands(ctx, self.placement, self.observer, self.saver, self.restorer)
         self.idle = IdleSaver(ctx, self.placement, self.observer, self.saver, self.launch)
-        self.saver.after_final.append(self._turn.recall.saved)  # reply marks (recall.py)
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
         self.saver.want_room = self.upkeep.schedule_prune  # a finalize short of space tries again after it
@@ -250,17 +251,14 @@ class Sessions:
         return task
 
     async def ended(self, ticket: Ticket, key: str | None, status: str, n_tokens: int | None = None,
-                    cache_n: int | None = None, n_prompt: int | None = None, reply: str | None = None) -> None:
+                    cache_n: int | None = None, n_prompt: int | None = None) -> None:
         """The request of `key` on the ticket's slot ended. status: ok | cancelled | error (it
         failed part-way) | rejected (a 4xx before it ran) | not_run (it never reached the
         engine); the numbers: what the response said (the engine's GET /slots is preferred
         for the count). On an engine that empties idle slots, the next start anywhere empties
-        this one: when its end may be saved, no start is sent until the save is done. reply:
-        the answer's text as the client got it (an OpenAI chat answer of text only)."""
+        this one: when its end may be saved, no start is sent until the save is done."""
         s = self.placement.slot_of(ticket)
         ours = s.ending(key)
-        if ours and reply is not None and status == "ok" and s.view.body is not None:
-            s.note(reply=reply)
         self.launch.ended(s, key, status, ours)
         if not ours:
             log.debug("auto sessions: slot %d: end of %s ignored: the slot is %s %s now", s.id, key,

@@ -56,16 +56,42 @@ def facts_of(ctx: Context) -> Context:
     return ctx
 
 
-async def swa_window(ctx: Context) -> int | None:
-    """engine.swa_window when set (0: none), else the model file's sliding window."""
+async def model_memory(ctx: Context) -> None:
+    """What the model's memory is, from its file: ctx.swa_window (engine.swa_window when set,
+    0: none) and ctx.recurrent (part of its state for the last token only)."""
+    ctx.swa_window, ctx.recurrent = await _swa_window(ctx), await _recurrent(ctx)
+
+
+async def _model_path(ctx: Context) -> str:
+    path = (await ctx.engine.info()).model_path
+    if not path:
+        raise ValueError("the engine does not say where its model file is (/props model_path)")
+    return path
+
+
+async def _recurrent(ctx: Context) -> bool:
+    if ctx.engine.kind != "llama-server":
+        return False
+    try:
+        path = await _model_path(ctx)
+        found = await asyncio.get_running_loop().run_in_executor(None, gguf.recurrent, path)
+    except (EngineError, OSError, ValueError) as e:
+        log.info("auto sessions: whether the model has recurrent layers is not known (%s)", e)
+        return False
+    if found:
+        log.info("auto sessions: the model has recurrent layers (a hybrid or recurrent model): the engine reuses "
+                 "a restore only for a request that goes on from its end, so a conversation is saved one token "
+                 "before its last prompt's end")
+    return found
+
+
+async def _swa_window(ctx: Context) -> int | None:
     if ctx.cfg.engine.swa_window is not None:
         return ctx.cfg.engine.swa_window or None
     if ctx.engine.kind != "llama-server":
         return None
     try:
-        path = (await ctx.engine.info()).model_path
-        if not path:
-            raise ValueError("the engine does not say where its model file is (/props model_path)")
+        path = await _model_path(ctx)
         n = await asyncio.get_running_loop().run_in_executor(None, gguf.sliding_window, path)
     except (EngineError, OSError, ValueError) as e:
         log.info("auto sessions: the model's sliding window is not known (%s); set engine.swa_window if it has "
@@ -208,7 +234,7 @@ class EngineFacts:
                     said)
         ctx.events.emit("engine_changed", engine=ctx.engine.address, **{k: [a, b] for k, (a, b) in changed.items()})
         if "model" in changed:
-            ctx.swa_window = await swa_window(ctx)
+            await model_memory(ctx)
         if self.check_template is not None and ("model" in changed or "template" in changed):
             await self.check_template()
         return None

@@ -92,7 +92,7 @@ class Fetcher:
         min_tokens = ctx.min_tokens
         have = max(shared, found[1] if found is not None else 0)
         writing = self.saver.writing()
-        hit = remote.best(tokens, have + max(min_tokens, 1), ctx.swa_window, prefer=auto_name(key),
+        hit = remote.best(tokens, have + max(min_tokens, 1), ctx.reuse_window, prefer=auto_name(key),
                           skip=lambda r: r.name in writing or remote.shared.is_bad(r.key) or self._have_locally(r))
         fetch = policy.plan_fetch_by_tokens(held, outcome, found, (hit[0].name, hit[1]) if hit else None, shared,
                                             min_tokens)

@@ -64,7 +64,7 @@ class PrefixReader:
         if n < min_tokens or shared > n:
             return
         head = tokens[:4 * n]
-        if ctx.index.best(head, ctx.model, min_lcp=n, window=ctx.swa_window) is not None:
+        if ctx.index.best(head, ctx.model, min_lcp=n, window=ctx.reuse_window) is not None:
             return  # a file holds it
         pkey = prefix_key(head, ctx.model)
         if pkey in self._reading or self.saver.saving(pkey):

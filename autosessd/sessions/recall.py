@@ -21,40 +21,25 @@ Either way the engine reuses the shared prefix itself, and the next response's c
 the restore as always. A mark is trusted only under the template that made it (the chain's
 seed, Context.template) and for the model its file was saved for.
 
-Reply marks. A conversation's next request sends back the file's reply as an assistant message,
-and on a sliding-window model only a request going on from the file's end may restore it. So
-after a save (saves.after_final), when the file runs past the window beyond its prompt, the
-reply as the client got it (the gate reads it from the response) is checked once, off the
-request's path: the engine's tokens for the messages with that reply and one more question
-must hold all of the file but its last token. Then the file gets a mark there (exact False: a
-request going on from those messages starts with those tokens), kept by the index (and its
-cache), not in the metadata: it is checked here, for this engine. A request that goes on from
-it is restored without its tokens; one whose reply was edited, or came back as other tokens,
-matches only the prompt's mark and is tokenized.
+On a model with a sliding window or recurrent layers a file holds the state one token before its
+prompt's end (rewind.py), not a prompt: it has no marks, and a return to it is tokenized.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..base.keys import chain, chat_signature
+from ..base.keys import chain
 from ..engines.base import EngineError
-from ..store.names import Mark, Meta
-from ..store.runs import common_prefix
-from ..store.slotfile import encode
+from ..store.runs import swa_usable
 
 if TYPE_CHECKING:
     from .context import Context
     from .fetcher import Fetcher
-    from .slot import View
 
 log = logging.getLogger("autosessd")
-
-# The question after the reply in a check's probe: any text; what matters is what comes before.
-PROBE = "."
 
 
 @dataclass(frozen=True)
@@ -70,7 +55,6 @@ class Recall:
     def __init__(self, ctx: Context, fetcher: Fetcher):
         self.ctx = ctx
         self.fetcher = fetcher
-        self._checking: set[asyncio.Task] = set()
         # Does the engine's template render a conversation's later turns after its earlier
         # ones, unchanged (check_appends)? Only then does "goes on" hold; None: not checked.
         self.appends: bool | None = None
@@ -136,63 +120,10 @@ class Recall:
             return None
         if index.forget_if_gone(known.file):
             return None  # removed by hand: the token rule decides
-        window = ctx.swa_window
-        if window is not None and e.n_tokens > window and e.n_tokens - n > 1:
+        if not swa_usable(e.n_tokens, n, ctx.reuse_window):
             return None  # usable only if the request goes on from (nearly) its end: unknown here
         others = [m.name for m in index.matches(known.tokens, ctx.model, min_lcp=n, exclude=exclude)
                   if m.name != known.file]
         if others or (ctx.remote is not None and self.fetcher.holds(known.tokens, n)):
             return None
         return known.file, n
-
-    # -- reply marks -----------------------------------------------------------------------
-    def saved(self, name: str, meta: Meta, tokens: bytes, v: View) -> None:
-        """saves.after_final: a conversation's file is final. On a sliding-window model whose
-        file runs past the window beyond its prompt, check its reply off the request's path."""
-        ctx = self.ctx
-        window, index = ctx.swa_window, ctx.index
-        if window is None or ctx.chat is None or index is None or not meta.marks:
-            return
-        if v.body is None or v.reply is None or v.messages is None:
-            return
-        n, prompt = len(tokens) // 4, meta.marks[-1]
-        if n <= window or n - prompt.n_tokens <= 1:
-            return  # the prompt's mark serves: a request with those messages may restore it anyway
-        e = index.get(name)
-        if e is None or e.tokens != tokens:
-            return
-        task = asyncio.get_running_loop().create_task(self._check_reply(name, e.ident, tokens, v))
-        self._checking.add(task)
-        task.add_done_callback(self._checking.discard)
-
-    async def _check_reply(self, name: str, ident: object, tokens: bytes, v: View) -> None:
-        ctx = self.ctx
-        assert v.body is not None and ctx.chat is not None and ctx.index is not None
-        probe = {**v.body, "messages": [*v.body["messages"], {"role": "assistant", "content": v.reply},
-                                        {"role": "user", "content": PROBE}]}
-        sig = chat_signature(probe)
-        if sig is None or sig[:-2] != v.messages:
-            return  # the body is not the one the view's messages are of
-        try:
-            got = encode(await ctx.chat.prompt_tokens(probe))
-        except (EngineError, ValueError) as e:
-            log.debug("auto sessions: checking the reply of %s: %s", name, e)
-            return
-        ctx.counters.replies_checked += 1
-        n, shared = len(tokens) // 4, common_prefix(got, tokens)
-        if shared < n - 1:
-            log.info("auto sessions: the reply saved in %s comes back as other tokens (%s of its %s shared): a "
-                     "request going on from it is tokenized", name, f"{shared:,}", f"{n:,}")
-            return
-        mark = Mark(len(sig) - 2, shared, chain(sig[:-1], ctx.template)[-1], exact=False)
-        if ctx.index.add_marks(name, ident, (mark,)):
-            ctx.counters.replies_marked += 1
-
-    def close(self) -> None:
-        for task in list(self._checking):
-            task.cancel()
-
-    async def checked(self) -> None:
-        """Until the reply checks under way are done (tests, the bench)."""
-        while self._checking:
-            await asyncio.gather(*list(self._checking), return_exceptions=True)

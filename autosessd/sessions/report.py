@@ -102,11 +102,6 @@ class Counters:
     known_by_messages: int = _counter("known_by_messages_total",
                                       "Turns whose request's tokens, or the file to restore, a file's recorded "
                                       "messages told: no tokens asked of the engine")
-    replies_checked: int = _counter("replies_checked_total",
-                                    "Saved replies whose tokens were checked against their file, off the request's "
-                                    "path (sliding-window models: may a request going on from it restore it?)")
-    replies_marked: int = _counter("replies_marked_total",
-                                   "Of those, replies that came back as the file's own tokens: marked")
     idle_saves: int = _counter("idle_saves_total",
                                "Conversations saved while their slot stayed idle after a reply (idle_save_s)")
     idle_saves_deferred: int = _counter("idle_saves_deferred_total",
@@ -141,6 +136,16 @@ class Counters:
                                    "Conversations saved under a branch name (their opener's file is another's)")
     prefixes_saved: int = _counter("prefixes_saved_total",
                                    "Shared prefixes (system prompt, tools) read on their own and saved")
+    rewinds: int = _counter("rewinds_total",
+                            "Slots taken back to one token before their last prompt's end before a save (a model "
+                            "with recurrent layers or a window: the state its next request, or a retry, reuses)")
+    rewinds_reread: int = _counter("rewinds_reread_total",
+                                   "Of those, rewinds for which the engine read the prompt again (it had no context "
+                                   "checkpoint near the prompt's end)")
+    rewinds_not_done: int = _counter("rewinds_not_done_total",
+                                     "Saves on such a model of a state not taken back (its prompt's tokens not known, "
+                                     "or the rewind failed): a restore of it is reused only by a request that goes "
+                                     "on from its very end")
     fetched: int = _counter("fetched_total", "Saves downloaded from the shared bucket for a turn's restore")
     saves_covered_remote: int = _counter("saves_covered_remote_total",
                                          "Saves not made: another host's newer save in the shared bucket held all "
@@ -273,6 +278,7 @@ class TurnResult:
     saved: dict[str, Any] | None = None
     restored: dict[str, Any] | None = None
     prefix: dict[str, Any] | None = None  # a shared prefix read and saved before the request
+    rewound: dict[str, Any] | None = None  # the slot taken back before its save (rewind.py)
     # Where the turn had the request's tokens from: "engine" (it asked: /apply-template +
     # /tokenize), "messages" (a file's marks told them, or the file to restore: recall.py), or
     # None (none needed: the request goes on from the held one, or is matched by its key).
@@ -291,7 +297,7 @@ class TurnResult:
         # As dataclasses.asdict has it (its values are flat dicts, lists of str and scalars),
         # at a tenth of its cost: it runs on every turn.
         d = dict(self.__dict__)
-        for k in ("saved", "restored", "prefix"):
+        for k in ("saved", "restored", "prefix", "rewound"):
             if d[k] is not None:
                 d[k] = dict(d[k])
         d["skipped"], d["errors"] = list(self.skipped), list(self.errors)

@@ -72,6 +72,8 @@ class Saver(Finalizing):
     def __init__(self, ctx: Context, observer: Observer):
         super().__init__(ctx)
         self.observer = observer
+        # Takes a slot back before its save, on a model that needs it (rewind.Rewinder.rewind).
+        self.rewind: Callable[[Slot, Occasion, TurnResult | None], Awaitable[bool]] | None = None
 
     # -- deciding ----------------------------------------------------------------------------
     async def save_if_worth(self, s: Slot, occasion: Occasion, key: str | None = None,
@@ -84,6 +86,11 @@ class Saver(Finalizing):
         → (the plan's step, what came of it); None: the slot holds no conversation we can name."""
         if not await self._facts_ok(s, result):
             return None, SaveOutcome.NOT_TRIED
+        if self.rewind is not None and not (occasion is Occasion.SWITCH and s.view.key == key):
+            with timed(result, "save"):
+                if await self.rewind(s, occasion, result):
+                    # Its file holds the state one token before its prompt's end already.
+                    return Skip("save", s.view.key or "", policy.UP_TO_DATE), SaveOutcome.NOT_TRIED
         held = s.view.conversation()
         step = policy.plan_save(held, occasion, self.ctx.min_tokens, self.held_info(s.view), self.ctx.model, key)
         if isinstance(step, Save) and held is not None and self.ctx.remote is not None:
@@ -208,7 +215,10 @@ class Saver(Finalizing):
                                           f"{len(prefix) // 4:,}", key, result)
             line, how = None, "prefix"
         elif target is None and tokens is not None:
-            to = save_key(key, tokens, self.saved_file)
+            # A rewound state is not covered by a longer file of it: the engine reuses it where
+            # it does not reuse the longer one (rewind.py).
+            rewound = s.view.rewound and s.view.key == key
+            to = save_key(key, tokens, self.saved_file, covers=not rewound)
             file_key, how = to.key, to.why
             if to.why == "covered":
                 store.discard_temp(key)

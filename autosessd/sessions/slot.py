@@ -72,6 +72,7 @@ class Event(Enum):
     ERASED = "erased"
     SAVED = "saved"
     PREFIX_READ = "prefix_read"
+    REWOUND = "rewound"
     LOST = "lost"
 
 
@@ -89,6 +90,7 @@ TRANSITIONS: dict[Event, tuple[frozenset[Phase], frozenset[Phase] | None]] = {
     Event.ERASED: (AT_REST, frozenset({Phase.EMPTY})),
     Event.SAVED: (frozenset({Phase.HELD, Phase.RESTORED}), SAME),
     Event.PREFIX_READ: (AT_REST, frozenset({Phase.HELD})),
+    Event.REWOUND: (frozenset({Phase.HELD}), frozenset({Phase.HELD})),
     Event.LOST: (_ANY, frozenset({Phase.UNKNOWN})),
 }
 
@@ -121,15 +123,16 @@ class View:
     # file      the session file holding this conversation's latest saved state: what a save
     #           compares with (up to date?). RESTORED: the file restored
     # n_prompt  of n_tokens, the prompt of the last reply (a save records it: branches.save_key)
-    # body      that request's chat body, and reply the text of its answer as the client got it:
-    # reply     after a save, recall.py checks that the reply sent back goes on from the file's
-    #           end (kept only for a model with a sliding window, where that decides a restore)
+    # body      that request's chat body (kept only for a model with a sliding window or recurrent
+    #           layers: rewind.py asks the engine for its prompt's tokens when the turn did not)
     tokens: bytes | None = None
     messages: tuple[str, ...] | None = None
     file: str | None = None
     n_prompt: int | None = None
     body: dict | None = dataclasses.field(default=None, compare=False, repr=False)
-    reply: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    # rewound  the slot was taken back to one token before its last prompt's end (rewind.py):
+    #          a state the engine reuses where the longer one is not; saved as such
+    rewound: bool = False
 
     def conversation(self) -> Held | None:
         """The conversation a save would write, when the slot holds one we can name."""
@@ -285,7 +288,7 @@ class Slot:
         elif status == "ok":
             new = View(Phase.HELD, v.key, n_tokens=n, tokens=v.tokens, messages=v.messages, file=v.file,
                        n_prompt=n_prompt if n_prompt is not None and (n is None or n_prompt <= n) else None,
-                       body=v.body, reply=v.reply)
+                       body=v.body)
         else:  # cancelled part-way: how much of the prompt it holds is not known
             new = View(Phase.HELD, v.key, n_tokens=n, durable=False, file=v.file)
         verify = None
@@ -328,6 +331,12 @@ class Slot:
         before a request of `key`: under that key, so that a request that does not run leaves
         a state whose file is up to date (never saved again)."""
         self._change(Event.PREFIX_READ, View(Phase.HELD, key, n_tokens=n, tokens=head, n_prompt=n))
+
+    def rewound(self, n: int, head: bytes) -> None:
+        """REWOUND: the held conversation's slot holds its first n tokens (head) now, one
+        token before its last prompt's end (rewind.py); the file it was saved to stays its."""
+        v = self._view
+        self._change(Event.REWOUND, View(Phase.HELD, v.key, n_tokens=n, tokens=head, file=v.file, rewound=True))
 
     def lost(self, why: str) -> str | None:
         """LOST (forced, from any phase): the slot's contents changed behind our back. Returns

@@ -97,9 +97,9 @@ class Turn(Choosing):
             if carry is None:
                 s.start(key)
             else:
-                # The body is kept for the check of its reply's mark (recall.py), which only a
-                # model with a sliding window needs.
-                keep = body if carry.messages is not None and ctx.swa_window is not None else None
+                # The body is kept where a save may take the slot back to one token before
+                # its prompt's end (rewind.py): a model with a sliding window or recurrent layers.
+                keep = body if carry.messages is not None and (ctx.swa_window is not None or ctx.recurrent) else None
                 s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt,
                         body=keep)
             result.ms = round((time.monotonic() - t0) * 1000, 2)
@@ -164,7 +164,6 @@ class Turn(Choosing):
     def close(self) -> None:
         for task in list(self._learning):
             task.cancel()
-        self.recall.close()
         self.ctx.events.flush()  # the last turn's events (Events.soon), before the loop ends
 
     def _learn_prompt(self, s: Slot, key: str | None, body: dict[str, Any]) -> None:
@@ -299,6 +298,6 @@ class Turn(Choosing):
             return
         tokens = asking.result()
         found = ctx.index.best(tokens, ctx.model, exclude=self.saver.writing(), min_lcp=max(ctx.min_tokens, 1),
-                               window=ctx.swa_window) if tokens else None
+                               window=ctx.reuse_window) if tokens else None
         if found is not None:
             self.warmer.warm(found[0])

@@ -50,7 +50,7 @@ class Upkeep:
         for name, why in sorted(rep.skipped.items()):
             log.warning("auto sessions: not indexed: %s: %s", name, why)
         if swa:  # behind a router each model learns its own as it loads
-            ctx.swa_window = await facts.swa_window(ctx)
+            await facts.model_memory(ctx)
 
     def start_import(self) -> None:
         """Whole files saved before the block store, kept as blocks now (Store.import_whole), one

@@ -288,20 +288,6 @@ class TokenIndex:
         self._put(entry)
         return entry
 
-    def add_marks(self, name: str, ident: object, marks: Sequence[Mark]) -> bool:
-        """Marks learned of a file after it was indexed (recall.py's reply marks), kept while it
-        is the same file (its identity `ident` as indexed). False when it is not (any more)."""
-        with self._lock:
-            e = self._entries.get(name)
-            if e is None or e.ident != ident:
-                return False
-            new = tuple(m for m in fitting(tuple(marks), e.tokens) if m not in e.marks)
-            if new:
-                self._drop(e)
-                self._insert(dataclasses.replace(e, marks=e.marks + new))
-                self._touch(name)
-            return True
-
     def learn(self, name: str, model: str) -> bool:
         """The model of a file is now known (a person's file autosessd parked, or restored
         and saw reused). False when the index has no such file."""

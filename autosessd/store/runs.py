@@ -104,5 +104,12 @@ def swa_usable(n_tokens: int, lcp: int, window: int | None) -> bool:
     end. Otherwise an engine without --swa-full reads the whole prompt again, and one with it
     reuses the prefix with cells missing: measured on b11434, a top log-probability of -1.398
     after the restore against -1.112 from the engine's own cache for the same prompt (an
-    extension gave the same -0.880 both ways). So such files are passed over."""
+    extension gave the same -0.880 both ways). So such files are passed over.
+
+    window 0 stands for a model with recurrent layers (Context.reuse_window): its state is for
+    the file's last token only, and the engine reuses it only for a request that goes on from
+    the file's very end (server-context.cpp: anything else needs a context checkpoint, and
+    those are not in the file)."""
+    if window == 0:
+        return lcp >= n_tokens
     return window is None or n_tokens <= window or n_tokens - lcp <= 1

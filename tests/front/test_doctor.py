@@ -41,9 +41,13 @@ def statuses(f):
     ({"files_over_ctx": 2, "largest_file": 12000, "n_slots": 4}, "-c", "problem",
      "start llama-server with -c 52,096 or more"),
     ({"swa_retries": 2}, "sliding window", "problem",
-     "no flag fixes it in llama-server b11434 (docs: Limits); a model without a sliding window restores retries too"),
-    ({"arch": "mamba2", "recurrent": True}, "model", "problem",
-     "no flag fixes it: auto_sessions = false saves the disk, or serve a transformer model"),
+     "send requests through the gate or the hook: there each save holds the state one token before its prompt's "
+     "end, which a retry goes on from (a tail sees the prompt too late)"),
+    ({"arch": "qwen35", "recurrent": True}, "model", "ok", None),
+    ({"arch": "qwen35", "recurrent": True, "flags": {"--ctx-checkpoints": "0"}}, "--ctx-checkpoints", "problem",
+     "run llama-server without --ctx-checkpoints 0 (its default keeps 32)"),
+    ({"arch": "qwen35", "recurrent": True, "rewinds_reread": 3}, "--ctx-checkpoints", "problem",
+     "run llama-server without --ctx-checkpoints 0 (its default keeps 32)"),
 ])
 def test_checks(change, setting, status, fix):
     got = statuses(dataclasses.replace(GOOD, **change))[setting]

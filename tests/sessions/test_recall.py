@@ -89,22 +89,24 @@ async def test_a_second_file_holding_the_same_tokens_makes_it_ask_the_engine(tmp
     assert turn.restored["file"] == f"auto-{K}.bin" and turn.restored["tokens_from"] == "engine"
 
 
-async def test_on_a_sliding_window_model_a_file_is_restored_only_for_a_prompt_going_on_from_its_end(tmp_path):
+async def test_on_a_sliding_window_model_a_file_holds_the_state_before_its_prompts_end(tmp_path):
     """runs.swa_usable: a file past the window is restored only when the prompt goes on from
-    (nearly) its end. The same messages end before the file's reply: not restored, as the token
-    rule decides, and without asking. Messages going on from it may go on from its end: only
-    the engine's tokens can say, so they are asked for."""
+    (nearly) its end. So on such a model the slot is taken back to one token before its
+    prompt's end before it is saved (rewind.py): the same messages again (a retry) and the
+    next turn both go on from that, and both are restored (by the engine's tokens: such a
+    file has no marks, its tokens are not a prompt's)."""
     s = await make(tmp_path, swa=50)
     await chat(s, X, reply="Aye, captain.")
     await chat(s, OTHER)
-    before = calls(s)
-    turn, cache_n, _ = await chat(s, X, reply="Aye, captain.")  # read again: the same state
-    assert calls(s) == before and turn.restored is None
-    await chat(s, OTHER)
-    tokenized = s.counters.tokenized
+    assert s.engine.prefills[-1] == prompt(X)[:-1]  # taken back before the save at the switch
+    assert t.header(s, f"auto-{K}.bin") == prompt(X)[:-1] and s.store.read_meta(K).marks == ()
+    turn, cache_n, n_prompt = await chat(s, X, reply="Aye, captain.")  # a retry
+    assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
+    await chat(s, OTHER)  # its file holds that state already: not taken back nor saved again
+    assert s.engine.prefills[-1] != prompt(X)[:-1] or s.status()["counters"]["rewinds"] == 2
     turn, cache_n, n_prompt = await chat(s, grown(X, "Aye, captain."))
-    assert s.counters.tokenized == tokenized + 1
-    assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == len(prompt(X)) + len("Aye, captain.")
+    assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == len(prompt(X)) - 1
+    assert s.status()["counters"]["rewinds_reread"] == 0
 
 
 async def test_a_known_conversation_with_a_shared_prefix_file_restores_its_own(tmp_path):
@@ -146,48 +148,6 @@ def test_marks_in_metadata_are_checked():
     for bad in ([[0, 1, "0123456789abcdef"]], [[1, -1, "0123456789abcdef"]], [[1, 2, "xyz"]], [[True, 2, "0" * 16]],
                 "1:2", "a:b:0123456789abcdef", [[1, 2, "0" * 16]] * 65, {"k": 1}, 7, [[1, 2, "0" * 16], "junk"]):
         assert marks_from(bad) == (), bad
-
-
-async def replying(s, b, reply="Aye.", told=None):
-    """chat() as the gate does it, the answer's text as the client got it passed to the end
-    (told: what the client got, when it is not what the engine holds)."""
-    key = conversation_key(b)
-    async with await s.admit() as tk:
-        turn = await s.turn(tk, key, body=b)
-        cache_n, n_prompt = s.engine.chat(b, reply)
-        await s.ended(tk, key, "ok", cache_n=cache_n, n_prompt=n_prompt, reply=reply if told is None else told)
-    await s.drain()
-    await s._turn.recall.checked()
-    return turn, cache_n, n_prompt
-
-
-async def test_on_a_sliding_window_model_a_checked_reply_lets_the_next_request_restore_without_tokens(tmp_path):
-    """After X's save its reply is checked once, off the request's path: the engine's tokens
-    for X's messages, that reply and one more question hold all of the file. X going on from
-    that reply is then restored without its tokens; with the reply edited, it is tokenized."""
-    s = await make(tmp_path, swa=50)
-    await replying(s, X, "Aye, captain.")
-    await replying(s, OTHER)
-    assert s.counters.replies_checked == 1 and s.counters.replies_marked == 1
-    tokenized = s.counters.tokenized
-    turn, cache_n, n_prompt = await replying(s, grown(X, "Aye, captain."))
-    assert s.counters.tokenized == tokenized and turn.tokens_from == "messages"
-    assert turn.restored["file"] == f"auto-{K}.bin" and turn.restored["chosen_by"] == "messages"
-    assert cache_n == len(prompt(X)) + len("Aye, captain.")
-    await replying(s, OTHER)
-    turn, cache_n, n_prompt = await replying(s, grown(X, "Aye, captain!"))  # the client edited the reply
-    assert s.counters.tokenized == tokenized + 1 and turn.tokens_from == "engine"
-
-
-async def test_a_reply_that_comes_back_as_other_tokens_gets_no_mark(tmp_path):
-    s = await make(tmp_path, swa=50)
-    await replying(s, X, "Aye, captain.", told="Aye,  captain.")  # the client got other text than the slot holds
-    await replying(s, OTHER)
-    assert s.counters.replies_checked == 1 and s.counters.replies_marked == 0
-    tokenized = s.counters.tokenized
-    turn, _, _ = await replying(s, grown(X, "Aye,  captain."))
-    assert s.counters.tokenized == tokenized + 1  # asked: and the token rule finds the file not usable
-    assert turn.restored is None
 
 
 class RewritingEngine(StubEngine):

@@ -59,13 +59,13 @@ def test_a_retry_after_a_switch_through_the_gate(engines, session_dir, tmp_path,
         eng.post("/v1/chat/completions", B, base=d.gate_url)  # A saved at the switch
         again = eng.post("/v1/chat/completions", A, base=d.gate_url)  # the same request: a retry
         st = status(d)
-        if model.swa:
-            assert reused(again) < 0.1 and st["counters"]["restores"] == 0
-            said_why(d, model)
-        else:
-            assert reused(again) >= 0.9 and st["counters"]["restores_reused"] == 1
-            assert st["counters"]["swa_retries"] == 0
-            assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        # Through the gate the turn knows the prompt: on Gemma 3 the slot is taken back to one
+        # token before the prompt's end before its save (rewind.py), a state the retry goes on
+        # from, so it is restored there too.
+        assert reused(again) >= 0.9 and st["counters"]["restores_reused"] == 1
+        assert st["counters"]["swa_retries"] == 0
+        assert st["counters"]["rewinds"] >= (1 if model.swa else 0) and st["counters"]["rewinds_reread"] == 0
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     finally:
         d.stop()
 
@@ -80,12 +80,11 @@ def test_a_retry_after_a_switch_through_the_turn_hook(engines, session_dir, tmp_
         eng.post("/v1/chat/completions", B)
         t = hook_turn(d, A)  # the same request again
         again = eng.post("/v1/chat/completions", A)
+        # The hook gives the turn the body: on Gemma 3 the slot was taken back before its save
+        # (rewind.py), and the retry restored as on the model without a window.
+        assert t["restored"]["key"] == KA and reused(again) >= 0.9
         if model.swa:
-            assert not t["restored"] and any("sliding window" in m for m in t["skipped"])
-            assert reused(again) < 0.1
-            said_why(d, model)
-        else:
-            assert t["restored"]["key"] == KA and reused(again) >= 0.9
+            assert t["restored"]["n_tokens"] == again["usage"]["prompt_tokens"] - 1
     finally:
         d.stop()
 

@@ -21,6 +21,7 @@ FROM = {
     Event.ERASED: {E, H, R, U},
     Event.SAVED: {H, R},
     Event.PREFIX_READ: {E, H, R, U},
+    Event.REWOUND: {H},
     Event.LOST: {E, S, H, R, U},
 }
 
@@ -49,6 +50,7 @@ def fire(s: Slot, event: Event) -> None:
         Event.ERASED: s.erased,
         Event.SAVED: lambda: s.saved(n_tokens=60, file=f"auto-{K}.bin"),
         Event.PREFIX_READ: lambda: s.prefix_read(K, 20, b"\0" * 80),
+        Event.REWOUND: lambda: s.rewound(49, b"\0" * 196),
         Event.LOST: lambda: s.lost("test"),
     }[event]()
 
@@ -69,7 +71,7 @@ def test_every_event_from_every_phase_is_allowed_or_refused(event, phase):
 
 @pytest.mark.parametrize("event, to", [
     (Event.START, S), (Event.NOTE, S), (Event.END, H), (Event.RESTORED, R), (Event.RESTORE_FAILED, E),
-    (Event.ERASED, E), (Event.PREFIX_READ, H), (Event.LOST, U)])
+    (Event.ERASED, E), (Event.PREFIX_READ, H), (Event.REWOUND, H), (Event.LOST, U)])
 def test_each_event_leads_where_the_table_says(event, to):
     s = slot_in(next(iter(FROM[event] - {E})))
     fire(s, event)

@@ -106,23 +106,48 @@ async def test_a_switch_decides_on_a_pending_save_as_it_will_be_without_waiting_
     assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
 
 
-# -- a retry after a switch: restored without a window, said with one (issue 31) -------------------
+# -- a retry after a switch: restored, with a window or without (issues 31, 47) ----------------------
 @pytest.mark.parametrize("swa", [0, 20])
-async def test_a_retry_after_a_switch_is_restored_without_a_window_and_said_with_one(tmp_path, swa):
+async def test_a_retry_after_a_switch_is_restored_with_a_window_or_without(tmp_path, swa):
     """The same request sent again after a switch (a retry, a regenerate): its prompt ends
-    before X's file does (the file holds the reply too). Without a sliding window the file
-    serves it; with one the engine's file keeps only the window's last cells, so it is not
-    restored, and the turn, status and doctor's facts say why instead of a silent re-read."""
+    before X's file would (the slot holds the reply too). Without a sliding window the file of
+    the whole slot serves it. With one the engine's file keeps only the window's last cells, so
+    before the save the slot is taken back to one token before its prompt's end (rewind.py):
+    the retry goes on from that file, and it is restored too."""
     s = await make(tmp_path, swa=swa)
     await chat(s, X)
     await chat(s, body(("user", LONG_2)))
     turn, cache_n, n_prompt = await chat(s, X)
-    if not swa:
-        assert turn.restored and turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
-        assert s.counters.swa_retries == 0 and s.restore_log.swa_retry is None
-    else:
-        assert not turn.restored and cache_n < 10
-        assert s.counters.swa_retries == 1
-        assert any("20-token sliding window" in m and "a retry" in m for m in turn.skipped)
-        kept = s.status()["last_swa_retry"]
-        assert kept["file"] == f"auto-{K}.bin" and kept["n_prompt"] == n_prompt and kept["swa_window"] == 20
+    assert turn.restored and turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
+    assert s.counters.swa_retries == 0 and s.restore_log.swa_retry is None
+    assert turn.restored["n_tokens"] == (n_prompt - 1 if swa else n_prompt + len("Aye."))
+    assert s.counters.rewinds == (2 if swa else 0)  # X's and the other's, each at its switch
+
+
+# -- a model with recurrent layers (issue 47) --------------------------------------------------------
+def going_on(b, reply, then="And the ships' names?"):
+    return {**b, "messages": b["messages"] + [{"role": "assistant", "content": reply},
+                                              {"role": "user", "content": then}]}
+
+
+async def test_on_a_recurrent_model_a_save_holds_the_state_the_next_turn_goes_on_from(tmp_path):
+    """The engine reuses a hybrid model's restore only for a request that goes on from its end
+    (DESIGN §9). A file of the slot after its turn (prompt and reply) is passed over for a next
+    turn whose reply came back otherwise (the index's rule for such models), and each save holds
+    the state one token before its prompt's end, which every next turn and a retry go on from."""
+    s = await make(tmp_path)
+    await chat(s, X, reply="Aye.")
+    await chat(s, body(("user", LONG_2)))  # X's file: its prompt and reply (no rewind on this model)
+    assert header(s, f"auto-{K}.bin") == prompt(X) + [ord(c) for c in "Aye."]
+    s.ctx.recurrent = True  # as facts.model_memory finds a hybrid's GGUF
+    turn, cache_n, _ = await chat(s, going_on(X, "Aye!"))  # departs inside the file's reply
+    assert turn.restored is None and cache_n < len(prompt(X)) // 2
+    await chat(s, body(("user", LONG_2)))  # the switch takes X's slot back before its save
+    grown = going_on(X, "Aye!")
+    assert header(s, f"auto-{K}.bin") == prompt(grown)[:-1] and s.counters.rewinds >= 1
+    turn, cache_n, _ = await chat(s, going_on(grown, "Yes, captain.", "Which flag?"))  # departs in the reply
+    assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == len(prompt(grown)) - 1
+    await chat(s, body(("user", LONG_2)))
+    turn, cache_n, n_prompt = await chat(s, going_on(grown, "Yes, captain.", "Which flag?"))  # a retry
+    assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
+    assert s.counters.rewinds_reread == 0 and s.counters.rewinds_not_done == 0

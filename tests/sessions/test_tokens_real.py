@@ -184,12 +184,15 @@ def test_a_file_under_the_requests_own_key_sharing_too_little_is_not_restored(en
         d.stop()
 
 
+@pytest.mark.parametrize("model", ["kv8b"], indirect=True)
 def test_a_return_asks_the_engine_for_no_tokens_and_a_switch_after_a_pause_only_restores(engines, session_dir,
-                                                                                         tmp_path):
-    """Issue 23: A answered, then a pause: A is saved while the engine is idle, and its reply
-    checked. B's request then saves nothing (its switch only restores); B's pause saves B. A
-    going on from its answer is restored without asking the engine for its tokens (status:
-    tokenized unchanged), reused, and answered as the engine alone answers it."""
+                                                                                         tmp_path, model):
+    """Issue 23: A answered, then a pause: A is saved while the engine is idle. B's request then
+    saves nothing (its switch only restores); B's pause saves B. A going on from its answer is
+    restored without asking the engine for its tokens (status: tokenized unchanged), reused, and
+    answered as the engine alone answers it. On the model without a window: on one with a window
+    (or recurrent layers) a file holds the state one token before its prompt's end, not a
+    prompt, and a return to it is tokenized (rewind.py; test_retry_real.py)."""
     a = chat(("user", long_text(40, "box") + "\nWhich box holds the most marbles?"))
     b = chat(("user", long_text(40, "jar") + "\nWhich jar holds the most marbles?"))
     eng = engines(session_dir)
@@ -200,8 +203,7 @@ def test_a_return_asks_the_engine_for_no_tokens_and_a_switch_after_a_pause_only_
     counters = lambda: d.status()["counters"]  # noqa: E731
     try:
         a1 = post(d.gate_url, a)
-        wait_until(lambda: counters()["idle_saves"] == 1 and counters()["replies_marked"] == 1, 30,
-                   what="A saved while idle, its reply checked")
+        wait_until(lambda: counters()["idle_saves"] == 1, 30, what="A saved while idle")
         post(d.gate_url, b)
         assert counters()["saves"] == 1  # B's switch saved nothing: A's file was up to date
         wait_until(lambda: counters()["idle_saves"] == 2, 30, what="B saved while idle")
