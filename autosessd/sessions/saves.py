@@ -72,6 +72,7 @@ class Saver(Finalizing):
     def __init__(self, ctx: Context, observer: Observer):
         super().__init__(ctx)
         self.observer = observer
+        self._said_format = False  # an engine's slot file format unknown here, said
         # Takes a slot back before its save, on a model that needs it (rewind.Rewinder.rewind).
         self.rewind: Callable[[Slot, Occasion, TurnResult | None], Awaitable[bool]] | None = None
 
@@ -288,6 +289,14 @@ class Saver(Finalizing):
         path = self.ctx.store.temp_path(key)
         try:
             header = slotfile.read_header(path)
+        except slotfile.UnknownFormat as e:
+            # A newer engine's format: the file is kept whole under the key, never cut, and
+            # restored by the key only (said once per engine).
+            if not self._said_format:
+                log.warning("auto sessions: %s: %s: kept whole under its conversation's key (not cut into blocks "
+                            "nor matched by its tokens) until autosessd reads this format", path.name, e)
+                self._said_format = True
+            return None
         except (slotfile.BadSlotFile, OSError) as e:
             raise StoreError(f"{path.name}: {e}") from None
         if header.n_tokens != n_saved:

@@ -44,6 +44,11 @@ class BadSlotFile(ValueError):
     """A file that is not a llama-server slot file this code understands; says why."""
 
 
+class UnknownFormat(BadSlotFile):
+    """A slot file of another state or payload version than this code reads (a newer engine):
+    kept whole under its conversation's key, never cut or matched by its tokens."""
+
+
 @dataclass(frozen=True)
 class SlotHeader:
     tokens: tuple[int, ...]  # the prompt the state belongs to: what the engine would reuse
@@ -81,7 +86,7 @@ def parse_header(data: bytes, file_size: int | None = None, max_tokens: int | No
     if magic != MAGIC:
         raise BadSlotFile(f"magic {magic:#010x} is not llama-server's {MAGIC:#010x}")
     if version != VERSION:
-        raise BadSlotFile(f"state file version {version}, this code reads {VERSION}")
+        raise UnknownFormat(f"state file version {version}, this code reads {VERSION}")
     end = 12 + 4 * n_words
     if file_size is not None and end > file_size:
         raise BadSlotFile(f"header claims {n_words:,} words, more than the file's {file_size:,} bytes hold")
@@ -94,7 +99,7 @@ def parse_header(data: bytes, file_size: int | None = None, max_tokens: int | No
     words = struct.unpack_from(f"<{n_words}i", data, 12)
     if n_words >= 3 and words[0] == TOKEN_NULL:
         if words[1] != PAYLOAD_VERSION:
-            raise BadSlotFile(f"server payload version {words[1]}, this code reads {PAYLOAD_VERSION}")
+            raise UnknownFormat(f"server payload version {words[1]}, this code reads {PAYLOAD_VERSION}")
         n = words[2]
         if n < 0 or 3 + n > n_words:
             raise BadSlotFile(f"payload claims {n:,} tokens in {n_words:,} words")

@@ -151,3 +151,31 @@ async def test_on_a_recurrent_model_a_save_holds_the_state_the_next_turn_goes_on
     turn, cache_n, n_prompt = await chat(s, going_on(grown, "Yes, captain.", "Which flag?"))  # a retry
     assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
     assert s.counters.rewinds_reread == 0 and s.counters.rewinds_not_done == 0
+
+
+# -- a slot file format this code does not read (issue 47) -------------------------------------------
+async def test_a_slot_file_of_an_unknown_version_is_kept_whole_and_said(tmp_path, caplog):
+    """A newer engine writes state version 5: the save is kept whole under its key (not failed,
+    not cut, not matched by tokens it cannot read: a turn's token rule passes it over), and the
+    log says why once."""
+    from stub_engine import StubEngine
+
+    class Newer(StubEngine):
+        async def save(self, slot, name):
+            res = await super().save(slot, name)
+            p = self.dir / name
+            data = bytearray(p.read_bytes())
+            data[4:8] = (5).to_bytes(4, "little")
+            p.write_bytes(bytes(data))
+            return res
+
+    d = tmp_path / "sessions"
+    d.mkdir()
+    s = await make(tmp_path, engine=Newer(d))
+    await chat(s, X)
+    await chat(s, body(("user", LONG_2)))
+    await chat(s, X)
+    assert s.counters.save_failures == 0 and s.counters.saves >= 2
+    assert (d / f"auto-{K}.bin").read_bytes()[4:8] == (5).to_bytes(4, "little")
+    assert sum("state file version 5" in r.getMessage() for r in caplog.records) == 1
+    assert not any(r.levelname == "ERROR" for r in caplog.records)
