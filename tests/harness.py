@@ -111,18 +111,30 @@ def engine_paths() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Model:
-    """A model the real-engine tests run on (scripts/fetch-engine builds both)."""
+    """A model the real-engine tests run on (scripts/fetch-engine builds them all)."""
 
-    name: str  # the test id: gemma3 | kv8b
+    name: str  # the test id: gemma3 | kv8b | qwen35 | gptoss
     path: Path
     # A sliding-window model: llama-server's file of it holds only the window's last SWA cells,
     # so it is restorable only for a prompt that goes on from its end (never a retry).
     swa: bool
     bytes_per_token: int  # a slot file's size per token, about
+    # A hybrid model (attention and a recurrent state, as qwen35): its file holds the state after
+    # the last token only, so it is reused only by a prompt that strictly goes on from the file's
+    # tokens (a retry from the state one token before the prompt's end is; a next turn whose reply
+    # differs from the file's is not: DESIGN §9).
+    hybrid: bool = False
+    # What a file holds whatever its length (measured): the recurrent state, or the window's cells.
+    fixed_bytes: int = 0
+
+
+# The models the `model` fixture runs every test on. The others in MODELS are for tests that
+# name them: @pytest.mark.parametrize("model", ["qwen35"], indirect=True).
+DEFAULT_MODELS = ("gemma3", "kv8b")
 
 
 def models() -> list[str]:
-    return list(MODELS)
+    return list(DEFAULT_MODELS)
 
 
 MODELS = {
@@ -130,12 +142,18 @@ MODELS = {
     "gemma3": ("MODEL", True, 6_000),
     # scripts/kv8b_model.py: Llama 3 8B's KV shape (128 KiB a token, no window), random weights.
     "kv8b": ("MODEL_KV8B", False, 131_072),
+    # scripts/qwen35_model.py: Qwen3.5-27B's hybrid at a quarter depth (4 full-attention layers,
+    # 12 Gated DeltaNet), random weights: 16,412 bytes a token and a 39.2 MB recurrent state.
+    "qwen35": ("MODEL_QWEN35", False, 16_412, True, 39_223_752),
+    # scripts/gptoss_model.py: gpt-oss-20b's attention (12 full layers, 12 of a 128-token window),
+    # random weights: 24,592 bytes a token and the window's 128 cells, 3.1 MB.
+    "gptoss": ("MODEL_GPTOSS", True, 24_592, False, 3_147_916),
 }
 
 
 def model(name: str) -> Model:
-    key, swa, per_token = MODELS[name]
-    return Model(name, Path(engine_paths()[key]), swa, per_token)
+    key, *shape = MODELS[name]
+    return Model(name, Path(engine_paths()[key]), *shape)
 
 
 class Engine:

@@ -29,11 +29,22 @@ _spec.loader.exec_module(eb)
 
 VERSION = "11434.0.0"
 CPU = "cpu0"
-_kv8b_spec = importlib.util.spec_from_file_location("kv8b_model", ROOT / "scripts" / "kv8b_model.py")
-kv8b_model = importlib.util.module_from_spec(_kv8b_spec)
-_kv8b_spec.loader.exec_module(kv8b_model)
-KV8B_CACHED = (Path(os.environ.get("AUTOSESSD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                    / "autosessd") / "models" / kv8b_model.FILE_NAME)
+_MODELS_CACHE = (Path(os.environ.get("AUTOSESSD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                      / "autosessd") / "models")
+
+
+def _cached_test_model(script: str) -> Path:
+    """Where `make test`'s fetch-engine keeps the random-weight model scripts/<script>.py builds."""
+    spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return _MODELS_CACHE / module.FILE_NAME
+
+
+# fetch-engine's lines for them, in its order.
+TEST_MODELS_CACHED = {"MODEL_KV8B": _cached_test_model("kv8b_model"),
+                      "MODEL_QWEN35": _cached_test_model("qwen35_model"),
+                      "MODEL_GPTOSS": _cached_test_model("gptoss_model")}
 Outcome, Action, Check = eb.Outcome, eb.Action, eb.Check
 
 
@@ -314,11 +325,11 @@ def script_cache(tmp_path):
     cache = tmp_path / "cache"
     (cache / "models").mkdir(parents=True)
     (cache / "models" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"GGUF fake")
-    # The second model is checked by its sha256 (a fake would be built again: ~30 s and the sdist):
-    # the real one, where `make test`'s fetch-engine has built it.
-    kv8b = KV8B_CACHED
-    if kv8b.is_file():
-        (cache / "models" / kv8b.name).symlink_to(kv8b)
+    # The random-weight models are checked by their sha256 (a fake would be built again: ~45 s and
+    # the sdist): the real ones, where `make test`'s fetch-engine has built them.
+    for cached in TEST_MODELS_CACHED.values():
+        if cached.is_file():
+            (cache / "models" / cached.name).symlink_to(cached)
     cpu = eb.cpu_id(eb._read("/proc/cpuinfo"), platform.machine())
     native = eb.variant_dir(cache, VERSION, "native", cpu)
     native.mkdir(parents=True)
@@ -339,10 +350,12 @@ def test_fetch_engine_rebuilds_a_cached_binary_that_dies_with_sigill(tmp_path, s
     cache, native = script_cache
     r = fetch_engine(cache, builds_dir(tmp_path, native="answer", portable="answer"))
     assert r.returncode == 0, r.stderr
-    lines = dict(line.split("=", 1) for line in r.stdout.splitlines())
-    assert lines == {"LLAMA_SERVER": str(native / "llama-server"),
-                     "MODEL": str(cache / "models" / "gemma-3-270m-q4_k_m.gguf"),
-                     "MODEL_KV8B": str(cache / "models" / KV8B_CACHED.name)}
+    pairs = [line.split("=", 1) for line in r.stdout.splitlines()]
+    # The first three lines as they always were (scripts parse them so), the new models after.
+    assert pairs == [["LLAMA_SERVER", str(native / "llama-server")],
+                     ["MODEL", str(cache / "models" / "gemma-3-270m-q4_k_m.gguf")],
+                     *([key, str(cache / "models" / cached.name)] for key, cached in TEST_MODELS_CACHED.items())]
+    lines = dict(pairs)
     assert "SIGILL" in r.stderr and "rebuilding it" in r.stderr
     assert answers(Path(lines["LLAMA_SERVER"]), tmp_path, Path(lines["MODEL"]))
 
