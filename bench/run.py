@@ -34,6 +34,9 @@ Scenarios (each competitor is measured in the same run, interleaved with autoses
   15 several hosts  two hosts (real engine, the 8B KV shape) with [shared] on a real Ceph RGW bucket:
                     A's return on its own host, on another host (a download), and re-read by the
                     engine alone (bench/hosts.py)
+  16 hybrid models  a Qwen3.5-shaped hybrid and gpt-oss-20b's attention, ~6k tokens: a return whose
+                    reply departs, a retry, a restart; the engine's own save/restore against
+                    autosessd's (bench/hybrid.py)
 
 Writes bench/results/<date>-<host>.json and prints Markdown tables; with scenario 1, also
 bench/results/switch-back.png (bench/plot.py), the README's plot.
@@ -70,6 +73,7 @@ from run_switch import s1_switch_back, s2_many, s3_restart, t1, t2, t3  # noqa: 
 from writes import s13_writes, t13  # noqa: E402  (scenario 13: what saving writes, per hour)
 from blocks import s14_blocks, t14  # noqa: E402  (scenario 14: the store of token blocks)
 from hosts import s15_hosts, t15  # noqa: E402  (scenario 15: a return on its own host or another)
+from hybrid import s16_hybrid, t16  # noqa: E402  (scenario 16: hybrid and window models people run)
 
 
 SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
@@ -88,6 +92,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[Run], dict[str, Any]], Callable[[dict[
            t14),
     "15": ("Several hosts: a return on its own host, on another host, and a re-read, at 8B's KV shape", s15_hosts,
            t15),
+    "16": ("The models people run: a Qwen3.5-shaped hybrid and gpt-oss's attention, alone and with autosessd",
+           s16_hybrid, t16),
 }
 
 

@@ -36,11 +36,13 @@ class Run:
         return d
 
     def engine(self, cache_ram: int | None = 0, port: int | None = None, sessions: Path | None = None,
-               ctx: int = CTX) -> dict[str, Any]:
+               ctx: int = CTX, model: str | None = None, swa_full: bool = True) -> dict[str, Any]:
         sessions = sessions or self._dir("sessions")
         port = port or demo.free_port()
-        args = [self.paths["LLAMA_SERVER"], "-m", self.paths["MODEL"], "--host", "127.0.0.1", "--port", str(port),
-                "-np", "1", "-c", str(ctx), "--swa-full", "--slot-save-path", str(sessions), "--no-webui"]
+        args = [self.paths["LLAMA_SERVER"], "-m", model or self.paths["MODEL"], "--host", "127.0.0.1",
+                "--port", str(port), "-np", "1", "-c", str(ctx), "--slot-save-path", str(sessions), "--no-webui"]
+        if swa_full:
+            args.append("--swa-full")
         if cache_ram is not None:
             args += ["--cache-ram", str(cache_ram)]
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.work / f"engine-{port}.log", "ab"))
