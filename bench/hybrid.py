@@ -1,6 +1,7 @@
 """Scenario 16: the models people run now, on the real engine (issue 47): a hybrid of Qwen3.5's
 shape (full attention and Gated DeltaNet layers) and gpt-oss-20b's attention (a 128-token window
-every other layer), each as people run it (no --swa-full), a conversation A of ~6k tokens.
+every other layer, run with --swa-full as doctor asks: without it llama-server b11434 reuses no
+restore of a window model at all, alone or with autosessd), a conversation A of ~6k tokens.
 
 For each: A, then B on the one slot (a switch), then A's next turn whose reply comes back as other
 text (the departure templates that drop earlier reasoning make), then that request again (a retry),
@@ -21,7 +22,7 @@ import demo
 from run_common import Run, conv, ctl, going_on
 
 SIZE = 6000
-MODELS = (("qwen35", "MODEL_QWEN35"), ("gptoss", "MODEL_GPTOSS"))
+MODELS = (("qwen35", "MODEL_QWEN35", False), ("gptoss", "MODEL_GPTOSS", True))  # name, path key, --swa-full
 
 
 def _post(port: int, path: str, body: dict) -> Any:
@@ -35,8 +36,8 @@ def _row(r: dict) -> dict:
     return {"cache_n": r["cache_n"], "prompt": r["prompt"], "ttft_s": round(r["ttft"], 3)}
 
 
-def _one(run: Run, path: str, with_autosessd: bool) -> dict[str, Any]:
-    eng = run.engine(model=path, swa_full=False, ctx=16384)
+def _one(run: Run, path: str, swa_full: bool, with_autosessd: bool) -> dict[str, Any]:
+    eng = run.engine(model=path, swa_full=swa_full, ctx=16384)
     port = eng["port"]
     a = conv(SIZE, "box")
     b = conv(SIZE // 4, "jar")
@@ -57,7 +58,7 @@ def _one(run: Run, path: str, with_autosessd: bool) -> dict[str, Any]:
         _post(port, "/slots/0?action=restore", {"filename": "a.bin"})
     retry = demo.ask(via, nxt)
     run.stop(eng["proc"])
-    eng2 = run.engine(model=path, swa_full=False, ctx=16384, port=port, sessions=eng["sessions"])
+    eng2 = run.engine(model=path, swa_full=swa_full, ctx=16384, port=port, sessions=eng["sessions"])
     if d is None:
         _post(port, "/slots/0?action=restore", {"filename": "a.bin"})
     else:
@@ -75,12 +76,12 @@ def _one(run: Run, path: str, with_autosessd: bool) -> dict[str, Any]:
 
 def s16_hybrid(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {"size": SIZE, "models": {}}
-    for name, key in MODELS:
+    for name, key, swa_full in MODELS:
         if key not in run.paths:
             out["models"][name] = {"missing": f"scripts/fetch-engine gave no {key}"}
             continue
-        out["models"][name] = {"alone": _one(run, run.paths[key], False),
-                               "autosessd": _one(run, run.paths[key], True)}
+        out["models"][name] = {"swa_full": swa_full, "alone": _one(run, run.paths[key], swa_full, False),
+                               "autosessd": _one(run, run.paths[key], swa_full, True)}
     return out
 
 
