@@ -269,7 +269,7 @@ class Sessions:
         async with self.launch.end_save_hold(hold):  # may wait: observe.end checks the view again
             settled = await self.observer.end(s, key, status, n_tokens, cache_n, n_prompt, look=True)
             if settled and hold:
-                step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND)
+                step, outcome = await self.saver.save_if_worth(s, Occasion.BEHIND, gate_held=True)
                 if isinstance(step, Save) and outcome is SaveOutcome.NOT_TRIED and s.view.conversation() is None:
                     self.counters.saves_missed += 1  # a start sent before this end emptied the slot
         if settled and status == "ok":

@@ -62,7 +62,6 @@ class Pending:
     fut: asyncio.Future  # its outcome once every try is done: the metadata written, or the last error
     write: Meta | None = None  # what the finalize writes (a person's name: its model, for the index)
     header: slotfile.SlotHeader | None = None
-    saved: tuple[View, bytes] | None = None  # the view saved and the file's tokens, for after_final
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,6 @@ class Finalizing:
         self._giving_up: set[asyncio.Task] = set()
         # Called on the loop once a conversation's save is final: (its name, its metadata, the
         # tokens its header holds, the slot's view that was saved). recall.py checks its reply.
-        self.after_final: list[Callable[[str, Meta, bytes, View], None]] = []
         self.want_room: Callable[[], None] | None = None  # the facade's: a prune soon
 
     # -- the files as they will be ---------------------------------------------------------
@@ -238,12 +236,6 @@ class Finalizing:
             store_file = store.hot_path(meta.key) if meta.in_blocks else store.bin_path(meta.key)
             self.ctx.remote.upload_later(store_file, meta)
         self.ctx.events.emit("finalized", key=p.temp, file=p.final)
-        if meta is not None and p.saved is not None:
-            for hook in self.after_final:
-                try:
-                    hook(p.final, meta, p.saved[1], p.saved[0])
-                except Exception as e:  # a hook's bug must not fail the save
-                    log.exception("auto sessions: after the save of %s: %s", p.final, e)
         p.fut.set_result(meta)
 
     async def _give_up(self, p: Pending, exc: BaseException) -> None:

@@ -281,7 +281,8 @@ class Restorer:
             if ticket is None:
                 continue
             try:
-                await self.saver.save_if_worth(o, Occasion.KEYLESS)
+                # Inside this restore's no-starts hold (no second one: it would wait for itself).
+                await self.saver.save_if_worth(o, Occasion.KEYLESS, gate_held=True)
                 n = await self.ctx.engine.erase(o.id)
                 log.info("auto sessions: emptied slot %d (%s tokens) to make room in the KV cache for %s", o.id,
                          fmt_tokens(n), name)

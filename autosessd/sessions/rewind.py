@@ -10,8 +10,9 @@ earlier reasoning, a reply that comes back as other tokens), or is the same prom
 retry): a file of that state is then not reused at all (DESIGN §9: 0 of 1,868 tokens on a
 hybrid). The state one token before the prompt's end is reused by both.
 
-So before the save of such a slot (at a switch, a stop, an unload, when idle: every occasion
-but a tail's save behind, which knows no tokens), the slot is taken back there: a request for
+So before the save of such a slot (at a switch, a stop, an unload, when idle, at a request's end
+on an engine that empties idle slots; not a tail's save behind, which knows no prompt tokens),
+the slot is taken back there: a request for
 the prompt less its last token, n_predict 0. The engine finds the checkpoint it made 4 tokens
 before that prompt's end (it makes them there for exactly these models) and reads 3 tokens; the
 file then holds a state every next request of the conversation goes on from. A conversation
@@ -31,7 +32,7 @@ from ..store.runs import decode
 from ..store.slotfile import encode
 from .policy import Occasion
 from .report import TurnResult, fmt_tokens
-from .slot import Phase, Slot
+from .slot import TASK_UNSEEN, Phase, Slot
 
 if TYPE_CHECKING:
     from .context import Context
@@ -40,11 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("autosessd")
 
-# A tail's save behind knows no tokens; every other occasion may rewind.
-REWOUND_ON = frozenset(Occasion) - {Occasion.BEHIND}
-# The engine checkpoints 4 and 4 + n_ubatch tokens before a prompt's end: a rewind that read more
-# than this found none (n_ubatch 512 by default; a bigger one reads more without re-reading all).
-REREAD_OVER = 4 + 2048
 
 
 class Rewinder:
@@ -58,14 +54,20 @@ class Rewinder:
         ctx = self.ctx
         return (ctx.recurrent or ctx.swa_window is not None) and ctx.chat is not None
 
-    async def rewind(self, s: Slot, occasion: Occasion, result: TurnResult | None) -> bool:
+    async def rewind(self, s: Slot, occasion: Occasion, result: TurnResult | None, gate_held: bool = False) -> bool:
         """Take slot s (its ticket held) back to one token before its last prompt's end, when
-        its model needs that. → True when its file holds that state already (a retry after a
-        restore of it): nothing to save, and the longer state must not replace it."""
-        if occasion not in REWOUND_ON or not self.wanted():
+        its model needs that. gate_held: the caller holds the launch gate's no-starts already
+        (an end save, a make-room inside a restore). → True when its file holds that state
+        already (a retry after a restore of it): nothing to save, and the longer state must not
+        replace it."""
+        if not self.wanted():
             return False
         ctx, v = self.ctx, s.view
-        if v.phase is not Phase.HELD or v.key is None or not v.durable or v.n_prompt is None or v.n_tokens is None:
+        if v.phase is not Phase.HELD or v.key is None or not v.durable or v.n_tokens is None:
+            return False
+        if v.n_prompt is None:  # a tail's end without a count, a hook's end never seen
+            if v.n_tokens >= max(ctx.min_tokens, 1):
+                ctx.counters.rewinds_not_done += 1
             return False
         n = v.n_prompt - 1
         if n < max(ctx.min_tokens, 1) or v.n_tokens <= n:
@@ -78,7 +80,8 @@ class Rewinder:
             ctx.counters.rewinds_not_done += 1
             return False
         t0 = time.monotonic()
-        await self.launch.no_starts(s)  # a start empties idle slots: none while this one is read
+        if not gate_held:
+            await self.launch.no_starts(s)  # a start empties idle slots: none while this one is read
         try:
             pre = await self.launch.prefill(s.id, decode(prompt[:4 * n]))
         except EngineError as e:
@@ -88,13 +91,14 @@ class Rewinder:
                 result.errors.append(f"rewind to {fmt_tokens(n)} tokens: {e}")
             s.lost("taking the slot back before its save failed")
             return False
-        if not s.at_rest() or s.view.key != v.key:
+        if s.view.phase is not Phase.HELD or s.view.key != v.key:
             return False  # another input saw a request start on the slot meanwhile
         ctx.savings.saw_read(pre.cache_n, pre.prompt_n, pre.ms)
         s.rewound(n, prompt[:4 * n])
+        s.task_id = TASK_UNSEEN  # the prefill's task: the next look takes its id as the slot's own
         ctx.counters.rewinds += 1
         ms = (time.monotonic() - t0) * 1000
-        if pre.prompt_n > REREAD_OVER:
+        if pre.cache_n == 0 and n > 8:  # no checkpoint: the engine read the prompt from its start
             ctx.counters.rewinds_reread += 1
             level = logging.DEBUG if self._said_reread else logging.WARNING
             self._said_reread = True
@@ -114,8 +118,8 @@ class Rewinder:
         engine's tokens for its body, when they agree with the engine's count."""
         v = s.view
         assert v.n_prompt is not None
-        if v.tokens is not None and len(v.tokens) // 4 >= v.n_prompt:
-            return v.tokens[:4 * v.n_prompt]  # the start of what the slot holds, token for token
+        if v.tokens is not None and len(v.tokens) // 4 == v.n_prompt:
+            return v.tokens  # the request's own, as the turn learned them
         chat = self.ctx.chat
         if v.body is None or chat is None:
             log.debug("auto sessions: slot %d not taken back before its save: its prompt's tokens are not known", s.id)

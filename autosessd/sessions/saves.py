@@ -52,7 +52,7 @@ from ..base.keys import chain
 from ..engines.base import EngineError
 from ..store import slotfile
 from ..store.branches import save_key
-from ..store.directory import Meta, StoreError, auto_name, temp_name
+from ..store.directory import AUTO_BIN, Meta, StoreError, auto_name, temp_name
 from ..store.names import Mark
 from . import policy
 from .finalizing import Finalizing, Pending
@@ -74,13 +74,13 @@ class Saver(Finalizing):
         self.observer = observer
         self._said_format = False  # an engine's slot file format unknown here, said
         # Takes a slot back before its save, on a model that needs it (rewind.Rewinder.rewind).
-        self.rewind: Callable[[Slot, Occasion, TurnResult | None], Awaitable[bool]] | None = None
+        self.rewind: Callable[[Slot, Occasion, TurnResult | None, bool], Awaitable[bool]] | None = None
 
     # -- deciding ----------------------------------------------------------------------------
     async def save_if_worth(self, s: Slot, occasion: Occasion, key: str | None = None,
                             result: TurnResult | None = None,
-                            check: Callable[[], Awaitable[str | None]] | None = None
-                            ) -> tuple[Save | Skip | None, SaveOutcome]:
+                            check: Callable[[], Awaitable[str | None]] | None = None,
+                            gate_held: bool = False) -> tuple[Save | Skip | None, SaveOutcome]:
         """Save the slot's conversation if policy.plan_save says so for this occasion (key:
         the conversation that runs next, at a switch), deciding on its file as it will be once
         the finalizes in flight have landed (held_info reads a pending one's metadata: no wait).
@@ -89,7 +89,7 @@ class Saver(Finalizing):
             return None, SaveOutcome.NOT_TRIED
         if self.rewind is not None and not (occasion is Occasion.SWITCH and s.view.key == key):
             with timed(result, "save"):
-                if await self.rewind(s, occasion, result):
+                if await self.rewind(s, occasion, result, gate_held):
                     # Its file holds the state one token before its prompt's end already.
                     return Skip("save", s.view.key or "", policy.UP_TO_DATE), SaveOutcome.NOT_TRIED
         held = s.view.conversation()
@@ -216,10 +216,13 @@ class Saver(Finalizing):
                                           f"{len(prefix) // 4:,}", key, result)
             line, how = None, "prefix"
         elif target is None and tokens is not None:
-            # A rewound state is not covered by a longer file of it: the engine reuses it where
-            # it does not reuse the longer one (rewind.py).
-            rewound = s.view.rewound and s.view.key == key
-            to = save_key(key, tokens, self.saved_file, covers=not rewound)
+            # A rewound state is not covered by a longer file: the engine reuses it where it does
+            # not reuse the longer one (rewind.py). It replaces only its own conversation's file.
+            own = None
+            if s.view.rewound and s.view.key == key:
+                m = AUTO_BIN.match(s.view.file or "")
+                own = m.group(1) if m else ""
+            to = save_key(key, tokens, self.saved_file, own=own)
             file_key, how = to.key, to.why
             if to.why == "covered":
                 store.discard_temp(key)
@@ -245,10 +248,8 @@ class Saver(Finalizing):
         # (temp_free); a person's name is kept under the temporary's key.
         assert file_key not in self._finalizing, f"two finalizes of {final}"
         store.acquire(final)
-        saved = (v, tokens) if mine and tokens is not None and meta.marks else None
         self.finalize_later(Pending(key, final, file_key, meta if target is None else None, tokens, ino,
-                                    asyncio.get_running_loop().create_future(), write=meta, header=header,
-                                    saved=saved))
+                                    asyncio.get_running_loop().create_future(), write=meta, header=header))
         if mine:
             # The engine's count is the truth (a client's usage may differ by one), and the
             # header says token for token what the slot holds.

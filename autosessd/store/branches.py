@@ -56,7 +56,7 @@ class SaveTarget:
 
 def save_key(key: str, tokens: Sequence[int] | bytes,
              file_at: Callable[[str], SavedFile | bytes | Sequence[int] | None], max_steps: int = 64,
-             covers: bool = True) -> SaveTarget:
+             own: str | None = None) -> SaveTarget:
     """Where a conversation whose first user message has key `key` and whose state holds
     `tokens` is saved. file_at(k): auto-<k>.bin's SavedFile (or bare tokens), None when
     there is none.
@@ -69,9 +69,11 @@ def save_key(key: str, tokens: Sequence[int] | bytes,
     back as text, and text sampled as uncommon tokens comes back as other tokens: seen with
     Gemma 3 at temperature 0.8 — or its last reply regenerated); they depart inside the
     file's prompt at token d → go on to branch_key(k, tokens[:d + 1]). max_steps guards
-    against a directory edited by hand. covers=False: a state the engine reuses where a longer
-    one is not (a rewound save on a model with recurrent layers or a window: sessions/rewind.py)
-    is not covered by the longer file; it replaces it ("replaces")."""
+    against a directory edited by hand. own: the key whose file this state was last saved to or
+    restored from, for a state the engine reuses where a longer one is not (a rewound save on a
+    model with recurrent layers or a window: sessions/rewind.py): a longer file is then no cover;
+    the state replaces its own file ("replaces") and branches from another's (a conversation
+    with the same opener)."""
     q = tokens if isinstance(tokens, bytes) else encode(tokens)
     n = len(q) // 4
     k = key
@@ -86,7 +88,12 @@ def save_key(key: str, tokens: Sequence[int] | bytes,
         if d == len(fb) // 4:
             return SaveTarget(k, "extends", d)
         if d == n:
-            return SaveTarget(k, "covered" if covers else "replaces", d)
+            if own is None:
+                return SaveTarget(k, "covered", d)
+            if k == own:
+                return SaveTarget(k, "replaces", d)
+            k = branch_key(k, q)
+            continue
         if f.n_prompt is not None and d >= f.n_prompt:
             return SaveTarget(k, "replaces", d)
         k = branch_key(k, q[:4 * (d + 1)])

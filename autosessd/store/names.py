@@ -90,8 +90,8 @@ class Mark:
     own count of that prompt), so a request with those very messages has exactly those tokens,
     and one whose messages begin with them starts with them: no need to ask the engine.
 
-    exact False: only the second holds (recall.py's reply marks: the file's reply as the next
-    assistant message, checked against the file's tokens after the save; kept by the index)."""
+    exact False: only the second holds (marks of that kind, from earlier versions' reply checks,
+    may still be in an index cache; none are made now)."""
 
     n_messages: int
     n_tokens: int

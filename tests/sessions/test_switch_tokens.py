@@ -179,3 +179,57 @@ async def test_a_slot_file_of_an_unknown_version_is_kept_whole_and_said(tmp_path
     assert (d / f"auto-{K}.bin").read_bytes()[4:8] == (5).to_bytes(4, "little")
     assert sum("state file version 5" in r.getMessage() for r in caplog.records) == 1
     assert not any(r.levelname == "ERROR" for r in caplog.records)
+
+
+OPENER = body(("system", LONG_1), ("user", "Hello"))  # another conversation of the same key as LONGER
+LONGER = body(("system", LONG_1), ("user", "Hello"), ("assistant", "Aye."), ("user", "And the ships?"))
+
+
+async def test_a_rewound_save_does_not_replace_another_conversations_longer_file(tmp_path):
+    """Two conversations with the same first user message share a key. The shorter one's
+    rewound state is a strict prefix of the longer one's file: it goes to a branch of its own,
+    and the longer one's file stays whole."""
+    s = await make(tmp_path)
+    s.ctx.recurrent = True
+    key = conversation_key(LONGER)
+    assert conversation_key(OPENER) == key
+    await chat(s, LONGER)
+    await chat(s, body(("user", LONG_2)))
+    assert header(s, f"auto-{key}.bin") == prompt(LONGER)[:-1]
+    await chat(s, OPENER)
+    await chat(s, body(("user", LONG_2)))  # the opener's save
+    assert header(s, f"auto-{key}.bin") == prompt(LONGER)[:-1]
+    mine = [r["name"] for r in s.ls() if r["kind"] == "auto" and header(s, r["name"]) == prompt(OPENER)[:-1]]
+    assert len(mine) == 1 and mine[0] != f"auto-{key}.bin"
+
+
+async def test_a_slot_taken_back_while_idle_goes_on_live(tmp_path):
+    """A save while idle takes the slot back (its prefill is a task the engine ran): the
+    conversation's next turn goes on from the slot as it is, no restore, nothing taken for a
+    request that bypassed autosessd."""
+    s = await make(tmp_path)
+    s.ctx.recurrent = True
+    await chat(s, LONGER)
+    [saved] = await s.idle.save_now()
+    assert saved["saved"] and s.counters.rewinds == 1
+    nxt = {**LONGER, "messages": LONGER["messages"] + [{"role": "assistant", "content": "Aye."},
+                                                      {"role": "user", "content": "Which flag?"}]}
+    turn, cache_n, _ = await chat(s, nxt)
+    assert turn.restored is None and s.counters.restores == 0
+    assert cache_n == len(prompt(LONGER)) - 1
+
+
+async def test_on_an_engine_that_empties_idle_slots_the_end_save_is_taken_back_too(tmp_path):
+    """With llama-server's defaults (-np auto: a unified cache that empties idle slots) every
+    request's end is saved at once under the launch gate's no-starts hold: the rewind runs
+    inside that hold (a second one would wait for itself for ever)."""
+    from stub_engine import StubEngine
+
+    d = tmp_path / "sessions"
+    d.mkdir()
+    s = await make(tmp_path, engine=StubEngine(d, n_slots=2, clears_idle=True))
+    s.ctx.recurrent = True
+    assert s.launch.active
+    await asyncio.wait_for(chat(s, LONGER), 10)
+    assert header(s, f"auto-{conversation_key(LONGER)}.bin") == prompt(LONGER)[:-1]
+    assert s.counters.rewinds == 1
