@@ -40,6 +40,9 @@ class SlotState:
     n_tokens: int  # tokens the slot holds now (0 when it never ran a task)
     n_cached: int | None = None  # of the running request's prompt, tokens reused (llama-server resets it at the end)
     task_id: int | None = None  # the engine's id of the slot's running or last task: a new one means a request ran
+    # Of the running request's prompt, tokens read so far: 0 with n_cached 0 while it has not
+    # begun (llama-server resets both when it takes the task, and sets them as its prompt starts).
+    n_processed: int | None = None
 
 
 @dataclass(frozen=True)

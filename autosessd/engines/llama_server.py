@@ -238,7 +238,9 @@ class LlamaServer:
             return [SlotState(id=int(s["id"]), is_processing=bool(s.get("is_processing")),
                               n_tokens=int(s.get("n_prompt_tokens") or 0),
                               n_cached=int(s["n_prompt_tokens_cache"]) if "n_prompt_tokens_cache" in s else None,
-                              task_id=int(s["id_task"]) if s.get("id_task") is not None else None)
+                              task_id=int(s["id_task"]) if s.get("id_task") is not None else None,
+                              n_processed=int(s["n_prompt_tokens_processed"])
+                              if "n_prompt_tokens_processed" in s else None)
                     for s in d]
         except (KeyError, TypeError, ValueError):
             raise EngineBadAnswer(f"/slots answered entries without id: {d!r:.200}") from None

@@ -285,7 +285,10 @@ class Observer:
             if st is not None and st.task_id is not None and st.task_id != task_before:
                 if not st.is_processing:
                     return  # ended between two looks: the restore stays unverified
-                if st.n_cached is not None and (st.n_cached or st.n_tokens):
+                # Between taking the task and starting its prompt, llama-server shows cache 0
+                # and 0 read, with the restored tokens still in the slot: not known yet.
+                begun = st.n_processed > 0 if st.n_processed is not None else bool(st.n_tokens)
+                if st.n_cached is not None and (st.n_cached or begun):
                     s.seen_cache_n = (st.task_id, st.n_cached)
                     return
             await asyncio.sleep(WATCH_EVERY_S)

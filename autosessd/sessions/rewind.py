@@ -95,7 +95,10 @@ class Rewinder:
             return False  # another input saw a request start on the slot meanwhile
         ctx.savings.saw_read(pre.cache_n, pre.prompt_n, pre.ms)
         s.rewound(n, prompt[:4 * n])
-        s.task_id = TASK_UNSEEN  # the prefill's task: the next look takes its id as the slot's own
+        # The prefill ran a task of its own: its id is the slot's now, so that the next look
+        # counts neither it as a request that bypassed autosessd nor the next request as it.
+        st = await self.saver.observer.look(s)
+        s.task_id = st.task_id if st is not None and not st.is_processing else TASK_UNSEEN
         ctx.counters.rewinds += 1
         ms = (time.monotonic() - t0) * 1000
         if pre.cache_n == 0 and n > 8:  # no checkpoint: the engine read the prompt from its start

@@ -82,6 +82,8 @@ def test_restart_of_engine_and_daemon_restores_the_held_conversation(engines, se
     text1, t1 = stream_chat(d.gate_url, A)
     assert d.stop(signal.SIGTERM) == 0
     held = t1["prompt_n"] + t1["cache_n"] + t1["predicted_n"] - 1
+    if model.swa:  # the stop save takes the slot back to one token before its prompt's end (rewind.py)
+        held = t1["prompt_n"] + t1["cache_n"] - 1
     assert f"saved {held:,} tokens" in d.logtext()
     eng.restart()
     d2 = Daemon(tmp_path, session_dir, eng.url).start()

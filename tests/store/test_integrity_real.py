@@ -100,7 +100,8 @@ def test_a_restore_never_changes_the_answer_of_a_sliding_window_model(engines, s
     its last token was reused with those layers' older cells missing: the answer's
     probabilities moved (measured: 0.03 to 0.20 in a top log-probability). Such a file is not
     restored now (the prompt is read again); one the prompt goes on from is, and gives exactly
-    the answer the engine gives from its own cache."""
+    the answer the engine gives from its own cache holding the same state (the file holds A one
+    token before its prompt's end: rewind.py)."""
     eng = engines(session_dir)
     d = Daemon(tmp_path, session_dir, eng.url).start()
     first = {**chat_body(long_text(60) + "\nWhich box holds most?"), "logprobs": True, "top_logprobs": 2}
@@ -118,13 +119,17 @@ def test_a_restore_never_changes_the_answer_of_a_sliding_window_model(engines, s
         assert post(d.gate_url, edited)["timings"]["cache_n"] < 100  # not restored: read again
         post(d.gate_url, B)
         # A's next turn goes on from its file: restored, and the same answer as from the engine's
-        # own cache (the engine alone, the same prompts in the same order on a fresh slot).
+        # own cache (the engine alone, the same requests in the same order on a fresh slot, A
+        # taken back as autosessd took it: its prompt less the last token, n_predict 0).
         nxt = grow(first, answer)
         via = post(d.gate_url, nxt)
         assert via["timings"]["cache_n"] >= 0.9 * via["usage"]["prompt_tokens"]
         eng.post("/slots/0?action=erase", {})
-        eng.post("/v1/chat/completions", first)
-        alone = eng.post("/v1/chat/completions", nxt)
+        eng.post("/v1/chat/completions", {**first, "id_slot": 0})
+        prompt = eng.post("/apply-template", {"messages": first["messages"]})["prompt"]
+        tokens = eng.post("/tokenize", {"content": prompt, "add_special": True})["tokens"]
+        eng.post("/completion", {"prompt": tokens[:-1], "n_predict": 0, "id_slot": 0, "cache_prompt": True})
+        alone = eng.post("/v1/chat/completions", {**nxt, "id_slot": 0})
         assert alone["timings"]["cache_n"] == via["timings"]["cache_n"]
         assert abs(top(via) - top(alone)) < 1e-4, (top(via), top(alone))
     finally:
