@@ -21,6 +21,7 @@ RUN_FLAGS = {
     "engine_control": "engine.control",
     "slot": "engine.slot",
     "slot_save_path": "slot_save_path",
+    "store_path": "store_path",
     "min_tokens": "auto_sessions_min_tokens",
     "keep": "auto_sessions_keep",
     "max_gb": "auto_sessions_max_gb",
@@ -58,6 +59,8 @@ def autosessd_main() -> None:
 @click.option("--engine-control", metavar="ADDR", help="engine.control: unix:/path or tcp:host:port")
 @click.option("--slot", type=int, help="engine.slot")
 @click.option("--slot-save-path", metavar="DIR", help="the engine's --slot-save-path")
+@click.option("--store-path", metavar="DIR", help="store_path: where saves are kept durable (the disk), when the "
+              "engine saves into a staging directory on tmpfs (--slot-save-path /dev/shm/...)")
 @click.option("--min-tokens", metavar="N|auto", help="auto_sessions_min_tokens (default auto: by the engine's "
               "measured rates)")
 @click.option("--keep", type=int, help="auto_sessions_keep")
