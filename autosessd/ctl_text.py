@@ -100,6 +100,10 @@ def show_status(st: dict[str, Any]) -> str:
            f"{'on' if st['auto_sessions'] else 'off'}",
            *headline(st),
            f"engine    {e['kind']} {e['url']}  {'healthy' if e['healthy'] else 'NOT healthy'}  {e['model']}"]
+    mem = e.get("memory")
+    if mem and mem["saved_at"] != "the slot as it is":
+        kind = "recurrent layers" if mem["recurrent"] else f"a {tokens(mem['swa_window'])}-token sliding window"
+        out.append(f"model     {kind}: each save holds {mem['saved_at']} (the state its next turn and a retry reuse)")
     router = st.get("router")
     if router:
         out.append(f"router    at most {router['max_loaded'] or 'any number of'} model(s) loaded")

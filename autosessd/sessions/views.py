@@ -82,7 +82,7 @@ def status(s: Reported) -> dict[str, Any]:
         "engine": {"kind": s.engine.kind, "url": s.engine.address, "healthy": s.engine_healthy,
                    "model": s.model_name, "model_fingerprint": s.model, "slots": len(s.slots) or 1,
                    "slots_visible": s.ctx.slots_visible, "n_ctx": s.ctx.n_ctx, "suspect": s.ctx.suspect,
-                   "saving_off": s.ctx.facts.off,
+                   "saving_off": s.ctx.facts.off, "memory": memory(s.ctx),
                    "sleep": s.sleep.describe() if getattr(s, "sleep", None) else None},
         "slots": slot_entries(s),
         "counters": asdict(s.counters),
@@ -104,6 +104,14 @@ def status(s: Reported) -> dict[str, Any]:
         "inputs": {name: describe() for name, describe in s.inputs.items()},
         "shared": None if s.remote is None else s.remote.status(),
     }
+
+
+def memory(ctx: Any) -> dict[str, Any]:
+    """The model's memory as autosessd learned it from the model file (facts.model_memory), and
+    so how a conversation is saved (rewind.py)."""
+    rewinds = ctx.recurrent or ctx.swa_window is not None
+    return {"swa_window": ctx.swa_window, "recurrent": ctx.recurrent,
+            "saved_at": "one token before the prompt's end" if rewinds else "the slot as it is"}
 
 
 def blocks_status(s: Reported, usage: dict[str, Any]) -> dict[str, Any]:

@@ -63,3 +63,12 @@ def test_a_slot_line_says_partial_only_of_a_cancelled_requests_state_and_never_d
     part = ctl.slot_line({"state": "held", "held": "1c42", "n_tokens": 596, "durable": False, "busy": True})
     assert whole == "holds 1c42  596 tokens"
     assert part == "holds 1c42  596 tokens  partial (its request was cancelled)  (a request runs)"
+
+
+def test_status_says_how_a_hybrid_or_window_model_is_saved(tmp_path):
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nstate_dir = "{tmp_path / "state"}"\n'.encode())
+    s = Sessions(cfg, StubEngine(tmp_path), Store(tmp_path), "m")
+    assert not [ln for ln in ctl.show_status(s.status()).splitlines() if ln.startswith("model ")]
+    s.ctx.recurrent = True
+    [line] = [ln for ln in ctl.show_status(s.status()).splitlines() if ln.startswith("model ")]
+    assert "recurrent layers: each save holds one token before the prompt's end" in line

@@ -50,7 +50,11 @@ def test_a_return_a_retry_and_a_restart_are_reused(engines, session_dir, tmp_pat
         wait_until(lambda: d.status()["engine"]["healthy"], 60, 0.1, "the engine back")
         cache_n, prompt = shared(eng.post("/v1/chat/completions", nxt, base=d.gate_url))  # after the restart
         assert cache_n == prompt - 1, (cache_n, prompt)
-        c = d.status()["counters"]
+        st = d.status()
+        mem = st["engine"]["memory"]  # what the model file said, and so how saves are taken
+        assert mem["recurrent"] is model.hybrid and (mem["swa_window"] == 128) is model.swa, mem
+        assert mem["saved_at"] == "one token before the prompt's end"
+        c = st["counters"]
         assert c["restores_reused"] == 3 and c["restores_not_reused"] == 0, c  # A three times (B is short)
         assert c["rewinds"] >= 2 and c["rewinds_reread"] == 0 and c["rewinds_not_done"] == 0, c
     finally:

@@ -151,6 +151,8 @@ async def test_on_a_recurrent_model_a_save_holds_the_state_the_next_turn_goes_on
     turn, cache_n, n_prompt = await chat(s, going_on(grown, "Yes, captain.", "Which flag?"))  # a retry
     assert turn.restored["file"] == f"auto-{K}.bin" and cache_n == n_prompt - 1
     assert s.counters.rewinds_reread == 0 and s.counters.rewinds_not_done == 0
+    assert s.status()["engine"]["memory"] == {"swa_window": None, "recurrent": True,
+                                              "saved_at": "one token before the prompt's end"}
 
 
 # -- a slot file format this code does not read (issue 47) -------------------------------------------
