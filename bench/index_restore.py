@@ -82,7 +82,7 @@ def t_reuse(r: dict[str, Any]) -> str:
 
 def part_prefix(work: Path) -> dict[str, Any]:
     """The agent case: C = system prompt S (~2,900 tokens) + task 1, saved; D = S + task 2.
-    Restoring C gives D nothing on Gemma 3 (C goes on more than 512 tokens past S). A file
+    Restoring C gives D nothing on Gemma 3 270M (C goes on more than its 512-token window past S). A file
     that ends right after S does: the slot made to hold exactly D's first tokens with
     /completion (the tokens themselves as the prompt, n_predict 0), saved, restored later."""
     d = work / "prefix"

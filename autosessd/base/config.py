@@ -48,7 +48,7 @@ class EngineConfig:
     api_key: str | None = None
     timeout_s: float = 120.0
     control: str | None = None  # control-stream address: unix:/path or tcp:host:port
-    # The model's sliding attention window in tokens (n_swa; Gemma 3: 512): after a restore the
+    # The model's sliding attention window in tokens (n_swa; Gemma 3 27B: 1,024): after a restore the
     # engine reuses a file only if it holds fewer tokens than this past the prefix it shares
     # with the prompt. None: read it from the model file the engine names (/props model_path,
     # GGUF `<arch>.attention.sliding_window`), none when that cannot be read; 0: no window.

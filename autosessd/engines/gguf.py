@@ -2,7 +2,7 @@
 and whether part of its state is recurrent.
 
 llama-server does not say in /props whether its model has sliding-window attention layers,
-but its model file does (`<arch>.attention.sliding_window`, e.g. 512 for Gemma 3), and that
+but its model file does (`<arch>.attention.sliding_window`, e.g. 1,024 for Gemma 3 27B, 512 for 270M), and that
 window decides which saved files the engine can reuse after a restore (index.py, best()).
 A model with recurrent layers (Mamba, RWKV, and the hybrids: Qwen3.5, Qwen3-Next, Granite 4.0-H)
 keeps a state for its last token only; the engine reuses a restore of it only for a request

@@ -441,7 +441,7 @@ class TokenIndex:
         None when none shares min_lcp. Among equals: `prefer` (the request's own line),
         then the smallest file (the quickest restore), then the name.
 
-        window: the engine's sliding window (n_swa: 512 for Gemma 3) for a model with
+        window: the engine's sliding window (n_swa: 1,024 for Gemma 3 27B) for a model with
         sliding-window layers (swa_usable). None: a model without them."""
         q = tokens if isinstance(tokens, bytes) else encode(tokens)
         exclude = set(exclude)
