@@ -44,6 +44,7 @@ from .engines.child import EngineChild, describe_exit
 from .engines.upstream import Upstream
 from .follow.requestlog import RequestLogError
 from .front.control import SocketInUse
+from .front.doctor import on_tmpfs
 from .front.guard import raise_nofile
 from .modes.comeback import StartRestore
 from .modes.models import Router
@@ -195,6 +196,10 @@ class Daemon(Starting):
             self._comeback = asyncio.get_running_loop().create_task(back.run())
         log.info("autosessd ready: engine %s (%s), sessions in %s, inputs: %s", self.engine.address, model_name,
                  self.store.path, ", ".join(self.house.inputs) or "none")
+        if self.store.cut and on_tmpfs(str(self.store.staging)) is False:
+            log.info("the engine saves into %s, on a disk: each save is written there whole before the store keeps "
+                     "its new blocks; with --slot-save-path on tmpfs (/dev/shm/...) and --store-path on the disk, "
+                     "only the blocks reach the disk (autosessctl doctor, \"staging\")", self.store.staging)
 
     def not_ready(self) -> str | None:
         """Why this autosessd does not serve now (the gate's /health answers 503 with it), or None."""

@@ -83,6 +83,10 @@ def test_starts_cleans_up_and_stops_on_sigterm(engines, tmp_path, session_dir):
         assert p.wait(30) == 0
         err = err_file.read_text()
         assert "stopping (SIGTERM)" in err and "before the start finished" not in err
+        # One line at start says the engine's whole saves go to a disk (here /tmp, where it is one).
+        from autosessd.front.doctor import on_tmpfs
+
+        assert ("on a disk: each save is written there whole" in err) == (on_tmpfs(str(session_dir)) is False)
         assert (session_dir / "mine.bin").read_bytes() == b"keep me"
         assert sorted(os.listdir(session_dir)) == ["mine.bin"]
     finally:
