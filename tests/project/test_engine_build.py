@@ -35,6 +35,8 @@ _MODELS_CACHE = (Path(os.environ.get("AUTOSESSD_CACHE") or Path(os.environ.get("
 
 def _cached_test_model(script: str) -> Path:
     """Where `make test`'s fetch-engine keeps the random-weight model scripts/<script>.py builds."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))  # the builders import scripts/model_build.py
     spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
