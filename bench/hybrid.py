@@ -43,19 +43,20 @@ def _one(run: Run, path: str, swa_full: bool, with_autosessd: bool) -> dict[str,
     b = conv(SIZE // 4, "jar")
     d = run.daemon(eng) if with_autosessd else None
     via = d["port"] if d else port
+
+    def switch() -> None:
+        """B on the slot, then A back: by the engine's own save and restore when alone."""
+        if d is None:
+            _post(port, "/slots/0?action=save", {"filename": "a.bin"})
+        demo.ask(via, b)
+        if d is None:
+            _post(port, "/slots/0?action=restore", {"filename": "a.bin"})
+
     first = demo.ask(via, a)
     nxt = going_on(a, "Something else entirely.", "Why that one?")
-    if d is None:
-        _post(port, "/slots/0?action=save", {"filename": "a.bin"})
-    demo.ask(via, b)
-    if d is None:
-        _post(port, "/slots/0?action=restore", {"filename": "a.bin"})
+    switch()
     ret = demo.ask(via, nxt)
-    if d is None:
-        _post(port, "/slots/0?action=save", {"filename": "a.bin"})
-    demo.ask(via, b)
-    if d is None:
-        _post(port, "/slots/0?action=restore", {"filename": "a.bin"})
+    switch()
     retry = demo.ask(via, nxt)
     run.stop(eng["proc"])
     eng2 = run.engine(model=path, swa_full=swa_full, ctx=16384, port=port, sessions=eng["sessions"])

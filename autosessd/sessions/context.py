@@ -105,6 +105,12 @@ class Context:
         return self.engine if isinstance(self.engine, ChatEngine) else None
 
     @property
+    def rewinds(self) -> bool:
+        """A save takes the slot back to one token before its prompt's end (rewind.py): a model
+        whose memory cannot be rolled back (recurrent layers, a sliding window)."""
+        return self.recurrent or self.swa_window is not None
+
+    @property
     def reuse_window(self) -> int | None:
         """The window of runs.swa_usable: which files the engine can reuse for a request. 0 for
         a model with recurrent layers (only from a file's very end), else its sliding window."""

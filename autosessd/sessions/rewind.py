@@ -52,7 +52,7 @@ class Rewinder:
 
     def wanted(self) -> bool:
         ctx = self.ctx
-        return (ctx.recurrent or ctx.swa_window is not None) and ctx.chat is not None
+        return ctx.rewinds and ctx.chat is not None
 
     async def rewind(self, s: Slot, occasion: Occasion, result: TurnResult | None, gate_held: bool = False) -> bool:
         """Take slot s (its ticket held) back to one token before its last prompt's end, when

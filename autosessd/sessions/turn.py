@@ -99,7 +99,7 @@ class Turn(Choosing):
             else:
                 # The body is kept where a save may take the slot back to one token before
                 # its prompt's end (rewind.py): a model with a sliding window or recurrent layers.
-                keep = body if carry.messages is not None and (ctx.swa_window is not None or ctx.recurrent) else None
+                keep = body if carry.messages is not None and ctx.rewinds else None
                 s.start(key, tokens=carry.tokens, messages=carry.messages, file=carry.file, n_prompt=carry.n_prompt,
                         body=keep)
             result.ms = round((time.monotonic() - t0) * 1000, 2)

@@ -109,9 +109,8 @@ def status(s: Reported) -> dict[str, Any]:
 def memory(ctx: Any) -> dict[str, Any]:
     """The model's memory as autosessd learned it from the model file (facts.model_memory), and
     so how a conversation is saved (rewind.py)."""
-    rewinds = ctx.recurrent or ctx.swa_window is not None
     return {"swa_window": ctx.swa_window, "recurrent": ctx.recurrent,
-            "saved_at": "one token before the prompt's end" if rewinds else "the slot as it is"}
+            "saved_at": "one token before the prompt's end" if ctx.rewinds else "the slot as it is"}
 
 
 def blocks_status(s: Reported, usage: dict[str, Any]) -> dict[str, Any]:
