@@ -148,9 +148,10 @@ def show_status(st: dict[str, Any]) -> str:
 
 
 def stored(r: dict[str, Any]) -> str:
-    """How `ls` says a file is kept: blocks (its own bytes / shared), whole (why), or -."""
+    """How `ls` says a file is kept: blocks (with its tail; its own bytes / shared), whole (why), or -."""
     if r.get("stored") == "blocks":
-        return f"blocks: {gb(r['own_bytes'])} own, {gb(r['shared_bytes'])} shared"
+        tail = f" + a {r['tail']} tail of {gb(r['tail_bytes'])}" if r.get("tail") else ""
+        return f"blocks{tail}: {gb(r['own_bytes'])} own, {gb(r['shared_bytes'])} shared"
     if r.get("stored") == "whole":
         return f"whole ({r['whole_why']})" if r.get("whole_why") else "whole"
     return "-"

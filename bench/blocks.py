@@ -57,20 +57,20 @@ def disk_written(path: Path) -> int:
     return 0
 
 
-def _engine(run: Any, staging: Path, n_ctx: int) -> int:
+def _engine(run: Any, staging: Path, n_ctx: int, model: str = "MODEL_KV8B", swa_full: bool = False) -> int:
     import demo
 
     port = demo.free_port()
-    args = [run.paths["LLAMA_SERVER"], "-m", run.paths["MODEL_KV8B"], "--host", "127.0.0.1", "--port", str(port),
+    args = [run.paths["LLAMA_SERVER"], "-m", run.paths[model], "--host", "127.0.0.1", "--port", str(port),
             "-np", "1", "-c", str(n_ctx), "--slot-save-path", str(staging), "--no-webui", "--cache-ram", "0",
-            "-fit", "off"]
+            "-fit", "off"] + (["--swa-full"] if swa_full else [])
     eng = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(run.work / f"engine-{port}.log", "ab"))
     run.procs.append(eng)
     demo.wait_http(port, "/health", eng, "llama-server", timeout=300)
     return port
 
 
-def _setting(run: Any, blocks: bool, name: str) -> dict[str, Any]:
+def _setting(run: Any, blocks: bool, name: str, model: str = "MODEL_KV8B", swa_full: bool = False) -> dict[str, Any]:
     """An engine and autosessd of one setting: (staging, store) directories, ports, socket."""
     store = run._dir(f"blocks-{name}-store")
     if blocks and Path("/dev/shm").is_dir():
@@ -78,7 +78,8 @@ def _setting(run: Any, blocks: bool, name: str) -> dict[str, Any]:
         staging.mkdir(mode=0o700, exist_ok=True)
     else:
         staging = store
-    port = _engine(run, staging, TOKENS + TURNS * 700 + 2048 if name != "shared" else SYSTEM + 4096)
+    port = _engine(run, staging, TOKENS + TURNS * 700 + 2048 if "shared" not in name else SYSTEM + 4096, model,
+                   swa_full)
     conf = run._dir(f"blocks-{name}-conf") / "autosessd.toml"
     conf.write_text(f'slot_save_path = "{staging}"\n' + (f'store_path = "{store}"\n' if staging != store else "")
                     + f"store_blocks = {'true' if blocks else 'false'}\nidle_save_s = 0\n")
@@ -96,11 +97,26 @@ def _store_bytes(store: Path) -> int:
     return sum(p.stat().st_size for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def write_volume(run: Any, blocks: bool) -> dict[str, Any]:
+def kept(store: Path) -> dict[str, int]:
+    """What the store's manifests say of a save: a token's bytes in its blocks (every layer with
+    a cache for every token: a window or hybrid model's full-attention layers), and the largest
+    tail (0: none)."""
+    from autosessd.store.kvfile import Shape
+
+    per, tail = 0, 0
+    for p in store.glob("auto-*.json"):
+        d = json.loads(p.read_text())
+        if d.get("kv"):
+            per = Shape.from_json(d["kv"]).cell_size()
+            tail = max(tail, (d.get("tail") or [0, 0])[1])
+    return {"token_bytes": per, "tail_bytes": tail}
+
+
+def write_volume(run: Any, blocks: bool, model: str = "MODEL_KV8B", swa_full: bool = False) -> dict[str, Any]:
     from kv8b import ask, facts, going_on
 
-    name = "blocks" if blocks else "whole"
-    s = _setting(run, blocks, name)
+    name = ("blocks" if blocks else "whole") + ("" if model == "MODEL_KV8B" else f"-{model}")
+    s = _setting(run, blocks, name, model, swa_full)
     sock, port = s["daemon"]["socket"], s["daemon"]["port"]
     convs = {"A": facts(TOKENS, "box"), "B": facts(TOKENS, "jar")}
     for k in ("A", "B", "A"):  # each read once and saved once (the first switches save them whole)
@@ -132,18 +148,18 @@ def write_volume(run: Any, blocks: bool) -> dict[str, Any]:
         for prev, cur in zip(ts, ts[1:]):
             cur["grown"] = cur["prompt"] - prev["prompt"]
     st = _status(sock)
-    out = {"turns": turns, "store_bytes_total": _store_bytes(s["store"]), "store": st["store"]}
+    out = {"turns": turns, "store_bytes_total": _store_bytes(s["store"]), "store": st["store"], **kept(s["store"])}
     run.close()
     if s["staging"] != s["store"]:
         subprocess.run(["rm", "-rf", str(s["staging"])], check=False)
     return out
 
 
-def shared_prompt(run: Any, blocks: bool) -> dict[str, Any]:
+def shared_prompt(run: Any, blocks: bool, model: str = "MODEL_KV8B", swa_full: bool = False) -> dict[str, Any]:
     from kv8b import ask, facts
 
-    name = "shared" if blocks else "shared-whole"
-    s = _setting(run, blocks, name)
+    name = ("shared" if blocks else "shared-whole") + ("" if model == "MODEL_KV8B" else f"-{model}")
+    s = _setting(run, blocks, name, model, swa_full)
     sock, port = s["daemon"]["socket"], s["daemon"]["port"]
     system = facts(SYSTEM, "box")[0]["content"]
     reused = []
@@ -156,9 +172,14 @@ def shared_prompt(run: Any, blocks: bool) -> dict[str, Any]:
     st = _status(sock)
     prompt = r["prompt"]
     unique = (prompt - 300) + 8 * 300  # the system prompt once, each question once (about)
+    k = kept(s["store"])
+    per = k["token_bytes"] or PER_TOKEN
+    saves = len(list(s["store"].glob("auto-*.json")))
     out = {"store_bytes": _store_bytes(s["store"]), "unique_tokens": unique, "cache_n": reused,
-           "store": st["store"]}
-    out["ratio"] = out["store_bytes"] / (unique * PER_TOKEN)
+           "store": st["store"], "saves": saves, **k}
+    out["ratio"] = out["store_bytes"] / (unique * per)
+    # the target for a model with a tail: ≤ 1.2 × the unique tokens' full-attention KV + a tail a save
+    out["ratio_less_tails"] = (out["store_bytes"] - saves * k["tail_bytes"]) / (unique * per)
     run.close()
     if s["staging"] != s["store"]:
         subprocess.run(["rm", "-rf", str(s["staging"])], check=False)
@@ -195,10 +216,10 @@ def block_sizes(run: Any) -> dict[str, Any]:
             store = BlockStore(home)
             kv = parse(staging / "a.bin")
             t0 = time.monotonic()
-            refs, written = split(store, kv, staging / "a.bin", "m")
+            refs, _, written = split(store, kv, staging / "a.bin", "m")
             cut_s = time.monotonic() - t0
             kv2 = parse(staging / "a2.bin")
-            refs2, written2 = split(store, kv2, staging / "a2.bin", "m")
+            refs2, _, written2 = split(store, kv2, staging / "a2.bin", "m")
             t0 = time.monotonic()
             assemble(store, kv2.shape, encode(kv2.tokens), refs2, kv2.n_cells, io.BytesIO())
             asm_s = time.monotonic() - t0

@@ -57,3 +57,52 @@ def slot_file(tokens, *, n_layer=3, k_row=16, v_row=16, v_trans=0, n_embd_v=8, e
                     out += cell_bytes_of(("v", layer), pos_of[i], tokens[i], v_row, salt)
     out += struct.pack("<I", 0) * (n_stream - stream - 1)
     return bytes(out) + extra
+
+
+def window_tail(tokens, n_swa, *, n_layer=2, k_row=8, v_row=8, n_stream=1, stream=0, salt=0):
+    """A sliding-window model's second cache after the first (llama_kv_cache_iswa::state_write):
+    the window layers' cells of the last n_swa positions, in the same layout, its bytes a function
+    of position and token alone."""
+    n = len(tokens)
+    first = max(0, n - n_swa)
+    cells = list(range(first, n))
+    out = bytearray(struct.pack("<I", n_stream))
+    out += struct.pack("<I", 0) * stream
+    out += struct.pack("<I", len(cells))
+    for p in cells:
+        out += struct.pack("<iIi", p, 1, 0)
+    out += struct.pack("<IIII", 0, n_layer, 0, 0)
+    for layer in range(n_layer):
+        out += struct.pack("<iQ", 1, k_row)
+        for p in cells:
+            out += cell_bytes_of(("wk", layer), p, tokens[p], k_row, salt)
+    for layer in range(n_layer):
+        out += struct.pack("<iQ", 1, v_row)
+        for p in cells:
+            out += cell_bytes_of(("wv", layer), p, tokens[p], v_row, salt)
+    out += struct.pack("<I", 0) * (n_stream - stream - 1)
+    return bytes(out)
+
+
+def recurrent_tail(tokens, *, n_layer=3, r_row=24, s_row=40, salt=0):
+    """A hybrid model's recurrent state after its attention cache (llama_memory_recurrent::
+    state_write for one sequence): one cell at the last position, then per layer its rows, the
+    bytes a function of every token (a recurrent state depends on all of them)."""
+    n = len(tokens)
+    out = bytearray(struct.pack("<IiIII", 1, n - 1, 0, 0, n_layer))
+    whole = tuple(tokens)
+    for layer in range(n_layer):
+        out += struct.pack("<iQ", 0, r_row) + cell_bytes_of(("r", layer), n, whole, r_row, salt)
+    for layer in range(n_layer):
+        out += struct.pack("<iQ", 0, s_row) + cell_bytes_of(("s", layer), n, whole, s_row, salt)
+    return bytes(out)
+
+
+def two_part_file(tokens, kind, *, n_swa=6, n_cells=None, **kw):
+    """A slot file of a window model (kind "window") or a hybrid one ("recurrent"): the full-
+    attention cache of every position, then its tail."""
+    n = len(tokens) if n_cells is None else n_cells
+    head = tokens[:n]
+    tail = window_tail(head, n_swa, n_stream=kw.get("n_stream", 1), stream=kw.get("stream", 0)) \
+        if kind == "window" else recurrent_tail(head)
+    return slot_file(tokens, n_cells=n_cells, **kw) + tail, tail

@@ -229,6 +229,9 @@ class Finalizing:
         a prefix's) is uploaded to the shared bucket (with the metadata finalize wrote);
         people's parked names stay local."""
         self._drop(p)
+        if meta is not None and meta.tail:
+            self.ctx.counters.tails_saved += 1
+            self.ctx.counters.tail_bytes_saved += meta.tail[1]
         if meta is not None and self.ctx.remote is not None:
             store = self.ctx.store
             # Whole files go up as they are; a conversation kept as blocks as its copy in

@@ -123,6 +123,13 @@ class Counters:
                                "Restores of a conversation kept as token blocks with no copy in staging: the file "
                                "(or the first tokens a request shares) assembled from its blocks")
     bytes_assembled: int = _counter("assembled_bytes_total", "Block bytes read to assemble those files")
+    tails_saved: int = _counter("tails_saved_total",
+                                "Saves of a sliding-window or hybrid model kept as the token blocks of its "
+                                "full-attention layers and a tail (the window's cells, or the recurrent state)")
+    tail_bytes_saved: int = _counter("tail_bytes_saved_total", "Bytes of those tails")
+    tail_restores: int = _counter("tail_restores_total",
+                                  "Restores of such a save (its blocks and its tail, whole: a tail holds the state at "
+                                  "its last position only)")
     warmed_files: int = _counter("warmed_files_total",
                                  "Session files asked into the page cache before a restore (warm.py)")
     warmed_bytes: int = _counter("warmed_bytes_total", "Bytes of those files")

@@ -149,6 +149,8 @@ class Restorer:
             info.update(assembled_bytes=staged.bytes_read, assemble_ms=round(staged.ms, 2))
             ctx.counters.assemblies += 1
             ctx.counters.bytes_assembled += staged.bytes_read
+        if staged is not None and staged.tail:
+            ctx.counters.tail_restores += 1
             if staged.n_tokens is not None and tokens is not None:
                 tokens = tokens[:4 * staged.n_tokens]  # the slot holds only the first n_tokens of the file
         ctx.events.emit_soon("restored", slot=s.id, **info)

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..store.index import TokenIndex
+from ..store.kvfile import cut_now
 from . import facts
 from .report import fmt_bytes
 
@@ -53,9 +54,10 @@ class Upkeep:
             await facts.model_memory(ctx)
 
     def start_import(self) -> None:
-        """Whole files saved before the block store, kept as blocks now (Store.import_whole), one
-        at a time in a worker thread, after the start: nothing a user saved is lost, and the
-        upgrade costs no start its time."""
+        """Whole files saved before the block store (or a window or hybrid model's, before its
+        files were cut), kept as blocks now (Store.import_whole), one at a time in a worker
+        thread, after the start: nothing a user saved is lost, and the upgrade costs no start
+        its time."""
         if self.ctx.store.cut and (self._import_task is None or self._import_task.done()):
             self._import_task = asyncio.get_running_loop().create_task(self._import())
 
@@ -63,7 +65,7 @@ class Upkeep:
         store, loop = self.ctx.store, asyncio.get_running_loop()
         try:
             entries = await loop.run_in_executor(None, store.scan)
-            todo = [e for e in entries if e.meta is not None and not e.blocks and e.meta.whole is None]
+            todo = [e for e in entries if e.meta is not None and not e.blocks and cut_now(e.meta.whole)]
             n = 0
             for e in todo:
                 done = await loop.run_in_executor(None, store.import_whole, e.key)

@@ -258,11 +258,17 @@ def _shared_rows(sh: dict[str, Any]) -> list[tuple[str, str, str, int | float]]:
 
 def stored_as(e: Any, refs: dict[str, int], sizes: dict[str, int]) -> dict[str, Any]:
     """How `ls` says a conversation is kept: as blocks (its own bytes, and those it shares with
-    other conversations, each block counted once), or whole, with why it could not be cut."""
+    other conversations, each block counted once; with its tail, for a window model's or a
+    hybrid's save: what the tail holds and its bytes, among its own), or whole, with why it
+    could not be cut."""
     if e.blocks:
         own = sum(sizes.get(k, 0) for k in set(e.blocks) if refs.get(k, 0) <= 1)
         shared = sum(sizes.get(k, 0) for k in set(e.blocks) if refs.get(k, 0) > 1)
-        return {"stored": "blocks", "blocks": len(e.blocks), "own_bytes": own, "shared_bytes": shared}
+        out = {"stored": "blocks", "blocks": len(e.blocks), "own_bytes": own, "shared_bytes": shared}
+        tail = e.meta.tail if e.meta is not None else None
+        if tail:  # a window model's or a hybrid's save: one of those "blocks" is its tail
+            out.update(blocks=len(e.blocks) - 1, tail=(e.meta.kv or {}).get("tail"), tail_bytes=tail[1])
+        return out
     return {"stored": "whole", "whole_why": e.meta.whole if e.meta is not None else None}
 
 

@@ -17,6 +17,11 @@ key, and the first written is kept.) A conversation is then a manifest (names.Me
                                 xxh3-128), then the payload: the cells' meta, K per layer, V per
                                 layer (rows; transposed V dim by dim), for its cells
 
+A file's tail (kvfile.py: a window model's window cache, a hybrid's recurrent state) is kept
+the same way, once per save, as a block of 0 cells whose payload is the tail's bytes as the
+engine wrote them, keyed by tail_key (its model, shape and digest): its manifest names it
+beside its blocks (Meta.tail), so it lives, is pinned, swept and quarantined as a block is.
+
 A block is written to a temporary of its own, fsynced, and linked to its name (a link never
 replaces a block another save put there first; the loser's temporary goes); its directory is
 fsynced (also by a save that found it already there) before its manifest names it. A block's
@@ -95,6 +100,21 @@ def chain(model: str, shape: Shape, tokens: bytes, n_cells: int, block_tokens: i
         prev = hashlib.blake2b(prev + tokens[4 * start:4 * end], digest_size=16).digest()
         keys.append(prev.hex())
     return keys
+
+
+def tail_key(model: str, shape: Shape, digest: str) -> str:
+    """The key a file's tail is kept under: its bytes' digest, for one model's files of one shape."""
+    return hashlib.blake2b(b"autosessd tail\0" + model.encode() + b"\0" + shape.fingerprint().encode() + b"\0"
+                           + _raw_digest(digest), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class TailRef:
+    """A manifest's tail: the key it is kept under, its bytes, their digest."""
+
+    key: str
+    size: int
+    digest: str
 
 
 def payload_size(shape: Shape, n_cells: int) -> int:

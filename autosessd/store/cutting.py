@@ -2,11 +2,13 @@
 blocks' keys, format and life).
 
 split() cuts the engine's file into blocks of BLOCK_TOKENS cells in position order (its cells
-are in cache order: cut() gathers each block's by position) and stores those not stored yet.
-assemble() writes a slot file of the first m tokens from a manifest's blocks: the engine's
-header and payload with those tokens, one stream of min(m, cells) cells at positions 0…m−1,
-the data per layer from each block in order, and the manifest's stream count. It reads each
-block section by section (BlockReader, below): at most OPEN_AT_ONCE descriptors whatever its length.
+are in cache order: cut() gathers each block's by position) and stores those not stored yet,
+and its tail (a window model's window cache, a hybrid's recurrent state: kvfile.py) as a block
+of its own. assemble() writes a slot file of the first m tokens from a manifest's blocks: the
+engine's header and payload with those tokens, one stream of min(m, cells) cells at positions
+0…m−1, the data per layer from each block in order, and the manifest's stream count; then, for
+a file with a tail (m is then all of it), the tail as the engine wrote it. It reads each block
+section by section (BlockReader, below): at most OPEN_AT_ONCE descriptors whatever its length.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..base import files
 from ..base.files import Hasher, Ident
 from . import blocks
-from .blocks import HEADER, MAGIC_BLOCK, BadBlock, BlockRef, BlockStore, NotTheFile, OtherBlock, Unreadable, chain, \
-    payload_size
+from .blocks import HEADER, MAGIC_BLOCK, BadBlock, BlockRef, BlockStore, NotTheFile, OtherBlock, TailRef, Unreadable, \
+    chain, payload_size, tail_key
 from .kvfile import KVFile, Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
@@ -46,23 +48,28 @@ def cut(kv: KVFile, arr: np.ndarray, start: int, end: int) -> Iterator[memoryvie
             yield arr[at:at + n * layer.v_row].reshape(n, layer.v_row)[idx].reshape(-1).data
 
 
-def file_size(shape: Shape, n_tokens: int, n_cells: int) -> int:
-    """Bytes of the slot file assemble() writes for n_tokens tokens over n_cells cells."""
+def file_size(shape: Shape, n_tokens: int, n_cells: int, tail: int = 0) -> int:
+    """Bytes of the slot file assemble() writes for n_tokens tokens over n_cells cells (and a
+    tail of `tail` bytes)."""
     head = 12 + 4 * (4 + n_tokens)
     data = 16 + sum(12 + n_cells * x.k_row for x in shape.layers)
     data += sum(12 + (x.n_embd_v * n_cells * x.v_row if shape.v_trans else n_cells * x.v_row) for x in shape.layers)
-    return head + 4 + 4 * shape.n_stream + n_cells * shape.cell_bytes + data  # n_stream, a count per stream
+    return head + 4 + 4 * shape.n_stream + n_cells * shape.cell_bytes + data + tail  # n_stream, a count per stream
 
 
 def assemble(store: BlockStore, shape: Shape, tokens: bytes, refs: Sequence[BlockRef], n_cells: int,
-             out: BinaryIO) -> str:
+             out: BinaryIO, tail: TailRef | None = None) -> str:
     """Write to `out` the slot file of the first len(tokens)/4 tokens over the first n_cells
-    cells of `refs`. → the file's digest. Every block read is checked against its digest before
-    this returns (the caller hands `out` to the engine only then). BadBlock: a block is not what
-    its manifest says; Unreadable: a block could not be read (nothing is wrong with it)."""
+    cells of `refs`, then `tail` (it must then be all of them). → the file's digest. Every block
+    read is checked against its digest before this returns (the caller hands `out` to the engine
+    only then). BadBlock: a block is not what its manifest says; Unreadable: a block could not
+    be read (nothing is wrong with it)."""
     n_tokens = len(tokens) // 4
     if n_cells > sum(r.n_cells for r in refs) or n_cells > n_tokens or n_tokens - n_cells > 1:
         raise BadBlock(f"{n_cells:,} cells from blocks of {sum(r.n_cells for r in refs):,} for {n_tokens:,} tokens")
+    if tail is not None and n_cells != sum(r.n_cells for r in refs):
+        raise BadBlock(f"{n_cells:,} of {sum(r.n_cells for r in refs):,} cells asked of a file with a tail: its tail "
+                       f"holds the state at its last position only")
     take: list[tuple[BlockRef, int]] = []
     left = n_cells
     for r in refs:
@@ -116,13 +123,52 @@ def assemble(store: BlockStore, shape: Shape, tokens: bytes, refs: Sequence[Bloc
         for rd in readers:
             rd.close()
     put(b"\0" * (4 * (shape.n_stream - 1)))
+    if tail is not None:
+        read_tail(store, tail, put)
     return h.hexdigest()
 
 
-def split(store: BlockStore, kv: KVFile, path: Path, model: str,
-          keys: Sequence[str] | None = None, expect: str | None = None) -> tuple[list[BlockRef], int]:
-    """Cut the file at `path` (parsed as kv) into blocks, storing those not stored yet:
-    → (its blocks, bytes written). keys: its chain(), when the caller has it (to pin them).
+def read_tail(store: BlockStore, tail: TailRef, put: Callable[[bytes], object]) -> None:
+    """Hand `put` a tail's bytes in pieces, each checked as it is read; BadBlock at the end when
+    they are not the manifest's (the caller drops what it wrote), Unreadable for an error of the
+    system's."""
+    try:
+        f, st = files.open_regular(store.path(tail.key))
+    except FileNotFoundError:
+        raise BadBlock(f"block {tail.key} (a tail) is missing") from None
+    except OSError as e:
+        raise Unreadable(f"block {tail.key}: {e.strerror or e}") from None
+    with f:
+        if st.st_size != HEADER.size + tail.size:
+            raise BadBlock(f"block {tail.key} has {st.st_size:,} bytes, {HEADER.size + tail.size:,} were written")
+        try:
+            magic, n, cb, raw_key, _ = HEADER.unpack(f.read(HEADER.size))
+        except struct.error:
+            raise BadBlock(f"block {tail.key} ends inside its header") from None
+        if magic != MAGIC_BLOCK or raw_key.hex() != tail.key or n != 0 or cb != 0:
+            raise BadBlock(f"block {tail.key}'s header is not the one its manifest names")
+        h = Hasher()
+        left = tail.size
+        try:
+            while left > 0:
+                chunk = f.read(min(files.CHUNK, left))
+                if not chunk:
+                    raise BadBlock(f"block {tail.key} ends {left:,} bytes early")
+                h.update(chunk)
+                put(chunk)
+                left -= len(chunk)
+        except OSError as e:
+            raise Unreadable(f"block {tail.key}: {e.strerror or e}") from None
+    if h.hexdigest() != tail.digest:
+        raise BadBlock(f"block {tail.key}'s bytes changed: its digest is {h.hexdigest()}")
+
+
+def split(store: BlockStore, kv: KVFile, path: Path, model: str, keys: Sequence[str] | None = None,
+          expect: str | None = None) -> tuple[list[BlockRef], TailRef | None, int]:
+    """Cut the file at `path` (parsed as kv) into blocks, storing those not stored yet, and its
+    tail: → (its blocks, its tail, bytes written). keys: its chain(), when the caller has it (to
+    pin them). The tail's key is known only once its bytes are hashed: it comes back pinned, and
+    the caller unpins it once its manifest names it (or it gives up).
     expect: the digest the file must have (a file kept a while, imported now): its map is
     hashed first and cut only when it matches, so that no damaged byte becomes a block that
     later saves name (NotTheFile otherwise, before any block is written). The blocks'
@@ -150,8 +196,34 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str,
             digest, n = store.put(key, end - start, kv.shape.cell_bytes, cut(kv, mm, start, end))
             refs.append(BlockRef(key, end - start, digest))
             written += n
-    store.sync(keys)  # even if this save wrote none: another save's block may not be durable by name yet
-    return refs, written
+        tail = None
+        if kv.shape.tail:
+            tail, n = _put_tail(store, kv, mm, st.st_size, model)
+            written += n
+    try:
+        store.sync([*keys, *([tail.key] if tail else [])])  # even if this save wrote none: another save's may not be durable by name yet
+    except BaseException:
+        if tail is not None:
+            store.unpin([tail.key])
+        raise
+    return refs, tail, written
+
+
+def _put_tail(store: BlockStore, kv: KVFile, mm: np.ndarray, size: int, model: str) -> tuple[TailRef, int]:
+    """The file's tail stored as a block of its own (unless it is there): → (its reference,
+    pinned; bytes written)."""
+    h = Hasher()
+    for at in range(kv.tail_at, size, files.CHUNK):
+        h.update(mm[at:min(at + files.CHUNK, size)].data)
+    key = tail_key(model, kv.shape, h.hexdigest())
+    held = store.pin([key])
+    try:
+        digest, written = store.put(key, 0, 0, (mm[at:min(at + files.CHUNK, size)].data
+                                                for at in range(kv.tail_at, size, files.CHUNK)))
+    except BaseException:
+        store.unpin(held)
+        raise
+    return TailRef(key, size - kv.tail_at, digest), written
 
 
 class BlockReader:

@@ -189,7 +189,7 @@ class Store(Saving, Integrity, Space):
         to know, and when it is a whole file in the store's own directory its .bin is the
         store's, no copy (the copies' budget never removes it). Under _lock, in the section that
         renamed the metadata. → the blocks it named before (a sweep of them may free some)."""
-        keys = tuple(b[0] for b in meta.blocks) if meta is not None and meta.in_blocks else ()
+        keys = meta.block_keys if meta is not None else ()
         with self._lock:
             old = self.blocks.naming(key) if self.blocks is not None else ()
             if self.blocks is not None:

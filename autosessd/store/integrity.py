@@ -128,20 +128,21 @@ class Integrity:
 
     def _cut_back(self, key: str, bad: str) -> bool:
         """Manifest `key` without block `bad` and those after it: rewritten with the blocks
-        before it, or removed when there are none, unless it changed since it was read (a save
-        landed: the next restore judges that one). Its copy in staging goes either way."""
+        before it, or removed when there are none or it has a tail (the tail is the state at
+        its last position only), unless it changed since it was read (a save landed: the next
+        restore judges that one). Its copy in staging goes either way."""
         ident0 = files.regular_ident(self.meta_path(key))
         meta = self._meta_at(self.meta_path(key)) if ident0 is not None else None
         if meta is None or not meta.in_blocks:
             return False
         at = next((i for i, b in enumerate(meta.blocks) if b[0] == bad), None)
-        if at is None:
+        if at is None and not (meta.tail and meta.tail[0] == bad):
             return False
         if self.hot.held(auto_name(key)):
             self.hot.drop_record(auto_name(key))  # a restore reads it now: it stays, unrecorded (no longer its save)
         else:
             self.hot.forget(auto_name(key))
-        if at == 0:
+        if at == 0 or meta.tail:  # a file with a tail is restorable at its last position only: nothing is left
             return self._replace_meta(None, ident0, key=key, held_ok=True)
         keep = meta.blocks[:at]
         n = sum(b[1] for b in keep)

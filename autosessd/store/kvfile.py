@@ -12,13 +12,20 @@ the engine): the header and the server's payload (slotfile.py), then one KV cach
                              v_trans 1: i32 type, u32 element size, u32 n_embd_v,
                                         n_embd_v runs of cells × element size
 
-A file is cut into blocks only when all of that holds and nothing else is in it: the server's
-payload holds text tokens only (no media), exactly one stream holds cells, each cell belongs
-to one sequence, the positions are 0 … n−1 each once (no context shift), at most one token
-more than cells (the last sampled token has no KV yet), every layer has its V, and the file
-ends where that one cache's state ends. Anything else stays a whole file, with the reason:
-a sliding-window model writes a second cache (its window's cells) after the first, a hybrid or
-recurrent model another state altogether.
+A file is cut into blocks only when all of that holds: the server's payload holds text tokens
+only (no media), exactly one stream holds cells, each cell belongs to one sequence, the
+positions are 0 … n−1 each once (no context shift), at most one token more than cells (the last
+sampled token has no KV yet) and every layer has its V. Anything else stays a whole file, with
+the reason.
+
+What follows that first cache's state is the file's **tail** (issue 47), kept as it is, once per
+save: a sliding-window model writes its window cache after its full-attention one
+(llama_kv_cache_iswa::state_write: the window layers' last n_swa cells), a hybrid model its
+recurrent state after its attention cache (llama_memory_hybrid::state_write: per layer the
+conv and SSM rows of the sequence's one cell). A tail is valid only at the position it was
+taken at, so a file with one is restored whole, never as its first m tokens. It is read far
+enough to know it is one of those two and belongs to the same tokens (`tail_kind`); any other
+rest keeps the file whole.
 
 The loader checks counts, types, row sizes, n_rot and that the file is long enough; it checks
 neither positions nor that the token list matches the KV, and it discards a cell's seq id (it
@@ -28,6 +35,7 @@ block is the KV of exactly its tokens at exactly its positions: blocks.py keys t
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import struct
 from dataclasses import dataclass
@@ -37,6 +45,17 @@ import numpy as np
 
 from ..base.files import open_regular
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
+
+WINDOW = "window"  # a sliding-window model's window cache (its last n_swa cells)
+RECURRENT = "recurrent"  # a hybrid model's recurrent state (one cell: the sequence's last position)
+TAILS = ("", WINDOW, RECURRENT)
+# Why an earlier autosessd kept a window or hybrid model's file whole: such a file is cut now.
+WHOLE_BEFORE_TAILS = "it holds more than one KV cache (a sliding-window or hybrid model)"
+
+
+def cut_now(why: str | None) -> bool:
+    """A whole file's reason (Meta.whole) that no longer holds: worth cutting again."""
+    return why is None or why == WHOLE_BEFORE_TAILS
 
 
 class NotSliceable(ValueError):
@@ -68,13 +87,18 @@ class Shape:
     n_rot_k: int
     n_rot_v: int
     layers: tuple[Layer, ...]
+    # What follows this cache in the model's files: "" nothing (a plain model), WINDOW or
+    # RECURRENT. Part of the fingerprint: the blocks of a model's full-attention layers are
+    # never taken for those of a model whose attention is all of it.
+    tail: str = ""
 
     def fingerprint(self) -> str:
         """Everything the loader checks of a cell's data, and the cell's size: blocks of shapes
         whose fingerprints differ never share a key (n_stream is the file's framing, not a
         block's: the assembled file takes the manifest's)."""
         per = ";".join(f"{x.k_type},{x.k_row},{x.v_type},{x.v_row},{x.n_embd_v}" for x in self.layers)
-        return f"c{self.cell_bytes}-v{self.v_trans}-r{self.n_rot_k},{self.n_rot_v}-L{len(self.layers)}:{per}"
+        tail = f"-t{self.tail}" if self.tail else ""
+        return f"c{self.cell_bytes}-v{self.v_trans}-r{self.n_rot_k},{self.n_rot_v}-L{len(self.layers)}:{per}{tail}"
 
     def cell_size(self) -> int:
         """Bytes one cell takes in a block: its meta, its K rows and its V (rows or elements)."""
@@ -82,9 +106,12 @@ class Shape:
         return self.cell_bytes + sum(x.k_row for x in self.layers) + v
 
     def to_json(self) -> dict:
-        return {"n_stream": self.n_stream, "cell_bytes": self.cell_bytes, "v_trans": self.v_trans,
-                "n_rot": [self.n_rot_k, self.n_rot_v],
-                "layers": [[x.k_type, x.k_row, x.v_type, x.v_row, x.n_embd_v] for x in self.layers]}
+        d = {"n_stream": self.n_stream, "cell_bytes": self.cell_bytes, "v_trans": self.v_trans,
+             "n_rot": [self.n_rot_k, self.n_rot_v],
+             "layers": [[x.k_type, x.k_row, x.v_type, x.v_row, x.n_embd_v] for x in self.layers]}
+        if self.tail:
+            d["tail"] = self.tail
+        return d
 
     @classmethod
     def from_json(cls, d: object) -> "Shape":
@@ -94,8 +121,9 @@ class Shape:
         if not layers:
             raise ValueError("kv: no layers")
         shape = cls(int(d["n_stream"]), int(d["cell_bytes"]), int(d["v_trans"]), int(d["n_rot"][0]),
-                    int(d["n_rot"][1]), layers)
-        if shape.cell_bytes not in (12, 24) or shape.v_trans not in (0, 1) or not 0 < shape.n_stream <= 4096:
+                    int(d["n_rot"][1]), layers, str(d.get("tail", "")))
+        if shape.cell_bytes not in (12, 24) or shape.v_trans not in (0, 1) or not 0 < shape.n_stream <= 4096 \
+                or shape.tail not in TAILS:
             raise ValueError("kv: implausible shape")
         return shape
 
@@ -112,6 +140,11 @@ class KVFile:
     k_at: tuple[int, ...]  # per layer: its K data
     v_at: tuple[int, ...]  # per layer: its V data
     order: np.ndarray  # cell index in the file of position 0, 1, … (cells are in cache order)
+    tail_at: int = 0  # where the tail starts (== size: none); shape.tail says what it is
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.size - self.tail_at if self.shape.tail else 0
 
 
 def _u32(mm: memoryview, at: int) -> int:
@@ -165,28 +198,84 @@ def _parse(mm: memoryview, size: int, max_tokens: int | None) -> KVFile:
     if n_cells > n_tok or n_tok - n_cells > 1:
         raise NotSliceable(f"{n_cells:,} cells for {n_tok:,} tokens (a sliding window, or a context shift)")
     why: list[NotSliceable] = []
+    found: list[KVFile] = []
     for cell_bytes in (12, 24):
         try:
-            found = _data(mm, size, at, n_cells, cell_bytes, s, n_stream)
+            shape, k_at, v_at, end = _data(mm, size, at, n_cells, cell_bytes, s, n_stream)
         except NotSliceable as e:
             why.append(e)
             continue
-        shape, k_at, v_at = found
         cells = np.frombuffer(bytes(mm[at:at + n_cells * cell_bytes]), dtype=np.int32)  # a copy: mm closes
         cells = cells.reshape(n_cells, cell_bytes // 4)
         if not np.all(cells[:, 1] == 1):
-            raise NotSliceable("a cell belongs to more than one sequence")
+            why.append(NotSliceable("a cell belongs to more than one sequence"))
+            continue
         pos = cells[:, 0]
         order = np.argsort(pos, kind="stable")
         if not np.array_equal(pos[order], np.arange(n_cells, dtype=np.int32)):
-            raise NotSliceable("its positions are not 0 … n−1 each once (a context shift)")
-        return KVFile(size, tuple(tokens), shape, n_cells, at, k_at, v_at, order)
+            why.append(NotSliceable("its positions are not 0 … n−1 each once (a context shift)"))
+            continue
+        tail = ""
+        if end != size:
+            try:
+                tail = tail_kind(mm, size, end, n_cells, n_stream)
+            except NotSliceable as e:
+                why.append(e)
+                continue
+        found.append(KVFile(size, tuple(tokens), dataclasses.replace(shape, tail=tail), n_cells, at, k_at, v_at,
+                            order, end))
+    if found:  # a reading that ends with the file's end before one that leaves a tail
+        return min(found, key=lambda kv: kv.tail_bytes)
     # The reason of the reading that got through a whole cache, if one did; else the first's.
     raise next((e for e in why if e.whole), why[0])
 
 
+def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -> str:
+    """What the rest of a file from `at` is, after a first cache of n_cells cells at positions
+    0 … n_cells−1: WINDOW (a second KV cache's state to the file's end, every cell of one
+    sequence at one of those positions, the last among them) or RECURRENT (the state of one
+    recurrent cell at the last of them, as llama_memory_recurrent::state_write writes a
+    sequence's: u32 1, i32 pos, u32 0 seq ids, u32 s_trans, u32 n_layer, then its rows, read no
+    further: their layout differs by architecture). NotSliceable for anything else."""
+    other = NotSliceable("it holds more than one KV cache, and what follows the first is neither a window's cells "
+                         "nor a recurrent state this code reads", whole=True)
+    if at + 20 <= size:
+        count, pos, n_seq, s_trans, n_layer = struct.unpack_from("<IiIII", mm, at)
+        if count == 1 and pos == n_cells - 1 and n_seq == 0 and s_trans <= 1 and 0 < n_layer <= 4096:
+            return RECURRENT
+    if _u32(mm, at) != n_stream:
+        raise other
+    p = at + 4
+    for s in range(n_stream):
+        if p + 4 > size:
+            raise other
+        n = _u32(mm, p)
+        p += 4
+        if n:
+            break
+    else:
+        raise other
+    if n > n_cells:
+        raise other
+    for cell_bytes in (12, 24):
+        try:
+            _, _, _, end = _data(mm, size, p, n, cell_bytes, s, n_stream)
+        except NotSliceable:
+            continue
+        if end != size:
+            continue
+        cells = np.frombuffer(bytes(mm[p:p + n * cell_bytes]), dtype=np.int32).reshape(n, cell_bytes // 4)
+        pos = cells[:, 0]
+        if np.all(cells[:, 1] == 1) and pos.min() >= 0 and pos.max() == n_cells - 1 \
+                and len(np.unique(pos)) == n:
+            return WINDOW
+    raise other
+
+
 def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: int,
-          n_stream: int) -> tuple[Shape, tuple[int, ...], tuple[int, ...]]:
+          n_stream: int) -> tuple[Shape, tuple[int, ...], tuple[int, ...], int]:
+    """One cache's data after its n cells' meta: its shape, where each layer's K and V are, and
+    where its state ends (after the zero counts of the streams after s)."""
     at = cells_at + n * cell_bytes
     if at + 16 > size:
         raise NotSliceable("it ends inside its cells")
@@ -234,6 +323,4 @@ def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: 
     if any(_u32(mm, at + 4 * i) for i in range(rest)):
         raise NotSliceable("more than one stream holds cells", whole=True)
     at += 4 * rest
-    if at != size:
-        raise NotSliceable("it holds more than one KV cache (a sliding-window or hybrid model)", whole=True)
-    return Shape(n_stream, cell_bytes, v_trans, n_rot_k, n_rot_v, tuple(layers)), tuple(k_at), tuple(v_at)
+    return Shape(n_stream, cell_bytes, v_trans, n_rot_k, n_rot_v, tuple(layers)), tuple(k_at), tuple(v_at), at

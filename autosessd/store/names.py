@@ -177,6 +177,9 @@ class Meta:
     kv: dict | None = None
     tokens: bytes | None = None
     whole: str | None = None
+    # The file's tail (kvfile.py: a window model's window cells, a hybrid's recurrent state),
+    # kept as a block of its own: (key, bytes, digest). With one, the file is restored whole only.
+    tail: tuple[str, int, str] | None = None
 
     @classmethod
     def from_json(cls, data: bytes) -> "Meta":
@@ -192,7 +195,7 @@ class Meta:
                    marks=marks_from(d.get("marks")), blocks=_blocks_from(d.get("blocks")),
                    kv=d["kv"] if isinstance(d.get("kv"), dict) else None,
                    tokens=base64.b64decode(d["tokens"], validate=True) if isinstance(d.get("tokens"), str) else None,
-                   whole=str(d["whole"]) if d.get("whole") is not None else None)
+                   whole=str(d["whole"]) if d.get("whole") is not None else None, tail=_tail_from(d.get("tail")))
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -205,11 +208,13 @@ class Meta:
             d["marks"] = [m.to_list() for m in self.marks]
         else:
             del d["marks"]
-        for k in ("blocks", "kv", "tokens", "whole"):
+        for k in ("blocks", "kv", "tokens", "whole", "tail"):
             if not d[k]:
                 del d[k]  # a whole file's metadata, as before the block store
         if self.blocks:
             d["blocks"] = [list(b) for b in self.blocks]
+        if self.tail:
+            d["tail"] = list(self.tail)
         if self.tokens is not None:
             d["tokens"] = base64.b64encode(self.tokens).decode()
         return json.dumps(d, sort_keys=True).encode() + b"\n"
@@ -222,6 +227,22 @@ class Meta:
     @property
     def n_cells(self) -> int:
         return sum(b[1] for b in self.blocks)
+
+    @property
+    def block_keys(self) -> tuple[str, ...]:
+        """Every block a manifest names: its blocks', and its tail's (none for a whole file)."""
+        if not self.in_blocks:
+            return ()
+        return tuple(b[0] for b in self.blocks) + ((self.tail[0],) if self.tail else ())
+
+
+def _tail_from(v: object) -> tuple[str, int, str] | None:
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and BLOCK_KEY_RE.match(v[0])
+            and type(v[1]) is int and v[1] > 0 and isinstance(v[2], str)):
+        raise ValueError(f"tail: not a tail reference: {v!r}")
+    return (v[0], v[1], v[2])
 
 
 def _blocks_from(v: object) -> tuple[tuple[str, int, str], ...]:

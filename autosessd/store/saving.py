@@ -213,20 +213,25 @@ class Saving:
         cells = encode(kv.tokens[:kv.n_cells])
         keys = blocks.chain(meta.model, kv.shape, cells, kv.n_cells)
         with self.blocks.pinned(keys):  # no sweep takes a block this manifest is about to name
-            refs, _ = cutting.split(self.blocks, kv, src, meta.model, keys)
-            if src == temp:
-                fd = os.open(temp, os.O_RDONLY)
-                try:
-                    self._own(fd, temp)
-                finally:
-                    os.close(fd)
-                with self._unread_temp(temp):
-                    os.replace(temp, hot)
-            ident = files.regular_ident(hot)
-            meta = dataclasses.replace(meta, digest=digest, ident=ident, whole=None,
-                                       blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
-                                       kv=kv.shape.to_json(), tokens=encode(kv.tokens))
-            self._write_meta(meta)  # names its blocks: from here on they are named, pinned or not
+            refs, tail, _ = cutting.split(self.blocks, kv, src, meta.model, keys)
+            try:
+                if src == temp:
+                    fd = os.open(temp, os.O_RDONLY)
+                    try:
+                        self._own(fd, temp)
+                    finally:
+                        os.close(fd)
+                    with self._unread_temp(temp):
+                        os.replace(temp, hot)
+                ident = files.regular_ident(hot)
+                meta = dataclasses.replace(meta, digest=digest, ident=ident, whole=None,
+                                           blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
+                                           kv=kv.shape.to_json(), tokens=encode(kv.tokens),
+                                           tail=(tail.key, tail.size, tail.digest) if tail else None)
+                self._write_meta(meta)  # names its blocks: from here on they are named, pinned or not
+            finally:
+                if tail is not None:
+                    self.blocks.unpin([tail.key])
         if self.staging != self.path:
             self._unlink(self.bin_path(meta.key))  # a whole file of it from before: the blocks hold it now
         # The caller (a finalize) holds the name: that hold does not keep a copy beyond the budget.
@@ -246,7 +251,7 @@ class Saving:
         path, meta_path = self.bin_path(key), self.meta_path(key)
         ident0 = files.regular_ident(meta_path)
         meta = self._meta_at(meta_path) if ident0 is not None else None
-        if meta is None or meta.key != key or meta.in_blocks or meta.whole is not None:
+        if meta is None or meta.key != key or meta.in_blocks or not kvfile.cut_now(meta.whole):
             return None
         if meta.digest is None:  # from before digests: nothing to tell damaged bytes by
             meta = dataclasses.replace(meta, whole="saved before digests: its bytes cannot be checked, so it is "
@@ -267,16 +272,21 @@ class Saving:
         with self.blocks.pinned(keys):
             before = self.blocks.bytes_written
             try:
-                refs, _ = cutting.split(self.blocks, kv, path, meta.model, keys, expect=meta.digest)
+                refs, tail, _ = cutting.split(self.blocks, kv, path, meta.model, keys, expect=meta.digest)
             except blocks.NotTheFile as e:
                 moved = self.quarantine(auto_name(key), str(e), seen=bin_ident)
                 return f"{auto_name(key)} not kept as blocks: {e}" + (f" (moved aside: {moved})" if moved else "")
-            written = self.blocks.bytes_written - before
-            meta = dataclasses.replace(meta, blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
-                                       kv=kv.shape.to_json(), tokens=encode(kv.tokens), whole=None,
-                                       ident=files.regular_ident(path))
-            if not self._replace_meta(meta, ident0):
-                return None
+            try:
+                written = self.blocks.bytes_written - before
+                meta = dataclasses.replace(meta, blocks=tuple((r.key, r.n_cells, r.digest) for r in refs),
+                                           kv=kv.shape.to_json(), tokens=encode(kv.tokens), whole=None,
+                                           ident=files.regular_ident(path),
+                                           tail=(tail.key, tail.size, tail.digest) if tail else None)
+                if not self._replace_meta(meta, ident0):
+                    return None
+            finally:
+                if tail is not None:
+                    self.blocks.unpin([tail.key])
         if self.staging != self.path:
             self._unlink(path)
         else:

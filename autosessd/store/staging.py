@@ -43,7 +43,7 @@ from typing import Callable
 from ..base import files
 from ..base.files import Ident
 from . import blocks, cutting
-from .blocks import BadBlock, BlockRef, BlockStore, OtherBlock, Unreadable
+from .blocks import BadBlock, BlockRef, BlockStore, OtherBlock, TailRef, Unreadable
 from .kvfile import Shape
 from .names import AUTO_BIN, TEMP_PREFIX, Meta, StoreError
 
@@ -75,6 +75,7 @@ class Staged:
     bytes_read: int = 0  # block bytes read to assemble it (0: a copy as it was)
     ms: float = 0.0
     digest: str | None = None
+    tail: bool = False  # a two-part save (kvfile.py): restored whole, its blocks and its tail
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ class Staging:
             have = self.whole(name, meta)
             if have is not None:
                 self.used(name)
-                return Staged(name, digest=have or None)
+                return Staged(name, digest=have or None, tail=bool(meta.tail))
             try:
                 return self._assemble(name, key, meta, meta_ident, n_tokens)
             except Unreadable as e:  # an error of the process or the system: once more, then this restore fails
@@ -321,27 +322,30 @@ class Staging:
             with self.lock:
                 _, now = self._read_manifest(key)
                 if now == ident:
-                    keys = [b[0] for b in meta.blocks] if meta is not None and meta.in_blocks else []
+                    keys = list(meta.block_keys) if meta is not None else []
                     return meta, ident, self.blocks.pin(keys)
 
     def _assemble(self, name: str, key: str, meta: Meta, meta_ident: Ident | None, n_tokens: int | None) -> Staged:
         t0 = time.monotonic()
         tokens = meta.tokens or b""
         n_all = len(tokens) // 4
-        want = n_all if n_tokens is None else max(1, min(n_tokens, n_all))
+        # A file with a tail is restored whole: its tail is the state at its last position only.
+        want = n_all if n_tokens is None or meta.tail else max(1, min(n_tokens, n_all))
         cells = min(want, meta.n_cells)
         shape = Shape.from_json(meta.kv)
         refs = [BlockRef(*b) for b in meta.blocks]
+        tail = TailRef(*meta.tail) if meta.tail else None
         tmp: Path | None = self.dir / f"{TEMP_PREFIX}{key}.{uuid.uuid4().hex[:8]}.asm.partial"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
             with os.fdopen(fd, "wb") as out:
                 self._own(out.fileno(), tmp)
-                digest = cutting.assemble(self.blocks, shape, tokens[:4 * want], refs, cells, out)
+                digest = cutting.assemble(self.blocks, shape, tokens[:4 * want], refs, cells, out, tail)
         except BadBlock as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            bad = e.key if isinstance(e, OtherBlock) else next((r.key for r in refs if r.key in str(e)), None)
+            bad = e.key if isinstance(e, OtherBlock) else \
+                next((k for k in meta.block_keys if k in str(e)), None)
             # A whole block of other bytes condemns this manifest's tail only; damage, the block
             # and every manifest's tail from it.
             changed = self._bad_block(bad, str(e), key if isinstance(e, OtherBlock) else None) if bad else ()
@@ -352,7 +356,7 @@ class Staging:
                 tmp.unlink()
             raise
         read = sum(blocks.payload_size(shape, r.n_cells)
-                   for r in refs[:(cells + blocks.BLOCK_TOKENS - 1) // blocks.BLOCK_TOKENS])
+                   for r in refs[:(cells + blocks.BLOCK_TOKENS - 1) // blocks.BLOCK_TOKENS]) + (tail.size if tail else 0)
         with self.lock:
             self.assembled_bytes += read
             self.assemblies += 1
@@ -367,8 +371,9 @@ class Staging:
                     tmp = None
             if tmp is None:
                 self.added(name, meta, digest)  # held by the caller until the engine read it: it stays till then
-                return Staged(name, None, assembled=True, bytes_read=read, ms=ms, digest=digest)
-        return Staged(tmp.name, want, temporary=True, assembled=True, bytes_read=read, ms=ms, digest=digest)
+                return Staged(name, None, assembled=True, bytes_read=read, ms=ms, digest=digest, tail=tail is not None)
+        return Staged(tmp.name, want, temporary=True, assembled=True, bytes_read=read, ms=ms, digest=digest,
+                      tail=tail is not None)
 
     def unstage(self, staged: Staged) -> None:
         """After the engine read it: a temporary assembly goes."""
@@ -416,13 +421,15 @@ class Staging:
             return [self.dir / name] if (self.dir / name).exists() else [self.store_dir / name]
         if (self.dir / name).exists():
             return [self.dir / name]
-        n = meta.n_cells if n_tokens is None else min(n_tokens, meta.n_cells)
+        n = meta.n_cells if n_tokens is None or meta.tail else min(n_tokens, meta.n_cells)
         out, at = [], 0
         for key, cells, _ in meta.blocks:
             if at >= n:
                 break
             out.append(self.blocks.path(key))
             at += cells
+        if meta.tail:
+            out.append(self.blocks.path(meta.tail[0]))
         return out
 
 

@@ -10,9 +10,12 @@ reply comes back as other tokens) nor for a retry: the engine needs a context ch
 and none is in the file (DESIGN §9; llama.cpp issues 25913, 28194; pinned on these models by
 tests/engines/test_shape_models.py). Here autosessd's save, taken one token before the prompt's
 end (rewind.py), is reused by each of those requests; without the rewind the first of them reads
-its prompt again."""
+its prompt again. Each save is kept as the token blocks of its full-attention layers and a tail
+(the recurrent state, the window's cells), and every restore here is assembled from them."""
 
 import pytest
+
+from autosessd import ctl
 
 from harness import Daemon, chat_body, long_text, wait_until
 
@@ -36,7 +39,10 @@ def shared(r):
 def test_a_return_a_retry_and_a_restart_are_reused(engines, session_dir, tmp_path, model):
     eng = engines(session_dir, swa_full=model.swa)
     nxt = departing(A)
-    d = Daemon(tmp_path, session_dir, eng.url).start()
+    # The store apart from the engine's directory and no copies kept there: every restore is
+    # assembled from the blocks of the full-attention layers and the save's tail.
+    d = Daemon(tmp_path, session_dir, eng.url,
+               extra_toml=f'store_path = "{tmp_path / "store"}"\nstaging_max_gb = 0').start()
     try:
         a = eng.post("/v1/chat/completions", A, base=d.gate_url)
         eng.post("/v1/chat/completions", B, base=d.gate_url)  # a switch: A taken back and saved
@@ -57,6 +63,10 @@ def test_a_return_a_retry_and_a_restart_are_reused(engines, session_dir, tmp_pat
         c = st["counters"]
         assert c["restores_reused"] == 3 and c["restores_not_reused"] == 0, c  # A three times (B is short)
         assert c["rewinds"] >= 2 and c["rewinds_reread"] == 0 and c["rewinds_not_done"] == 0, c
+        assert c["tails_saved"] >= 2 and c["tail_restores"] == 3 and c["assemblies"] >= 3, c
+        kept = [f for f in ctl.call(d.socket, "ls", timeout=30) if f["kind"] == "auto"]
+        assert kept and all(f["stored"] == "blocks" and f["tail"] == ("recurrent" if model.hybrid else "window")
+                            for f in kept), kept
     finally:
         d.stop()
     # The answer after the restores is the engine's own for that prompt read fresh (its first

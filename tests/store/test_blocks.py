@@ -69,7 +69,7 @@ def test_a_file_cut_into_blocks_and_assembled_holds_every_cell_it_held(tmp_path,
     kv = parse(p)
     assert kv.n_cells == n and kv.shape.n_stream == n_stream and kv.shape.cell_bytes == (24 if cell_ext else 12)
     store = BlockStore(tmp_path / "home")
-    refs, written = split(store, kv, p, MODEL)
+    refs, _, written = split(store, kv, p, MODEL)
     assert [r.n_cells for r in refs] == [8] * 5 + [5] and written == sum(
         B.HEADER.size + B.payload_size(kv.shape, r.n_cells) for r in refs)
     want_tokens, want = cells_by_position(p)
@@ -89,7 +89,7 @@ def test_a_file_in_position_order_comes_back_byte_for_byte(tmp_path, monkeypatch
     p = write(tmp_path, "a.bin", data)
     kv = parse(p)
     store = BlockStore(tmp_path / "home")
-    refs, _ = split(store, kv, p, MODEL)
+    refs, _, _ = split(store, kv, p, MODEL)
     out, _ = assembled(store, kv, refs, len(tokens), tmp_path)
     assert out.read_bytes() == data
 
@@ -101,7 +101,7 @@ def test_the_last_sampled_token_without_kv_is_kept(tmp_path):
     p = write(tmp_path, "a.bin", slot_file(tokens, n_cells=39))
     kv = parse(p)
     store = BlockStore(tmp_path / "home")
-    refs, _ = split(store, kv, p, MODEL)
+    refs, _, _ = split(store, kv, p, MODEL)
     out, _ = assembled(store, kv, refs, 40, tmp_path)
     assert out.read_bytes() == p.read_bytes()
 
@@ -148,9 +148,9 @@ def test_blocks_of_shared_tokens_are_stored_once(tmp_path, monkeypatch):
     b = write(tmp_path, "b.bin", slot_file(shared + list(range(700, 712))))
     c = write(tmp_path, "c.bin", slot_file(shared[:39] + [9] + list(range(800, 808))))
     store = BlockStore(tmp_path / "home")
-    ra, wa = split(store, parse(a), a, MODEL)
-    rb, wb = split(store, parse(b), b, MODEL)
-    rc, wc = split(store, parse(c), c, MODEL)
+    ra, _, wa = split(store, parse(a), a, MODEL)
+    rb, _, wb = split(store, parse(b), b, MODEL)
+    rc, _, wc = split(store, parse(c), c, MODEL)
     assert [r.key for r in ra[:5]] == [r.key for r in rb[:5]] and ra[5].key != rb[5].key
     per = B.HEADER.size + B.payload_size(parse(a).shape, 8)
     assert wb == per + B.HEADER.size + B.payload_size(parse(a).shape, 4)  # 12 own cells: one whole, one of 4
@@ -166,7 +166,7 @@ def test_a_damaged_or_missing_block_is_never_assembled(tmp_path, monkeypatch):
     p = write(tmp_path, "a.bin", slot_file(list(range(30))))
     kv = parse(p)
     store = BlockStore(tmp_path / "home")
-    refs, _ = split(store, kv, p, MODEL)
+    refs, _, _ = split(store, kv, p, MODEL)
     victim = store.path(refs[1].key)
     raw = bytearray(victim.read_bytes())
     raw[-3] ^= 0xFF
@@ -187,7 +187,7 @@ def test_a_block_is_swept_only_when_nobody_names_or_holds_it(tmp_path, monkeypat
     monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
     store = BlockStore(tmp_path / "home")
     p = write(tmp_path, "a.bin", slot_file(list(range(24))))
-    refs, _ = split(store, parse(p), p, MODEL)
+    refs, _, _ = split(store, parse(p), p, MODEL)
     keys = [r.key for r in refs]
     store.name("m" * 16, keys[2:])  # a manifest names the last
     with store.pinned(keys[:1]):  # a save or an assembly holds the first
@@ -213,7 +213,7 @@ def test_the_stores_gc_takes_only_blocks_no_manifest_names(tmp_path, monkeypatch
     s = Store(tmp_path / "home")
     p = write(tmp_path, "a.bin", slot_file(list(range(24))))
     kv = parse(p)
-    refs, _ = split(s.blocks, kv, p, MODEL)
+    refs, _, _ = split(s.blocks, kv, p, MODEL)
     meta = Meta(key="a" * 16, n_tokens=24, bytes=kv.size, saved_at=1.0, model=MODEL, save_ms=1.0,
                 blocks=tuple((r.key, r.n_cells, r.digest) for r in refs[:2]), kv=kv.shape.to_json(),
                 tokens=encode(kv.tokens[:16]))

@@ -4,8 +4,9 @@ reused (cache_n = m), with exactly the answer a fresh read gives (the top log-pr
 first token): with flash attention on (the default: V stored as rows), off (V stored transposed)
 and with quantized K/V (rows rotated, n_rot). The whole save assembled is reused as the engine's
 own file is, with its answer (not a fresh read's: the KV of tokens the engine generated differs
-a little from the same tokens read as a prompt). The sliding-window model's save is not cut, and
-says why."""
+a little from the same tokens read as a prompt). The sliding-window model's save is cut into the
+blocks of its full-attention layers and its window's tail (issue 47): assembled whole, it is the
+engine's own file, and reused as that one is."""
 
 import io
 
@@ -14,7 +15,7 @@ import pytest
 from autosessd.store import blocks as B
 from autosessd.store.blocks import BlockStore
 from autosessd.store.cutting import assemble, split
-from autosessd.store.kvfile import NotSliceable, parse
+from autosessd.store.kvfile import WINDOW, parse
 from autosessd.store.slotfile import encode
 from harness import chat_body, going_on, long_text
 
@@ -40,14 +41,13 @@ def test_the_first_blocks_of_a_save_restore_as_a_fresh_read_does(engines, sessio
     a = chat_body(long_text(20) + "\nWhich box holds the most marbles?")  # ~340 tokens
     first = eng.post("/v1/chat/completions", a)
     eng.post("/slots/0?action=save", {"filename": "a.bin"})
-    if model.swa:
-        with pytest.raises(NotSliceable, match="more than one KV cache"):
-            parse(session_dir / "a.bin")
-        return
     kv = parse(session_dir / "a.bin")
+    if model.swa:
+        whole_save_with_its_tail(eng, kv, session_dir, tmp_path, a, first)
+        return
     assert kv.n_cells >= 300 and kv.shape.v_trans == v_trans
     store = BlockStore(tmp_path / "home")
-    refs, written = split(store, kv, session_dir / "a.bin", "kv8b")
+    refs, _, written = split(store, kv, session_dir / "a.bin", "kv8b")
     assert len(refs) == (kv.n_cells + 127) // 128
     m = 256  # two whole blocks: reads only those
     buf = io.BytesIO()
@@ -74,3 +74,17 @@ def test_the_first_blocks_of_a_save_restore_as_a_fresh_read_does(engines, sessio
         r = ask(eng, nxt)
         reused[name] = (r["timings"]["cache_n"], top(r))
     assert reused["all.bin"] == reused["a.bin"] and reused["a.bin"][0] > m, reused
+
+
+def whole_save_with_its_tail(eng, kv, session_dir, tmp_path, body, first):
+    assert kv.shape.tail == WINDOW and kv.tail_bytes > 0
+    store = BlockStore(tmp_path / "home")
+    refs, tail, _ = split(store, kv, session_dir / "a.bin", "gemma3")
+    buf = io.BytesIO()
+    assemble(store, kv.shape, encode(kv.tokens), refs, kv.n_cells, buf, tail)
+    assert buf.getvalue() == (session_dir / "a.bin").read_bytes()  # one slot, one prompt: cells in position order
+    (session_dir / "all.bin").write_bytes(buf.getvalue())
+    eng.post("/slots/0?action=erase", {})
+    assert eng.post("/slots/0?action=restore", {"filename": "all.bin"})["n_restored"] == len(kv.tokens)
+    r = eng.post("/v1/chat/completions", {**going_on(body, first), "max_tokens": 1, "temperature": 0})
+    assert r["timings"]["cache_n"] >= kv.n_cells - 1, r["timings"]

@@ -1,9 +1,10 @@
 """Crash safety of the block store (issue 39): SIGKILL at random points of a save's split, its
 blocks' writes and its manifest, of prune, forget and of assemblies, then the next start's
 cleanup, then what a later restore relies on: no temporary left, no torn block, no manifest
-naming a missing or damaged block, and every conversation assembled from its blocks holds,
+naming a missing or damaged block or tail, and every conversation assembled from its blocks holds,
 position for position, the KV the engine wrote for its tokens (the test's engine writes each
-cell's bytes as a function of its position and token alone: kv_common.slot_file).
+cell's bytes as a function of its position and token alone: kv_common.slot_file), and a two-part
+save (a window model's, a hybrid's: issue 47) comes back as the very file the engine wrote.
 
 As test_crash.py's fast loop: a forked child runs the daemon's own save path (Saver.save through
 Store.finalize, with staging apart from the store, as on tmpfs) against an engine stub that
@@ -26,18 +27,25 @@ from autosessd.engines.base import RestoreResult, SaveResult, SlotState
 from autosessd.sessions.facade import Sessions
 from autosessd.sessions.policy import Held
 from autosessd.store import blocks as B
-from autosessd.store.blocks import BlockRef, BlockStore
+from autosessd.store.blocks import BlockRef, BlockStore, TailRef
 from autosessd.store.cutting import BlockReader, assemble
 from autosessd.store.directory import AUTO_BIN, TEMP_PREFIX, Store
 from autosessd.store.kvfile import Shape, parse as parse_kv
-from kv_common import slot_file
+from kv_common import slot_file, two_part_file
 
 BLOCK = 8
 
 
 def tokens_of(key: str, n: int) -> list[int]:
-    """Conversation `key`'s first n tokens: the three share their first 24 (a system prompt)."""
+    """Conversation `key`'s first n tokens: the four share their first 24 (a system prompt)."""
     return list(range(7000, 7024)) + [int(key, 16) * 1000 + i for i in range(n - 24)]
+
+
+def file_of(tokens: list[int]) -> bytes:
+    """What the engine writes for them: conversations 1 and 2 as a plain model's file, 3 as a
+    sliding-window model's (a tail of its window's cells), 4 as a hybrid's (a recurrent tail)."""
+    kind = {3: "window", 4: "recurrent"}.get(tokens[24] // 1000 if len(tokens) > 24 else 0)
+    return two_part_file(tokens, kind)[0] if kind else slot_file(tokens)
 
 
 class SlowKVEngine:
@@ -50,7 +58,7 @@ class SlowKVEngine:
         self.held: list[int] = []
 
     async def save(self, slot, name):
-        data = slot_file(self.held)
+        data = file_of(self.held)
         with open(self.dir / name, "wb") as f:
             for i in range(0, len(data), 512):
                 f.write(data[i:i + 512])
@@ -92,7 +100,7 @@ def child(home: Path, staging: Path, state: Path, seed: int) -> None:
 
     async def loop():
         while True:
-            key = f"{rng.randrange(1, 4):016x}"
+            key = f"{rng.randrange(1, 5):016x}"
             r = rng.random()
             if r < 0.1:
                 await s.forget(key)
@@ -136,14 +144,17 @@ def check(home: Path, staging: Path) -> int:
             rd.read(rd.size)
             rd.finish()
         buf = io.BytesIO()
-        assemble(store.blocks, shape, meta.tokens, refs, meta.n_cells, buf)
+        assemble(store.blocks, shape, meta.tokens, refs, meta.n_cells, buf, TailRef(*meta.tail) if meta.tail else None)
         out = staging / "check.bin"
         out.write_bytes(buf.getvalue())
         kv = parse_kv(out)
-        want = parse_kv_bytes(slot_file(list(kv.tokens)), staging)
+        engines = file_of(list(kv.tokens))
+        if meta.tail:  # the file as the engine wrote it, byte for byte (its cells were in position order)
+            assert buf.getvalue() == engines, name
+        want = parse_kv_bytes(engines, staging)
         got = np.frombuffer(out.read_bytes(), dtype=np.uint8)
-        assert kv.n_cells == want.n_cells and kv.tokens == want.tokens
-        exp = np.frombuffer(slot_file(list(kv.tokens)), dtype=np.uint8)
+        assert kv.n_cells == want.n_cells and kv.tokens == want.tokens and kv.shape == want.shape
+        exp = np.frombuffer(engines, dtype=np.uint8)
         for x, a, b in zip(kv.shape.layers, kv.k_at, want.k_at):  # K by position (both in position order)
             assert np.array_equal(got[a:a + kv.n_cells * x.k_row], exp[b:b + kv.n_cells * x.k_row]), name
         for x, a, b in zip(kv.shape.layers, kv.v_at, want.v_at):  # and V
@@ -169,7 +180,7 @@ def test_sigkill_at_random_points_never_leaves_a_torn_block_or_a_manifest_withou
     B.BLOCK_TOKENS, old = BLOCK, B.BLOCK_TOKENS
     try:
         rng = random.Random(4321)
-        i, inside, manifests = 0, 0, 0
+        i, inside, manifests, tails = 0, 0, 0, 0
         while i < 100 or (inside <= 15 and i < 600):
             i += 1
             pid = os.fork()
@@ -185,7 +196,8 @@ def test_sigkill_at_random_points_never_leaves_a_torn_block_or_a_manifest_withou
                 any(p.name.startswith(".") for p in (home / B.DIR).rglob("*.partial"))
             store_of(home, staging).cleanup()  # what the next start does
             manifests = max(manifests, check(home, staging))
+        tails = max(tails, sum(1 for n in os.listdir(home) if n.endswith(".json") and b'"tail"' in (home / n).read_bytes()))
         assert inside > 15, f"{inside} of {i} kills landed inside a save"
-        assert manifests >= 1
+        assert manifests >= 1 and tails >= 1
     finally:
         B.BLOCK_TOKENS = old

@@ -46,10 +46,11 @@ def control(d, cmd, **args):
 
 @pytest.mark.engine
 def test_a_file_cut_short_ends_in_a_re_read_never_an_engine_abort(engines, session_dir, tmp_path):
-    """19.2: A saved, then its file loses its last byte (a disk, a copy gone wrong). A's return
-    re-reads its prompt, the engine's process lives on, and the file is moved aside."""
+    """19.2: A saved whole (blocks off: a file kept as blocks has its blocks to fall back on), then
+    its file loses its last byte (a disk, a copy gone wrong). A's return re-reads its prompt, the
+    engine's process lives on, and the file is moved aside."""
     eng = engines(session_dir)
-    d = Daemon(tmp_path, session_dir, eng.url).start()
+    d = Daemon(tmp_path, session_dir, eng.url, extra_toml="store_blocks = false").start()
     try:
         first = post(d.gate_url, A)
         post(d.gate_url, B)
