@@ -76,7 +76,8 @@ def _one(run: Run, path: str, swa_full: bool, with_autosessd: bool) -> dict[str,
     out = {"first": _row(first), "return": _row(ret), "retry": _row(retry), "restart": _row(restart)}
     if d is not None:
         c = ctl(d["socket"], "status")["counters"]
-        out["counters"] = {k: c[k] for k in ("rewinds", "rewinds_reread", "restores_reused", "restores_not_reused")}
+        out["counters"] = {k: c[k] for k in ("rewinds", "rewinds_reread", "restores_reused", "restores_not_reused",
+                                             "ms_rewound", "tails_saved", "tail_bytes_saved")}
     run.stop(eng2["proc"])
     if d is not None:
         run.stop(d["proc"])

@@ -146,6 +146,9 @@ class Counters:
     rewinds: int = _counter("rewinds_total",
                             "Slots taken back to one token before their last prompt's end before a save (a model "
                             "with recurrent layers or a window: the state its next request, or a retry, reuses)")
+    ms_rewound: float = _counter("rewind_seconds_total",
+                                 "Time those rewinds took (the engine's read of the last tokens, and the look after it)",
+                                 0.0, 0.001)
     rewinds_reread: int = _counter("rewinds_reread_total",
                                    "Of those, rewinds for which the engine read the prompt again (it had no context "
                                    "checkpoint near the prompt's end)")

@@ -149,10 +149,10 @@ class Restorer:
             info.update(assembled_bytes=staged.bytes_read, assemble_ms=round(staged.ms, 2))
             ctx.counters.assemblies += 1
             ctx.counters.bytes_assembled += staged.bytes_read
-        if staged is not None and staged.tail:
-            ctx.counters.tail_restores += 1
             if staged.n_tokens is not None and tokens is not None:
                 tokens = tokens[:4 * staged.n_tokens]  # the slot holds only the first n_tokens of the file
+        if staged is not None and staged.tail:
+            ctx.counters.tail_restores += 1
         ctx.events.emit_soon("restored", slot=s.id, **info)
         if not s.at_rest():
             # A request the log showed starting meanwhile (the tail): the engine ran the

@@ -101,6 +101,7 @@ class Rewinder:
         s.task_id = st.task_id if st is not None and not st.is_processing else TASK_UNSEEN
         ctx.counters.rewinds += 1
         ms = (time.monotonic() - t0) * 1000
+        ctx.counters.ms_rewound += ms
         if pre.cache_n == 0 and n > 8:  # no checkpoint: the engine read the prompt from its start
             ctx.counters.rewinds_reread += 1
             level = logging.DEBUG if self._said_reread else logging.WARNING

@@ -368,7 +368,7 @@ class Store(Saving, Integrity, Space):
                 if meta is not None and meta.key == key and meta.in_blocks:
                     self._named(key, meta)
                     self._saw(meta)
-                    missing = [b[0] for b in meta.blocks if b[0] not in blocks_there]
+                    missing = [k for k in meta.block_keys if k not in blocks_there]
                     if missing:
                         damaged.append((key, missing[0]))
                 elif auto_name(key) not in names:

@@ -232,8 +232,9 @@ def _parse(mm: memoryview, size: int, max_tokens: int | None) -> KVFile:
 
 def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -> str:
     """What the rest of a file from `at` is, after a first cache of n_cells cells at positions
-    0 … n_cells−1: WINDOW (a second KV cache's state to the file's end, every cell of one
-    sequence at one of those positions, the last among them) or RECURRENT (the state of one
+    0 … n_cells−1: WINDOW (a second KV cache's state to the file's end, fewer cells than the
+    first, every one of one sequence at one of those positions, the last among them: read on
+    its own, whatever order the first's cells come back in) or RECURRENT (the state of one
     recurrent cell at the last of them, as llama_memory_recurrent::state_write writes a
     sequence's: u32 1, i32 pos, u32 0 seq ids, u32 s_trans, u32 n_layer, then its rows, read no
     further: their layout differs by architecture). NotSliceable for anything else."""
@@ -243,7 +244,7 @@ def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -
         count, pos, n_seq, s_trans, n_layer = struct.unpack_from("<IiIII", mm, at)
         if count == 1 and pos == n_cells - 1 and n_seq == 0 and s_trans <= 1 and 0 < n_layer <= 4096:
             return RECURRENT
-    if _u32(mm, at) != n_stream:
+    if at + 4 > size or _u32(mm, at) != n_stream:
         raise other
     p = at + 4
     for s in range(n_stream):
@@ -255,7 +256,10 @@ def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -
             break
     else:
         raise other
-    if n > n_cells:
+    if n >= n_cells:
+        # Not a window: a second cache of every cell (a cache mirroring the first cell for cell, as
+        # some models' indexers do, is read into the first's cells: cutting would reorder them
+        # under it). A window model's conversation no longer than its window stays whole too.
         raise other
     for cell_bytes in (12, 24):
         try:

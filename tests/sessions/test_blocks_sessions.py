@@ -101,6 +101,22 @@ async def test_a_conversation_sharing_a_prompt_reads_only_the_shared_blocks(tmp_
     assert not (s.store.staging / staged.name).exists()
 
 
+async def test_a_restore_of_a_files_first_tokens_says_the_slot_holds_those_only(tmp_path):
+    """A request sharing A's first 40 tokens (the token rule's pick) restores an assembly of those:
+    the slot is recorded with exactly those 40 tokens, not the file's 100 (a later turn judges
+    what it shares with the slot by them)."""
+    s = make(tmp_path, hot_budget=0)
+    await s.prepare()
+    await request(s, A, conv(A, 100))
+    await request(s, B2, conv(B2, 30))
+    s.store.trim_hot()
+    sl = s.slot(0)
+    ok = await s.restorer.restore(sl, A, None, expect=40, tokens=slotfile.encode(conv(A, 100)),
+                                  decided=s.ctx.facts.generation)
+    assert ok and s.engine.held[0] == conv(A, 40)
+    assert sl.view.tokens == slotfile.encode(conv(A, 40)) and sl.view.n_tokens == 40
+
+
 async def test_conversations_sharing_a_system_prompt_store_it_once(tmp_path):
     """Eight conversations whose first 64 tokens are one system prompt, then their own 36: the
     store holds the prompt's blocks once (≤ 1.2 × the unique tokens' bytes)."""

@@ -98,6 +98,23 @@ def test_a_window_whose_cells_are_not_the_files_last_is_not_a_tail(tmp_path):
     assert parse(write(tmp_path, "b.bin", slot_file(tokens) + recurrent_tail(tokens))).shape.tail == RECURRENT
 
 
+def test_a_second_cache_of_every_cell_is_not_a_tail(tmp_path):
+    """A cache holding every cell of the first (an indexer's mirror, read into the first's very
+    cells; a window conversation no longer than its window): cutting would reorder the first's
+    cells under it, so the file stays whole."""
+    tokens = list(range(30))
+    with pytest.raises(NotSliceable, match="neither a window") as e:
+        parse(write(tmp_path, "a.bin", slot_file(tokens, order=list(range(10, 30)) + list(range(10)))
+                    + window_tail(tokens, 30)))
+    assert e.value.whole
+
+
+@pytest.mark.parametrize("stray", [1, 2, 3, 5])
+def test_a_few_stray_bytes_after_the_cache_keep_the_file_whole(tmp_path, stray):
+    with pytest.raises(NotSliceable):
+        parse(write(tmp_path, "a.bin", slot_file(list(range(30))) + b"\1" * stray))
+
+
 # -- in the store --------------------------------------------------------------------------------
 def save(store, key, data, n_tokens):
     temp = store.temp_path(key)
@@ -184,3 +201,14 @@ def test_a_window_models_file_an_earlier_version_kept_whole_is_cut_now(store):
     assert store.import_whole("00000000000000e6") is None and not store.read_meta("00000000000000e6").in_blocks
     staged = store.stage("auto-00000000000000e5.bin")
     assert (store.hot.dir / staged.name).read_bytes() == data
+
+
+def test_a_manifest_whose_tail_is_missing_goes_at_the_start(store, tmp_path):
+    """A tail lost while autosessd was down (a person, a disk): the next start removes the
+    manifest (nothing of it is restorable without its tail), not only the first restore."""
+    tokens = list(range(7000, 7060))
+    meta = save(store, "00000000000000f7", two_part_file(tokens, "recurrent")[0], 60)
+    store.blocks.path(meta.tail[0]).unlink()
+    again = Store(store.path, staging=store.staging, hot_budget=0)
+    removed = again.cleanup()
+    assert again.read_meta("00000000000000f7") is None and removed
