@@ -12,6 +12,7 @@ autosessd, and misbehaves when asked to:
     --fault hang-restore / 500-restore / die-restore   the same for restore
     --fault slow-save=SECONDS   write the file slowly (for crash tests)
     --fault ignore-sigterm  SIGTERM does nothing (only SIGKILL stops it)
+    --fault eof-s=SECONDS   a streamed chat's response ends that long after its [DONE]
 
 A chat answer echoes the request (answer_for): a digest of its messages and the start of
 its last user message. Faults apply to session files, not to autosessd's start probe. State
@@ -170,11 +171,25 @@ class Fake:
         self.last_prompt = text
         # Its own time on the request (llama-server reports prompt_ms + predicted_ms; under a
         # name of its own here, so that nothing takes it for a prompt rate).
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5}
+        timings = {"prompt_n": n_prompt - cached, "cache_n": cached, "predicted_n": 5,
+                   "fake_ms": (time.monotonic() - t0) * 1000}
+        if body.get("stream"):
+            # As llama-server streams: the content, a last chunk with the finish reason, usage and
+            # timings, then [DONE]. eof-s: the end of the response comes that much later (what a
+            # client that closes at [DONE] races against).
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(("data: " + json.dumps({"choices": [{"index": 0, "delta": {
+                "content": answer_for(body)}, "finish_reason": None}]}) + "\n\n").encode())
+            await resp.write(("data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                                                     "usage": usage, "timings": timings}) + "\n\n").encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(float(self.params.get("eof-s", 0)))
+            return resp
         return web.json_response({
             "choices": [{"message": {"role": "assistant", "content": answer_for(body)}}],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": 5, "total_tokens": n_prompt + 5},
-            "timings": {"prompt_n": n_prompt - cached, "cache_n": cached, "predicted_n": 5,
-                        "fake_ms": (time.monotonic() - t0) * 1000},
+            "usage": usage, "timings": timings,
         })
 
     async def stream(self, request: web.Request) -> web.StreamResponse:

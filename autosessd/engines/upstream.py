@@ -61,6 +61,9 @@ class SSEWatcher:
         self.broken = False  # the engine broke off the response
         self.reached = False  # the engine answered (a status line came back)
         self.status: int | None = None  # its status (the client may have had the gate's 200 already)
+        # The engine's stream said it was over ([DONE], a last chunk with "stop": true, a Responses
+        # stream's response.completed): the client has the whole answer, even if it hangs up now.
+        self.finished = False
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -68,13 +71,18 @@ class SSEWatcher:
         if len(self._buf) > 1 << 20:  # a line this long carries nothing we read
             self._buf = b""
         for line in lines:
-            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line):
+            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line or b'"stop"' in line
+                                              or b"response.completed" in line):
                 with contextlib.suppress(ValueError):
                     self.take(json.loads(line[5:]))
+            elif line.rstrip() == b"data: [DONE]":
+                self.finished = True
 
     def take(self, d: Any) -> None:
         if not isinstance(d, dict):
             return
+        if d.get("stop") is True or d.get("type") == "response.completed":
+            self.finished = True
         if isinstance(d.get("timings"), dict):
             self.timings = d["timings"]
         for holder in (d, d.get("response"), d.get("message")):

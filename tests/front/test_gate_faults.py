@@ -296,3 +296,32 @@ def test_a_flood_of_connections_is_capped_timed_out_and_logged_once(fake, sessio
         for s in held:
             s.close()
         d.stop()
+
+
+def test_a_client_that_hangs_up_at_done_had_its_whole_answer(fake, session_dir, tmp_path):
+    """The OpenAI SDK closes a stream as soon as it reads `data: [DONE]`, before the response's
+    own end (shell-gpt, llm and others through it). Here the engine ends its response 1 s after
+    [DONE] (fault eof-s), so the hang-up always comes first: the request counts as ended with its
+    answer (its cache_n, what the slot holds), not as cancelled by the client."""
+    eng = fake("eof-s=1")
+    d = Daemon(tmp_path, session_dir, eng.url).start()
+    try:
+        host, port = d.gate_url[len("http://"):].split(":")
+        body = json.dumps({**A, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode()
+                      + b"Content-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            got = b""
+            while b"data: [DONE]" not in got:
+                chunk = c.recv(65536)
+                assert chunk, got
+                got += chunk
+        assert b'"timings"' in got  # the client had the whole answer, then hung up
+        wait_until(lambda: "ended ok" in d.logtext() or "went away" in d.logtext(), 30, what="the request's end")
+        assert "went away" not in d.logtext(), d.logtext()[-2000:]
+        slot = lambda: d.status()["slots"][0]  # noqa: E731
+        wait_until(lambda: slot()["state"] == "held" and slot()["held"] == conversation_key(A), 10,
+                   what="the slot held A")
+    finally:
+        d.stop()
