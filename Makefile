@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Material for MkDocs prints a banner about mkdocs 2 at every build; the docs extra stays below 2.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
 
-.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages smg-packages systemd-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
+.PHONY: demo test docs man engine s3-packages prometheus-packages haproxy-packages smg-packages systemd-packages client-packages bench bench-slots bench-models bench-gpu bench-gpu-carry soak llama-server-tests clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,10 +51,16 @@ smg-packages:
 systemd-packages:
 	@scripts/systemd-tool install || echo "make: the systemd-analyze test will be skipped (why: above)"
 
+# The client tests (tests/front/test_clients_real.py) run PyPI's llm and shell-gpt, each from a
+# virtual environment of its own under ~/.cache/autosessd (scripts/client-tool), installed once;
+# otherwise they are skipped and say why (AUTOSESSD_REQUIRE_CLIENTS=1: fail).
+client-packages:
+	@PYTHON=$(PYTHON) scripts/client-tool install || echo "make: the client tests will be skipped (why: above)"
+
 # AUTOSESSD_REQUIRE_ENGINE turns a missing engine into a failure instead of a skip.
 # First the layers (pyproject.toml's import-linter contracts) and the import graph's circles, then
 # the documentation site (make docs; not --quiet: it hides the warnings --strict counts).
-test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages smg-packages systemd-packages
+test: $(BIN)/.installed engine s3-packages prometheus-packages haproxy-packages smg-packages systemd-packages client-packages
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python scripts/import_cycles.py
 	$(MKDOCS) build --strict
