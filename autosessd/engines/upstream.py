@@ -102,6 +102,16 @@ class SSEWatcher:
         return cache_n, n_prompt, total
 
 
+    def ended_as(self, sent: int | None) -> str:
+        """How a forwarded request ended, for sessions: by the engine's status (with keepalives
+        the client had the gate's 200 already; `sent`: the status the gate answered)."""
+        code = self.status if self.status is not None else sent
+        if not self.reached or code is None:
+            return "not_run"  # the gate could not reach the engine: nothing ran
+        if 400 <= code < 500:
+            return "rejected"  # llama-server refuses a request (4xx) before it runs it
+        return "ok" if code < 400 and not self.broken else "error"
+
     def prefill(self) -> tuple[int | None, float | None]:
         """(prompt tokens read, in ms): timings.prompt_n and prompt_ms, the engine's prompt rate."""
         t = self.timings or {}

@@ -351,7 +351,7 @@ class Gate:
             if forwarded and watcher.finished:
                 # The client hung up once it had the whole answer (the OpenAI SDK closes a stream
                 # at its [DONE], before the response's own end): delivered, not cancelled.
-                self._spawn(self._after(s, ticket, key, watcher, self._ended_as(watcher, None), rid))
+                self._spawn(self._after(s, ticket, key, watcher, watcher.ended_as(None), rid))
                 raise
             # The client went away. The FIFO is released by _settle_cancelled, once the
             # engine has stopped working on this request.
@@ -362,20 +362,8 @@ class Gate:
             raise
         # Delivered. The bookkeeping runs to its end even if the client hangs up now (a
         # streaming client often closes right after the last chunk), and releases the FIFO.
-        await asyncio.shield(self._spawn(self._after(s, ticket, key, watcher, self._ended_as(watcher, resp.status),
-                                                     rid)))
+        await asyncio.shield(self._spawn(self._after(s, ticket, key, watcher, watcher.ended_as(resp.status), rid)))
         return resp
-
-    @staticmethod
-    def _ended_as(watcher: SSEWatcher, sent: int | None) -> str:
-        """How a forwarded request ended, for sessions: by the engine's status (with keepalives
-        the client had the gate's 200 already; `sent`: the status the gate answered)."""
-        code = watcher.status if watcher.status is not None else sent
-        if not watcher.reached or code is None:
-            return "not_run"  # the gate could not reach the engine: nothing ran
-        if 400 <= code < 500:
-            return "rejected"  # llama-server refuses a request (4xx) before it runs it
-        return "ok" if code < 400 and not watcher.broken else "error"
 
     @staticmethod
     def _decorator(s: Sessions, result: TurnResult, slot: int, host: str | None) -> Any:
