@@ -180,3 +180,16 @@ def test_sighup_reloads_and_keeps_the_old_config_when_the_new_one_is_bad(tmp_pat
         d.stop()
         eng.stop()
 
+
+
+@pytest.mark.parametrize("unit", ["autosessd.service", "autosessd-exec.service"])
+def test_the_start_outlasts_the_engines_model_load(unit):
+    """autosessd says READY only once the engine has loaded its model (engine.timeout_s, 120 s by
+    default); systemd's own default start timeout is 90 s, after which it would kill autosessd
+    mid-wait, and again at each restart, for a model that loads slower than that."""
+    from autosessd.base.config import Config
+
+    line = next((x for x in unit_lines(unit) if x.startswith("TimeoutStartSec=")), None)
+    assert line is not None, f"{unit} leaves the start to systemd's default 90 s"
+    value = line.split("=", 1)[1]
+    assert value == "infinity" or (value.endswith("min") and int(value[:-3]) * 60 > Config().engine.timeout_s)
