@@ -77,7 +77,7 @@ def test_llm_conversations_return_restored(gate, tmp_path, model):
     cids: dict[str, str] = {}
 
     def ask(conv: str, text: str, new: bool = False) -> None:
-        cmd = [exe, "-m", "local", "-o", "temperature", "0", "-o", "max_tokens", "24", "--no-stream"]
+        cmd = [exe, "-m", "local", "-o", "temperature", "0", "-o", "max_tokens", "24"]  # streamed, as by default
         if not new:
             cmd += ["--cid", cids[conv]]
         out = run(cmd + [text], env, tmp_path)
