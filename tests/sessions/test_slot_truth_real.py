@@ -188,7 +188,8 @@ def test_a_manual_restore_then_a_switch_writes_only_owned_names(engines, session
         ctl(d, "restore", "mine")
         post(d.gate_url, C)
         names = sorted(p.name for p in session_dir.iterdir())
-        owned = [n for n in names if n != "mine.bin"]
+        owned = [n for n in names if n not in ("mine.bin", "blocks")]  # blocks/: the store's own
+        assert "blocks" not in names or (session_dir / "blocks").is_dir()
         assert all(re.fullmatch(r"auto-[0-9a-f]{16}\.(bin|json)", n) for n in owned), names
         assert f"auto-{KA}.bin" in names  # A was saved before the restore replaced it
         assert_every_file_holds_its_own_conversation(eng, session_dir)
