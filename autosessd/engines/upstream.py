@@ -71,8 +71,10 @@ class SSEWatcher:
         if len(self._buf) > 1 << 20:  # a line this long carries nothing we read
             self._buf = b""
         for line in lines:
-            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line or b'"stop"' in line
-                                              or b"response.completed" in line):
+            # Parsed only where it says something read here (not every chunk: /completion's each
+            # carry "stop":false, and a chunk's parse would cost every token its microseconds).
+            if line.startswith(b"data:") and (b'"timings"' in line or b'"usage"' in line or b'"stop":true' in line
+                                              or b'"stop": true' in line or b"response.completed" in line):
                 with contextlib.suppress(ValueError):
                     self.take(json.loads(line[5:]))
             elif line.rstrip() == b"data: [DONE]":

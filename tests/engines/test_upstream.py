@@ -151,3 +151,28 @@ async def test_a_connection_the_engine_closed_is_retried_once_on_a_fresh_pool():
     finally:
         await pool.close()
         server.close()
+
+
+@pytest.mark.parametrize("stream, done_at", [
+    # OpenAI chat: [DONE] after the last chunk (finish_reason, usage, timings)
+    ([b'data: {"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}',
+      b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"cache_n":7,"prompt_n":3}}',
+      b"data: [DONE]"], 2),
+    # llama-server's /completion: every chunk says "stop", the last one true, with its timings
+    ([b'data: {"content":"Hi","stop":false}', b'data: {"content":"","stop":true,"timings":{"cache_n":7,"prompt_n":3}}'],
+     1),
+    # the Responses API: its response.completed event
+    ([b'event: response.output_text.delta', b'data: {"type":"response.output_text.delta","delta":"Hi"}',
+      b"event: response.completed",
+      b'data: {"type":"response.completed","response":{"usage":{"input_tokens":10,"output_tokens":1}}}'], 3),
+])
+def test_the_watcher_knows_when_the_engines_stream_is_over(stream, done_at):
+    """What lets the gate count a client that hangs up right after the end of the engine's
+    stream as served (the OpenAI SDK closes at [DONE]): over at the stream's last event, not
+    before; a chunk is parsed only where it says something the watcher reads."""
+    from autosessd.engines.upstream import SSEWatcher
+
+    w = SSEWatcher()
+    for i, line in enumerate(stream):
+        w.feed(line + b"\n\n")
+        assert w.finished is (i >= done_at), (i, line)
