@@ -161,6 +161,9 @@ def test_another_uid_is_refused(engines, session_dir, tmp_path):
         assert ctl(d, "status").returncode == 0  # and the owner is still served
     finally:
         d.stop()
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)  # outside pytest's tmp: nothing left in /tmp
 
 
 def as_other_uid(path) -> str:
