@@ -212,14 +212,16 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str, keys: Sequence[
 def _put_tail(store: BlockStore, kv: KVFile, mm: np.ndarray, size: int, model: str) -> tuple[TailRef, int]:
     """The file's tail stored as a block of its own (unless it is there): → (its reference,
     pinned; bytes written)."""
+    def pieces() -> Iterator[memoryview]:
+        return (mm[at:min(at + files.CHUNK, size)].data for at in range(kv.tail_at, size, files.CHUNK))
+
     h = Hasher()
-    for at in range(kv.tail_at, size, files.CHUNK):
-        h.update(mm[at:min(at + files.CHUNK, size)].data)
+    for piece in pieces():
+        h.update(piece)
     key = tail_key(model, kv.shape, h.hexdigest())
     held = store.pin([key])
     try:
-        digest, written = store.put(key, 0, 0, (mm[at:min(at + files.CHUNK, size)].data
-                                                for at in range(kv.tail_at, size, files.CHUNK)))
+        digest, written = store.put(key, 0, 0, pieces())
     except BaseException:
         store.unpin(held)
         raise
