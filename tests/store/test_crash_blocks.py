@@ -181,7 +181,7 @@ def test_sigkill_at_random_points_never_leaves_a_torn_block_or_a_manifest_withou
     try:
         rng = random.Random(4321)
         i, inside, manifests, tails = 0, 0, 0, 0
-        while i < 100 or (inside <= 15 and i < 600):
+        while i < 60 or (inside <= 12 and i < 600):
             i += 1
             pid = os.fork()
             if pid == 0:
@@ -196,8 +196,11 @@ def test_sigkill_at_random_points_never_leaves_a_torn_block_or_a_manifest_withou
                 any(p.name.startswith(".") for p in (home / B.DIR).rglob("*.partial"))
             store_of(home, staging).cleanup()  # what the next start does
             manifests = max(manifests, check(home, staging))
-        tails = max(tails, sum(1 for n in os.listdir(home) if n.endswith(".json") and b'"tail"' in (home / n).read_bytes()))
-        assert inside > 15, f"{inside} of {i} kills landed inside a save"
+            # Two-part conversations were among those checked after some kill (not only at the
+            # last one, which may have found none: a forget, a prune).
+            tails = max(tails, sum(1 for n in os.listdir(home)
+                                   if n.endswith(".json") and b'"tail"' in (home / n).read_bytes()))
+        assert inside > 12, f"{inside} of {i} kills landed inside a save"
         assert manifests >= 1 and tails >= 1
     finally:
         B.BLOCK_TOKENS = old
