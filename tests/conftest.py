@@ -118,3 +118,19 @@ def s3_bucket(s3_gateway):
     name = s3_gateway.new_bucket()
     yield name
     s3_gateway.empty(name)
+
+
+@pytest.fixture(autouse=True)
+def no_real_state_dir(monkeypatch):
+    """Tests never write the real state directory (/var/lib/autosessd as root, else
+    ~/.local/state/autosessd): a configuration without state_dir is a test's mistake."""
+    from autosessd.base import config
+
+    real = config.Config.effective_state_dir
+
+    def guarded(self):
+        if not self.state_dir:
+            raise AssertionError("a test's configuration has no state_dir: it would write the real state directory")
+        return real(self)
+
+    monkeypatch.setattr(config.Config, "effective_state_dir", guarded)

@@ -198,7 +198,7 @@ async def test_stale_socket_is_replaced(tmp_path, session_dir):
     s = so.socket(so.AF_UNIX)
     s.bind(str(path))
     s.close()  # the file stays, nobody listens: a crashed daemon's socket
-    cfg = parse(f'slot_save_path = "{session_dir}"\n[control]\nsocket = "{path}"\n'.encode())
+    cfg = parse(f'slot_save_path = "{session_dir}"\nstate_dir = "{session_dir}-state"\n[control]\nsocket = "{path}"\n'.encode())
     srv = ControlServer(cfg, Sessions(cfg, StubEngine(session_dir), Store(session_dir), "m"))
     await srv.start()
     try:

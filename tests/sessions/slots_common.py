@@ -18,7 +18,8 @@ def conv(key, n):
 
 def make(tmp_path, n_slots=2, min_tokens=10, probed=False, **kw):
     """probed: the start's probe saw the engine empty idle slots (otherwise it is noticed)."""
-    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'.encode())
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'
+                f'state_dir = "{tmp_path}-state"\n'.encode())
     engine = StubEngine(tmp_path, n_slots=n_slots, **kw)
     s = Sessions(cfg, engine, Store(tmp_path), "stub-model", n_slots=n_slots, empties_idle_slots=probed)
     return s

@@ -185,7 +185,7 @@ async def test_two_models_read_their_facts_at_once_each_with_its_own_probe(tmp_p
             await asyncio.sleep(0.01)
             return SaveResult(len(self.held[slot]), len(data), 1.0)
 
-    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = 10\n'.encode())
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = 10\nstate_dir = "{tmp_path}-state"\n'.encode())
     both = [Sessions(cfg, Slow(tmp_path, model=m), Store(tmp_path), m) for m in ("m1", "m2")]
     for s in both:
         await s.engine_restarted("test: the router restarted")

@@ -27,7 +27,8 @@ def conv(key, n):
 
 
 def make(tmp_path, min_tokens=10, **kw):
-    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'.encode())
+    cfg = parse(f'slot_save_path = "{tmp_path}"\nauto_sessions_min_tokens = {min_tokens}\n'
+                f'state_dir = "{tmp_path}-state"\n'.encode())
     return Sessions(cfg, StubEngine(tmp_path, **kw), Store(tmp_path), "stub-model")
 
 
