@@ -49,13 +49,16 @@ def test_systemd_units_verify(tmp_path):
 def test_autosessd_unit_has_what_the_daemon_relies_on():
     text = (UNITS / "autosessd.service").read_text()
     for line in ("Type=notify", "After=llama-server.service", "BindsTo=llama-server.service",
-                 "StateDirectory=autosessd", "RuntimeDirectory=autosessd", "ReadWritePaths=/var/lib/llm-sessions",
+                 "StateDirectory=autosessd llm-sessions", "RuntimeDirectory=autosessd", "DevicePolicy=closed",
                  "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "TimeoutStopSec=15min", "WatchdogSec=",
                  "ExecReload=/bin/kill -HUP $MAINPID"):
         assert line in text, line
-    assert "--slot-save-path /var/lib/llm-sessions" in (UNITS / "llama-server.service").read_text()
-    assert "-np 1" in (UNITS / "llama-server.service").read_text()
+    engine = (UNITS / "llama-server.service").read_text()
+    # Staging on tmpfs, shared with the engine: made at its start; not a /dev/shm of autosessd's own.
+    assert "--slot-save-path /dev/shm/llm-sessions" in engine and "-np 1" in engine
+    assert "ExecStartPre=/usr/bin/install -d -m 700 /dev/shm/llm-sessions" in engine
+    assert "\nPrivateDevices=yes" not in text
     # Both write files that hold conversations.
     assert "UMask=0077" in text and "UMask=0077" in (UNITS / "llama-server.service").read_text()
 
@@ -103,11 +106,11 @@ def test_the_engine_unit_writes_the_log_autosessd_is_told_to_follow():
     engine_unit = (UNITS / "llama-server.service").read_text()
     path = re.search(r"--log-file (\S+)", engine_unit).group(1)
     assert path.startswith("/var/log/llama-server/") and "LogsDirectory=llama-server" in engine_unit
-    assert "--slot-save-path /var/lib/llm-sessions" in engine_unit
+    assert "--slot-save-path /dev/shm/llm-sessions" in engine_unit
     ours = (UNITS / "autosessd.service").read_text()
     assert f'[engine] log = "{path}"' in ours
     assert "After=llama-server.service" in ours and "WantedBy=multi-user.target llama-server.service" in ours
-    assert parse(f'slot_save_path = "/var/lib/llm-sessions"\n[engine]\nlog = "{path}"\n'.encode()).engine.log == path
+    assert parse(f'slot_save_path = "/dev/shm/llm-sessions"\n[engine]\nlog = "{path}"\n'.encode()).engine.log == path
     with open(AGENTS / "org.autosessd.llama-server.plist", "rb") as f:
         args = plistlib.load(f)["ProgramArguments"]
     agent_log = args[args.index("--log-file") + 1]

@@ -2,7 +2,7 @@
 configuration the page gives, and autosessctl reaches the service's socket as the page says.
 
 What the tests change in a unit's command line is only what this machine must: the paths under
-/etc, /run and /var go under a temporary directory, the programs are this checkout's autosessd
+/etc, /run and /var go under a temporary directory, those under /dev/shm under one in /dev/shm, the programs are this checkout's autosessd
 and the engine tests/ builds, the model is the test model, the ports free ones. Everything else
 (every flag, the configuration docs/service.md has people write) is as written."""
 
@@ -33,10 +33,11 @@ def unit_lines(name: str) -> list[str]:
     return (UNITS / name).read_text().replace("\\\n", " ").splitlines()
 
 
-def exec_start(unit: str) -> list[str]:
-    """The unit's ExecStart= command line, split as systemd splits it (shell-like quoting)."""
-    [line] = [x for x in unit_lines(unit) if x.startswith("ExecStart=")]
-    return shlex.split(line.removeprefix("ExecStart="))
+def exec_start(unit: str, key: str = "ExecStart") -> list[str]:
+    """The unit's ExecStart= (or ExecStartPre=) command line, split as systemd splits it
+    (shell-like quoting)."""
+    [line] = [x for x in unit_lines(unit) if x.startswith(key + "=")]
+    return shlex.split(line.removeprefix(key + "="))
 
 
 def documented_config() -> str:
@@ -55,12 +56,15 @@ class Machine:
     def __init__(self, group: grp.struct_group):
         self.root = Path(tempfile.mkdtemp(prefix="autosessd-unit-"))
         os.chmod(self.root, 0o755)
+        self.shm = Path(tempfile.mkdtemp(prefix="autosessd-unit-", dir="/dev/shm"))  # tmpfs, as /dev/shm is
         self.group = group  # the unit's Group= (llm on a real machine)
         bin_dir = Path(sys.executable).parent
         self.autosessd = [str(bin_dir / "autosessd")] if (bin_dir / "autosessd").exists() else \
             [sys.executable, "-m", "autosessd"]
 
     def path(self, absolute: str) -> Path:
+        if absolute.startswith("/dev/shm/"):
+            return self.shm / absolute.removeprefix("/dev/shm/")
         return self.root / absolute.lstrip("/")
 
     def directories(self, unit: str) -> None:
@@ -91,8 +95,10 @@ class Machine:
                 out += programs[w]
             elif i and words[i - 1] == "--port":
                 out.append(str(port))
-            elif w.startswith(("/etc/", "/run/", "/var/")):
+            elif w.startswith(("/etc/", "/run/", "/var/", "/dev/shm/")):
                 out.append(str(self.path(w)))
+            elif i == 0 and w.startswith("/usr/bin/"):  # a system program (ExecStartPre's install)
+                out.append(w)
             else:
                 assert not w.startswith("/"), f"a path the test does not know how to place: {w}"
                 out.append(w)
@@ -102,9 +108,10 @@ class Machine:
         """docs/service.md's configuration at the unit's --config path, its paths under the root,
         its gate on a free port, its control.group the unit's Group=."""
         text = documented_config()
-        for mine in ('slot_save_path = "/var/lib/llm-sessions"', 'listen = "127.0.0.1:8081"', 'group = "llm"'):
+        for mine in ('slot_save_path = "/dev/shm/llm-sessions"', 'store_path = "/var/lib/llm-sessions"',
+                     'listen = "127.0.0.1:8081"', 'group = "llm"'):
             assert mine in text, f"docs/service.md's configuration no longer has {mine}"
-        text = (text.replace('"/var/lib/', f'"{self.root}/var/lib/')
+        text = (text.replace('"/var/lib/', f'"{self.root}/var/lib/').replace('"/dev/shm/', f'"{self.shm}/')
                 .replace("127.0.0.1:8081", f"127.0.0.1:{gate_port}")
                 .replace('group = "llm"', f'group = "{self.group.gr_name}"'))
         conf = self.path("/etc/autosessd/autosessd.toml")
@@ -119,6 +126,7 @@ class Machine:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def unit_group() -> grp.struct_group:
@@ -207,6 +215,7 @@ def test_the_pair_runs_as_written_and_autosessctl_finds_its_socket(monkeypatch):
         m.directories("llama-server.service")
         m.directories("autosessd.service")
         engine_port, gate_port = free_port(), free_port()
+        subprocess.run(m.command(exec_start("llama-server.service", "ExecStartPre"), 0), check=True)  # staging
         engine_words = exec_start("llama-server.service")
         m.model(engine_words)
         engine = subprocess.Popen(m.command(engine_words, engine_port), stdout=subprocess.DEVNULL,
@@ -238,6 +247,10 @@ def test_the_pair_runs_as_written_and_autosessctl_finds_its_socket(monkeypatch):
             assert r.headers["X-Autosessd-Slot"] == "0"
         r = autosessctl("--socket", str(sock), "status")
         assert r.returncode == 0 and "autosessd" in r.stdout, r.stderr
+        # The pair as written gets the store's economy: the engine saves into staging on tmpfs,
+        # the store is on the disk (autosessd says at start when the engine's files land on one).
+        assert "on a disk" not in (m.root / "autosessd.log").read_text()
+        assert m.path("/var/lib/llm-sessions").is_dir() and m.path("/dev/shm/llm-sessions").stat().st_mode & 0o777 == 0o700
 
         # A plain `autosessctl status`: no socket of the user's own, the system service's is found.
         from click.testing import CliRunner
