@@ -98,8 +98,9 @@ async def _swa_window(ctx: Context) -> int | None:
                  "one (Gemma 2/3, ...), or restores of long files may not be reused", e)
         return None
     if n:
-        log.info("auto sessions: the model has a sliding window of %s tokens: a file is restored only when it "
-                 "holds fewer than that past what it shares with the request", fmt_tokens(n))
+        log.info("auto sessions: the model has a sliding window of %s tokens: a file longer than that is "
+                 "restored for a request that goes on from its end (a return), not for one that departs "
+                 "earlier in it (an edit, a retry of an older turn: those are read again)", fmt_tokens(n))
     return n or None
 
 
