@@ -49,16 +49,16 @@ def test_systemd_units_verify(tmp_path):
 def test_autosessd_unit_has_what_the_daemon_relies_on():
     text = (UNITS / "autosessd.service").read_text()
     for line in ("Type=notify", "After=llama-server.service", "BindsTo=llama-server.service",
-                 "StateDirectory=autosessd llm-sessions", "RuntimeDirectory=autosessd", "DevicePolicy=closed",
+                 "StateDirectory=autosessd llm-sessions", "RuntimeDirectory=autosessd", "PrivateDevices=yes",
                  "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
                  "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "TimeoutStopSec=15min", "WatchdogSec=",
                  "ExecReload=/bin/kill -HUP $MAINPID"):
         assert line in text, line
     engine = (UNITS / "llama-server.service").read_text()
-    # Staging on tmpfs, shared with the engine: made at its start; not a /dev/shm of autosessd's own.
-    assert "--slot-save-path /dev/shm/llm-sessions" in engine and "-np 1" in engine
-    assert "ExecStartPre=/usr/bin/install -d -m 700 /dev/shm/llm-sessions" in engine
-    assert "\nPrivateDevices=yes" not in text
+    # Staging on tmpfs, shared with the engine, made at its start (a name of the service's own:
+    # not the quick starts' /dev/shm/llm-sessions, which a user may have made).
+    assert "--slot-save-path /dev/shm/llm-service-sessions" in engine and "-np 1" in engine
+    assert "ExecStartPre=/bin/sh -c 'install -d -m 700 /dev/shm/llm-service-sessions && test -O /dev/shm/llm-service-sessions" in engine
     # Both write files that hold conversations.
     assert "UMask=0077" in text and "UMask=0077" in (UNITS / "llama-server.service").read_text()
 
@@ -93,7 +93,9 @@ def test_the_exec_unit_signals_autosessd_alone_at_a_stop():
     command = words[words.index("--") + 1:]
     assert words[1] == "run" and "--exec" in words and command[0] == "/usr/local/bin/llama-server"
     assert "--port" in command and "--slot-save-path" in command and "-np" in command
-    assert "/var/lib/llm-sessions" in start and "StateDirectory=autosessd llm-sessions llm-models" in lines
+    # Staging on tmpfs (autosessd makes it), the store (the configuration's store_path) a StateDirectory.
+    assert "--slot-save-path /dev/shm/llm-service-sessions" in start
+    assert "StateDirectory=autosessd llm-sessions llm-models" in lines
 
 
 def test_the_engine_unit_writes_the_log_autosessd_is_told_to_follow():
@@ -106,7 +108,7 @@ def test_the_engine_unit_writes_the_log_autosessd_is_told_to_follow():
     engine_unit = (UNITS / "llama-server.service").read_text()
     path = re.search(r"--log-file (\S+)", engine_unit).group(1)
     assert path.startswith("/var/log/llama-server/") and "LogsDirectory=llama-server" in engine_unit
-    assert "--slot-save-path /dev/shm/llm-sessions" in engine_unit
+    assert "--slot-save-path /dev/shm/llm-service-sessions" in engine_unit
     ours = (UNITS / "autosessd.service").read_text()
     assert f'[engine] log = "{path}"' in ours
     assert "After=llama-server.service" in ours and "WantedBy=multi-user.target llama-server.service" in ours

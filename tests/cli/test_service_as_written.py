@@ -97,8 +97,10 @@ class Machine:
                 out.append(str(port))
             elif w.startswith(("/etc/", "/run/", "/var/", "/dev/shm/")):
                 out.append(str(self.path(w)))
-            elif i == 0 and w.startswith("/usr/bin/"):  # a system program (ExecStartPre's install)
+            elif i == 0 and w.startswith(("/usr/bin/", "/bin/")):  # a system program (ExecStartPre's sh)
                 out.append(w)
+            elif i and words[i - 1] == "-c":  # a shell's script: its /dev/shm paths moved too
+                out.append(w.replace("/dev/shm/", f"{self.shm}/"))
             else:
                 assert not w.startswith("/"), f"a path the test does not know how to place: {w}"
                 out.append(w)
@@ -108,7 +110,7 @@ class Machine:
         """docs/service.md's configuration at the unit's --config path, its paths under the root,
         its gate on a free port, its control.group the unit's Group=."""
         text = documented_config()
-        for mine in ('slot_save_path = "/dev/shm/llm-sessions"', 'store_path = "/var/lib/llm-sessions"',
+        for mine in ('slot_save_path = "/dev/shm/llm-service-sessions"', 'store_path = "/var/lib/llm-sessions"',
                      'listen = "127.0.0.1:8081"', 'group = "llm"'):
             assert mine in text, f"docs/service.md's configuration no longer has {mine}"
         text = (text.replace('"/var/lib/', f'"{self.root}/var/lib/').replace('"/dev/shm/', f'"{self.shm}/')
@@ -250,7 +252,7 @@ def test_the_pair_runs_as_written_and_autosessctl_finds_its_socket(monkeypatch):
         # The pair as written gets the store's economy: the engine saves into staging on tmpfs,
         # the store is on the disk (autosessd says at start when the engine's files land on one).
         assert "on a disk" not in (m.root / "autosessd.log").read_text()
-        assert m.path("/var/lib/llm-sessions").is_dir() and m.path("/dev/shm/llm-sessions").stat().st_mode & 0o777 == 0o700
+        assert m.path("/var/lib/llm-sessions").is_dir() and m.path("/dev/shm/llm-service-sessions").stat().st_mode & 0o777 == 0o700
 
         # A plain `autosessctl status`: no socket of the user's own, the system service's is found.
         from click.testing import CliRunner
@@ -303,6 +305,7 @@ def test_the_exec_unit_runs_as_written():
         r = autosessctl("--socket", str(sock), "--json", "status")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["engine"]["healthy"] is True
+        assert "on a disk" not in (m.root / "autosessd.log").read_text()  # staged on tmpfs, as the pair
         children = psutil.Process(daemon.pid).children(recursive=True)
         assert children, "no engine under autosessd"
         daemon.send_signal(signal.SIGTERM)
