@@ -266,8 +266,9 @@ def prune(ctx: click.Context, dry_run: bool, keep: int | None, max_gb: float | N
 @click.argument("key")
 @common
 def forget(ctx: click.Context, key: str, sock: str | None, as_json: bool | None) -> None:
-    """Forget conversation KEY for good: its files (branches too) removed, every slot holding it
-    emptied, nothing restored after a restart; only a new request of KEY brings it back."""
+    """Forget conversation KEY for good: its files (branches too) removed, here and from the
+    shared bucket (every host's saves of it), every slot holding it emptied, nothing restored
+    after a restart; only a new request of KEY brings it back."""
     c = ctx.obj.merged(sock, as_json)
     run(lambda: c.out(call(c.path, "forget", key=key), forgot))
 

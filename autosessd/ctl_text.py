@@ -294,6 +294,8 @@ def forgot(r: dict[str, Any]) -> str:
     if r.get("erase_failed"):
         lines.append(f"  slot(s) whose engine slot could not be emptied (autosessd no longer names them): "
                      f"{slots(r['erase_failed'])}")
+    if r.get("bucket"):
+        lines.append(f"  removed from the shared bucket: {len(r['bucket'])} save(s), every host's")
     for k in r.get("kept") or []:
         lines.append(f"  kept: {k}")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..base.keys import is_key
 from ..engines.base import EngineError, SlotState
+from ..shared import SharedError
 from ..store.directory import AUTO_BIN, StoreError, auto_name, manual_name
 from . import policy
 from .policy import Held, Occasion, Save, SaveOutcome, Skip
@@ -114,6 +115,8 @@ class Commands:
           files      auto-<key>.bin and every file of its line (branches: metadata line = key),
                      their index entries; one being read right now (a request of it) is kept
                      and said
+          bucket     with [shared]: the saves of those names in the bucket, every host's
+                     (Remote.forget); a bucket that does not answer is said, not retried
         The caller drops held.json's entries (the facade's Recorder). → what was done."""
         ctx = self.ctx
         emptied, running, erase_failed = [], [], []
@@ -150,14 +153,21 @@ class Commands:
         # What quarantine holds of it (a file or a block found damaged) goes too: nothing of a
         # forgotten conversation stays anywhere autosessd wrote.
         freed += await loop.run_in_executor(None, ctx.store.forget_quarantined, {key} | {n[5:21] for n in names})
-        if not (removed or emptied or running or kept or erase_failed):
+        bucket: list[str] = []
+        if ctx.remote is not None:
+            try:
+                bucket = await ctx.remote.forget({auto_name(key), *names})
+            except SharedError as e:
+                kept.append(f"the bucket: {e}")
+                log.warning("auto sessions: forgetting %s in the bucket: %s", key, e)
+        if not (removed or emptied or running or kept or erase_failed or bucket):
             return {"key": key, "freed": 0, "files": [], "emptied_slots": [], "running_slots": [], "kept": [],
-                    "erase_failed": []}
+                    "erase_failed": [], "bucket": []}
         ctx.counters.forgets += 1
         log.info("auto sessions: forgot %s: %d file(s) removed (%s), %d slot(s) emptied%s", key, len(removed),
                  fmt_bytes(freed), len(emptied), f"; slots running a request of it now: {running}" if running else "")
         done = {"key": key, "freed": freed, "files": removed, "emptied_slots": emptied, "running_slots": running,
-                "kept": kept, "erase_failed": erase_failed}
+                "kept": kept, "erase_failed": erase_failed, "bucket": bucket}
         ctx.events.emit("forgot", **done)
         return done
 

@@ -36,6 +36,8 @@ class Bucket(Protocol):
 
     def went_on(self, key: str, tokens: bytes | None, n_tokens: int | None, more: int) -> str | None: ...
 
+    async def forget(self, names: set[str]) -> list[str]: ...
+
 
 class Facts(Protocol):
     """Whether the facts above are the engine's since its last restart: facts.EngineFacts,

@@ -91,6 +91,10 @@ class Remote:
         self.header_failures = 0
         self._failing = False
         self._tasks: list[asyncio.Task] = []
+        # Names forgotten here → when (time.time()): their saves from before that are never taken
+        # into the catalog again (a reading sent before the forget, another host's older upload
+        # landing after it).
+        self.forgotten: dict[str, float] = {}
         # Bucket I/O on threads of its own: a download of gigabytes or a slow LIST never
         # holds up a finalize or a status on the default executor.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="autosessd-bucket")
@@ -134,6 +138,19 @@ class Remote:
         """fn(*args) on the bucket's threads."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def forget(self, names: set[str]) -> list[str]:
+        """A conversation forgotten here: its saves leave the catalog at once and the bucket
+        (SharedStore.forget: every host's). → the object keys removed; SharedError as there."""
+        now = time.time()
+        self.forgotten.update({n: now for n in names})
+        old = self.catalog
+        if names & old.saves.keys():
+            saves = {n: s for n, s in old.saves.items() if n not in names}
+            kept = {s.key for s in saves.values()}
+            self.catalog = Catalog(saves, {k: t for k, t in old.tokens.items() if k in kept},
+                                   TokenRun([(t, n) for t, n in old.run.items if n not in names]), old.listed_at)
+        return await self.run(self.shared.forget, names)
+
     # -- the catalog -----------------------------------------------------------------
     async def _refresh_loop(self) -> None:
         while True:
@@ -166,7 +183,8 @@ class Remote:
         # Only auto files: a turn downloads under the save's own name, and a name a person parked
         # here must never be replaced by a file of that name from another host (autosessd
         # uploads no parked names; anything else under the prefix is not ours to bring in).
-        saves = [s for s in saves if AUTO_BIN.match(s.name)]
+        saves = [s for s in saves if AUTO_BIN.match(s.name)
+                 and not (s.name in self.forgotten and s.saved_at <= self.forgotten[s.name])]
         if self._failing:
             self._failing = False
             self.last_list_error = None

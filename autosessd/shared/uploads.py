@@ -12,6 +12,9 @@ multipart upload of the same object, so no parts are left behind.
 Uploads do not hold Store.in_use: an upload reads through the file descriptor it opened, so a
 save renamed over the file meanwhile neither waits for it nor mixes into it.
 
+forget(names): a forgotten conversation's saves leave the bucket, every host's (no host
+downloads it back), its queued uploads are dropped and one in flight is deleted when it lands.
+
 At start (start(store, model)) the worker first re-queues this host's local saves that the
 bucket lacks and its prune would keep (_requeue_missing); at a stop, drain() gives every
 queued upload one more try within the stop's time.
@@ -28,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import quote
 
 from ..store import slotfile
@@ -61,6 +65,7 @@ class _Job:
     local_failures: int = 0  # attempts that failed reading the local save (not the bucket)
     due: float = 0.0  # time.monotonic() before which it is not tried
     last_error: str | None = None
+    forgotten: bool = False  # its conversation was forgotten while it went up: its object goes when it lands
 
 
 class Uploads:
@@ -168,6 +173,44 @@ class Uploads:
         with self._lock:
             return len(self._jobs) + (1 if self._running else 0)
 
+    def forget(self, names: Iterable[str]) -> list[str]:
+        """The bucket's saves of these local names (a forgotten conversation's file and its
+        branches) removed, whichever host uploaded them: no host downloads them again. Their
+        queued uploads are dropped; one going up now is deleted once it lands (_upload); this
+        host's unfinished multipart uploads of them are aborted. → the object keys removed.
+        Blocking. SharedError when the bucket could not be listed or an object not removed
+        (the caller says so: what was removed stays removed)."""
+        stems = {stem_of(n) for n in names}
+        with self._cond:
+            for stem in stems:
+                if self._jobs.pop(stem, None) is not None:
+                    self.counters.uploads_superseded += 1
+            if self._running is not None and self._running.stem in stems:
+                self._running.forgotten = True
+        removed, failed = [], []
+        for s in self.versions():
+            if stem_of(s.name) not in stems:
+                continue
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=s.key)
+                removed.append(s.key)
+            except self._errors as e:
+                failed.append(f"{s.key}: {_why(e)}")
+        try:
+            r = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix + SESSIONS)
+            for u in r.get("Uploads", []):
+                s = parse_key(self.prefix, u["Key"], 0, 0.0)
+                if s is not None and s.host == self.host and stem_of(s.name) in stems:
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+        except self._errors as e:
+            failed.append(f"unfinished uploads under {self.prefix + SESSIONS}: {_why(e)}")
+        if removed:
+            log.info("auto sessions: shared: forgot %s: %d save(s) removed from the bucket", ", ".join(sorted(names)),
+                     len(removed))
+        if failed:
+            raise SharedError(f"{len(removed)} save(s) removed from the bucket, but not: {'; '.join(failed)}")
+        return removed
+
     def _work(self) -> None:
         """The worker's loop. No job's failure ends it: a failure is counted, said, and the job
         retried with backoff (the bucket, or an error nobody foresaw) or dropped (its local save
@@ -213,6 +256,14 @@ class Uploads:
                 log.warning("auto sessions: shared: upload of %s dropped: the local save cannot be read: %s",
                             job.path.name, e)
             except Exception as e:  # the bucket, the local disk, or a bug: tried again later
+                with self._lock:
+                    gone = job.forgotten
+                if gone:  # forget() aborted its multipart upload: no failure, and not tried again
+                    with self._cond:
+                        self.counters.uploads_superseded += 1
+                    log.info("auto sessions: shared: upload of %s stopped: its conversation was forgotten",
+                             job.path.name)
+                    continue
                 why = _why(e) if isinstance(e, (SharedError, *self._errors)) else f"{type(e).__name__}: {e}"
                 if not isinstance(e, (SharedError, *self._errors, StoreError)):
                     log.exception("auto sessions: shared: upload of %s: %s", job.path.name, why)
@@ -232,8 +283,9 @@ class Uploads:
                 with self._cond:
                     self.counters.upload_failures += 1
                     self.counters.last_upload_error = f"{job.path.name}: {why}"
-                    # A newer save of the name queued meanwhile replaces the failed one.
-                    if job.stem not in self._jobs:
+                    # A newer save of the name queued meanwhile replaces the failed one; a
+                    # forgotten one is not tried again.
+                    if job.stem not in self._jobs and not job.forgotten:
                         self._jobs[job.stem] = job
                 log.warning("auto sessions: shared: upload of %s failed (attempt %d, next in %.0f s): %s",
                             job.path.name, job.attempts, delay, why)
@@ -324,6 +376,15 @@ class Uploads:
                 raise SharedError(f"upload of {job.path.name} to {key}: cut short by a stop") from e
             except self._errors as e:
                 raise SharedError(f"upload of {job.path.name} to {key}: {_why(e)}") from e
+        with self._lock:
+            forgotten = job.forgotten
+        if forgotten:  # forget() listed the bucket before this object was there
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=key)
+            except self._errors as e:
+                raise SharedError(f"{key}: forgotten while it went up, and not removed: {_why(e)}") from e
+            log.info("auto sessions: shared: %s was forgotten while it went up: its object is removed", job.path.name)
+            return "superseded: forgotten while it went up (its object removed)"
         return "done"
 
     def _abort_unfinished(self, key: str) -> None:

@@ -7,7 +7,8 @@ EMFILE or EIO (injected), blocks damaged on the disk (a byte flipped), and final
     every conversation neither forgotten nor pruned since its last request is restorable (its
     manifest assembles, its tokens a prefix of the conversation's), unless a block of it was
     found damaged: a loss counted in quarantine's notes, which name it;
-    nothing of a forgotten conversation is left in the store, in staging or in quarantine;
+    nothing of a forgotten conversation is left in the store, in staging or in quarantine, nor in
+    the bucket when it answered the forget;
     every block on the disk is named by a manifest (no forgotten or orphaned bytes);
     no block is in quarantine that was not damaged;
     the upload queue is empty.
@@ -37,7 +38,7 @@ from autosessd.store.kvfile import parse as parse_kv
 from autosessd.store.slotfile import encode
 from autosessd.store.staging import Refused
 from harness import wait_until
-from shared_common import shared_cfg
+from shared_common import objects, shared_cfg
 from stub_engine import StubEngine
 
 pytestmark = pytest.mark.s3
@@ -132,6 +133,7 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
     # -- the traffic ------------------------------------------------------------------------
     length = {k: 20 for k in KEYS}
     forgotten: set[str] = set()
+    out_of_bucket: set[str] = set()  # of those, forgotten while the bucket answered
     pruned: set[str] = set()
     recent: list[str] = []
     started = {k: 0 for k in KEYS}
@@ -141,6 +143,7 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
         length[key] += rng.randint(3, 30)
         n = length[key]
         forgotten.discard(key)
+        out_of_bucket.discard(key)
         pruned.discard(key)
         started[key] += 1
         running[key] += 1
@@ -159,9 +162,11 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
         if r < 0.06 and recent:
             key = rng.choice(KEYS)
             before, was_running = started[key], running[key]
-            await s.forget(key)
+            done = await s.forget(key)
             if started[key] == before and not was_running:
                 forgotten.add(key)
+                if not any(k.startswith("the bucket") for k in done["kept"]):
+                    out_of_bucket.add(key)  # the bucket answered: nothing of it may stay there
         elif r < 0.10:
             done = await s.prune(keep=rng.randint(4, 10))
             pruned.update(x["key"] for x in done["removed"])
@@ -218,6 +223,9 @@ async def test_the_store_holds_under_faults(tmp_path, monkeypatch, s3_gateway, s
         mine = {k for k, m in manifests.items() if m is not None and (k == key or m.line == key)}
         if key in forgotten:
             assert not mine, f"forgotten {key} has a manifest"
+            if key in out_of_bucket:
+                assert not [o for o in objects(s3_gateway, s3_bucket) if f"/auto-{key}/" in o], \
+                    f"forgotten {key} is still in the bucket"
             assert not (staging / f"auto-{key}.bin").exists() and not (store_dir / f"auto-{key}.bin").exists()
             assert key not in lost and not [q for q in notes if q.get("name") == f"auto-{key}.bin"]
             continue
