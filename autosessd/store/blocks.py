@@ -57,7 +57,7 @@ from .names import QUARANTINE, StoreError, fsync_dir
 log = logging.getLogger("autosessd")
 
 BLOCK_TOKENS = 128  # cells a block holds (bench/blocks.py, scenario 14: 64, 128, 256 and 1024 measured)
-OPEN_AT_ONCE = 64  # blocks an assembly keeps mapped (one descriptor each); the others are opened per section
+OPEN_AT_ONCE = 64  # blocks an assembly keeps open (one descriptor each); the others are opened per section
 MAGIC_BLOCK = b"autosessd-blk-1\n"
 HEADER = struct.Struct("<16sII16s16s8x")  # magic, cells, cell bytes, key, payload digest (raw xxh3-128)
 DIR = "blocks"

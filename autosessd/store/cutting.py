@@ -9,11 +9,14 @@ engine's header and payload with those tokens, one stream of min(m, cells) cells
 0…m−1, the data per layer from each block in order, and the manifest's stream count; then, for
 a file with a tail (m is then all of it), the tail as the engine wrote it. It reads each block
 section by section (BlockReader, below): at most OPEN_AT_ONCE descriptors whatever its length.
+
+split() maps the engine's file (cut() gathers rows across it, V transposed too): a file in
+staging, on tmpfs where that is set up, whose name only the engine writes, under the key's
+lock (sessions/saves.py), or a whole file of the store's being imported.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -230,12 +233,15 @@ def _put_tail(store: BlockStore, kv: KVFile, mm: np.ndarray, size: int, model: s
 
 class BlockReader:
     """One block read for an assembly, section by section in the order of its payload (its
-    cells' meta, K per layer, V per layer). keep_open (the first OPEN_AT_ONCE blocks of an
-    assembly): the file mapped once (one descriptor, the map's own), its sections handed out as
-    views of the map, with no copy; the others: each section with a pread, the file opened again
-    for it. So an assembly of any length holds at most OPEN_AT_ONCE descriptors. Every opening
-    must find the file of the first (its identity); the payload is hashed as it is read, unless
-    this very file was read whole and found right before, and finish() compares the digest.
+    cells' meta, K per layer, V per layer), each section with a pread. keep_open (the first
+    OPEN_AT_ONCE blocks of an assembly): the file stays open; the others are opened again for
+    each section. So an assembly of any length holds at most OPEN_AT_ONCE descriptors. Every
+    opening must find the file of the first (its identity); the payload is hashed as it is read,
+    unless this very file was read whole and found right before, and finish() compares the digest.
+
+    Read, never mapped: a read error of the disk (EIO, a checksumming filesystem's) under a map
+    is SIGBUS, which kills the daemon, and a restore at its next start would meet it again;
+    a pread reports it (Unreadable), and the turn re-reads the prompt.
 
     BadBlock: evidence about the block itself (missing, its size, its header, its digest).
     Unreadable: anything else (EMFILE, EIO, EACCES, the file replaced while read)."""
@@ -244,7 +250,7 @@ class BlockReader:
         self.store, self.ref, self.shape = store, ref, shape
         self.size = payload_size(shape, ref.n_cells)
         self.keep_open = keep_open
-        self.mm: mmap.mmap | None = None
+        self.fd: int | None = None
         self.at = 0
         fd = self._open()
         try:
@@ -261,12 +267,9 @@ class BlockReader:
         except BaseException:
             os.close(fd)
             raise
-        try:
-            if keep_open:
-                self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # it holds a descriptor of its own
-        except OSError as e:
-            raise Unreadable(f"block {ref.key}: {e.strerror or e}") from None
-        finally:
+        if keep_open:
+            self.fd = fd
+        else:
             os.close(fd)
 
     def _open(self) -> int:
@@ -291,9 +294,8 @@ class BlockReader:
         """The next `section` bytes of the payload (only their first `take` when the rest is not
         wanted and nothing needs hashing)."""
         want = section if take is None or self.hasher is not None else take
-        if self.mm is not None:
-            start = HEADER.size + self.at
-            got: bytes | memoryview = memoryview(self.mm)[start:start + want]
+        if self.fd is not None:
+            got: bytes | memoryview = self._pread(self.fd, want, HEADER.size + self.at)
         else:
             fd = self._open()
             try:
@@ -323,9 +325,6 @@ class BlockReader:
         self.store._read_whole(self.ref.key, self.ident, digest)
 
     def close(self) -> None:
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view of it is still held: it is unmapped when the last one goes
-                pass
-            self.mm = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -69,7 +69,7 @@ def test_an_error_opening_a_block_fails_one_restore_and_leaves_the_store_as_it_w
 
 
 def test_an_assembly_of_many_blocks_needs_few_descriptors(tmp_path):
-    """400 tokens: 100 blocks, assembled with fewer descriptors free than blocks (it maps its
+    """400 tokens: 100 blocks, assembled with fewer descriptors free than blocks (it keeps its
     first OPEN_AT_ONCE, 64, and reads the others a section at a time)."""
     s = Store(tmp_path, hot_budget=0)
     toks = list(range(1000, 1400))
@@ -81,6 +81,37 @@ def test_an_assembly_of_many_blocks_needs_few_descriptors(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert staged.assembled and staged_tokens(s, staged) == toks
+
+
+def test_a_block_that_cannot_be_read_midway_is_an_error_never_a_signal(tmp_path):
+    """A block whose bytes are gone from under an assembly (a disk's read error; here the block
+    cut short by another process after it was opened, which the kernel answers alike for a map:
+    SIGBUS) is refused with a reason, and the process lives on. Before, the first 64 blocks were
+    mapped: reading them killed the daemon, and a restore at its next start met them again."""
+    from autosessd.store.cutting import BlockReader
+    from autosessd.store.blocks import BadBlock, BlockRef
+    from autosessd.store.kvfile import Shape
+
+    s = Store(tmp_path, hot_budget=0)
+    save(s, A, TOKS)
+    meta = s.read_meta(A)
+    ref, shape = BlockRef(*meta.blocks[0]), Shape.from_json(meta.kv)
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            rd = BlockReader(s.blocks, ref, shape, keep_open=True)
+            os.truncate(s.blocks.path(ref.key), blocks.HEADER.size)  # its payload gone after the open
+            try:
+                rd.read(rd.size)
+                code = 2  # read bytes that are not there
+            except BadBlock:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert not os.WIFSIGNALED(status), f"the read killed the process with signal {os.WTERMSIG(status)}"
+    assert os.WEXITSTATUS(status) == 0
 
 
 def test_real_damage_to_block_i_leaves_blocks_before_it_restorable(tmp_path):
