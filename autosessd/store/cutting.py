@@ -10,9 +10,11 @@ engine's header and payload with those tokens, one stream of min(m, cells) cells
 a file with a tail (m is then all of it), the tail as the engine wrote it. It reads each block
 section by section (BlockReader, below): at most OPEN_AT_ONCE descriptors whatever its length.
 
-split() maps the engine's file (cut() gathers rows across it, V transposed too): a file in
-staging, on tmpfs where that is set up, whose name only the engine writes, under the key's
-lock (sessions/saves.py), or a whole file of the store's being imported.
+split() maps the engine's file (cut() gathers rows across it, V transposed too), after every
+byte of it was read with read() (its digest: Store.finalize, or `expect` for an import), so a
+read error of the disk is found there as OSError, not under the map as SIGBUS: a file in
+staging, on tmpfs where that is set up, whose name only the engine writes, under the key's lock
+(sessions/saves.py), or a whole file of the store's being imported.
 """
 
 from __future__ import annotations
@@ -183,13 +185,13 @@ def split(store: BlockStore, kv: KVFile, path: Path, model: str, keys: Sequence[
     refs, written = [], 0
     f, st = files.open_regular(path)
     with f:
-        mm = np.memmap(f, dtype=np.uint8, mode="r", shape=(st.st_size,))
-        if expect is not None:
+        if expect is not None:  # read, not mapped: a read error of the disk is OSError here, not SIGBUS
             h = Hasher()
             for at in range(0, st.st_size, files.CHUNK):
-                h.update(mm[at:at + files.CHUNK].data)
+                h.update(os.pread(f.fileno(), min(files.CHUNK, st.st_size - at), at))
             if h.hexdigest() != expect:
                 raise NotTheFile(f"{path.name}'s digest is {h.hexdigest()}, {expect} was saved: its bytes changed")
+        mm = np.memmap(f, dtype=np.uint8, mode="r", shape=(st.st_size,))
         for b, key in enumerate(keys):
             start, end = b * blocks.BLOCK_TOKENS, min(kv.n_cells, (b + 1) * blocks.BLOCK_TOKENS)
             have = store.info(key)

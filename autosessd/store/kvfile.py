@@ -36,7 +36,7 @@ block is the KV of exactly its tokens at exactly its positions: blocks.py keys t
 from __future__ import annotations
 
 import dataclasses
-import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,8 +147,30 @@ class KVFile:
         return self.size - self.tail_at if self.shape.tail else 0
 
 
-def _u32(mm: memoryview, at: int) -> int:
-    return struct.unpack_from("<I", mm, at)[0]
+class _Reads:
+    """A file's bytes by pread, sliced as a buffer is (r[a:b] → bytes): parse() reads its
+    headers and cells' meta so, a few hundred small reads, never through a map (a read error
+    of the disk under a map is SIGBUS, which kills the daemon; here it is OSError)."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __getitem__(self, s: slice) -> bytes:
+        start, stop = s.start, min(s.stop, self.size)
+        if stop <= start:
+            return b""
+        got = os.pread(self.fd, stop - start, start)
+        if len(got) != stop - start:
+            raise NotSliceable("it ended while it was read (written again meanwhile?)")
+        return got
+
+
+def _unpack(fmt: str, mm: "memoryview | _Reads", at: int) -> tuple:
+    return struct.unpack(fmt, mm[at:at + struct.calcsize(fmt)])
+
+
+def _u32(mm: "memoryview | _Reads", at: int) -> int:
+    return _unpack("<I", mm, at)[0]
 
 
 def parse(path: str | Path, max_tokens: int | None = None) -> KVFile:
@@ -158,27 +180,22 @@ def parse(path: str | Path, max_tokens: int | None = None) -> KVFile:
         size = st.st_size
         if size < 16:
             raise NotSliceable("too short for a slot file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                return _parse(view, size, max_tokens)
-            finally:
-                view.release()
+        return _parse(_Reads(f.fileno(), size), size, max_tokens)
 
 
-def _parse(mm: memoryview, size: int, max_tokens: int | None) -> KVFile:
-    magic, version, n_words = struct.unpack_from("<III", mm, 0)
+def _parse(mm: "memoryview | _Reads", size: int, max_tokens: int | None) -> KVFile:
+    magic, version, n_words = _unpack("<III", mm, 0)
     if magic != MAGIC or version != VERSION:
         raise NotSliceable(f"not a llama-server slot file of version {VERSION}")
     if 12 + 4 * n_words + 4 > size or (max_tokens is not None and n_words > max_tokens + 4):
         raise NotSliceable(f"its header claims {n_words:,} words")
-    head = struct.unpack_from("<3i", mm, 12) if n_words >= 3 else ()
+    head = _unpack("<3i", mm, 12) if n_words >= 3 else ()
     if len(head) < 3 or head[0] != TOKEN_NULL or head[1] != PAYLOAD_VERSION:
         raise NotSliceable("an older server's header (a plain token list)")
     n_tok = head[2]
     if n_tok < 0 or n_words != 4 + n_tok:
         raise NotSliceable("its payload holds media (images) or more than tokens")
-    tokens = struct.unpack_from(f"<{n_tok}i", mm, 24)
+    tokens = _unpack(f"<{n_tok}i", mm, 24)
     if _u32(mm, 24 + 4 * n_tok) != 0:
         raise NotSliceable("its payload holds media (images)")
     at = 12 + 4 * n_words
@@ -230,7 +247,7 @@ def _parse(mm: memoryview, size: int, max_tokens: int | None) -> KVFile:
     raise next((e for e in why if e.whole), why[0])
 
 
-def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -> str:
+def tail_kind(mm: "memoryview | _Reads", size: int, at: int, n_cells: int, n_stream: int) -> str:
     """What the rest of a file from `at` is, after a first cache of n_cells cells at positions
     0 … n_cells−1: WINDOW (a second KV cache's state to the file's end, fewer cells than the
     first, every one of one sequence at one of those positions, the last among them: read on
@@ -241,7 +258,7 @@ def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -
     other = NotSliceable("it holds more than one KV cache, and what follows the first is neither a window's cells "
                          "nor a recurrent state this code reads", whole=True)
     if at + 20 <= size:
-        count, pos, n_seq, s_trans, n_layer = struct.unpack_from("<IiIII", mm, at)
+        count, pos, n_seq, s_trans, n_layer = _unpack("<IiIII", mm, at)
         if count == 1 and pos == n_cells - 1 and n_seq == 0 and s_trans <= 1 and 0 < n_layer <= 4096:
             return RECURRENT
     if at + 4 > size or _u32(mm, at) != n_stream:
@@ -276,14 +293,14 @@ def tail_kind(mm: memoryview, size: int, at: int, n_cells: int, n_stream: int) -
     raise other
 
 
-def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: int,
+def _data(mm: "memoryview | _Reads", size: int, cells_at: int, n: int, cell_bytes: int, s: int,
           n_stream: int) -> tuple[Shape, tuple[int, ...], tuple[int, ...], int]:
     """One cache's data after its n cells' meta: its shape, where each layer's K and V are, and
     where its state ends (after the zero counts of the streams after s)."""
     at = cells_at + n * cell_bytes
     if at + 16 > size:
         raise NotSliceable("it ends inside its cells")
-    v_trans, n_layer, n_rot_k, n_rot_v = struct.unpack_from("<IIII", mm, at)
+    v_trans, n_layer, n_rot_k, n_rot_v = _unpack("<IIII", mm, at)
     if v_trans > 1 or not 0 < n_layer <= 4096:
         raise NotSliceable("its KV state is not a plain cache this code can cut")
     at += 16
@@ -291,7 +308,7 @@ def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: 
     for _ in range(n_layer):
         if at + 12 > size:
             raise NotSliceable("it ends inside its K data")
-        k_type, k_row = struct.unpack_from("<iQ", mm, at)
+        k_type, k_row = _unpack("<iQ", mm, at)
         if not 0 <= k_type < 256 or not 0 < k_row < 1 << 30:
             raise NotSliceable("its K data is not a plain cache's")
         at += 12
@@ -302,11 +319,11 @@ def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: 
     for k_type, k_row in ks:
         if at + 12 > size:
             raise NotSliceable("it ends inside its V data (a layer without V?)")
-        v_type = struct.unpack_from("<i", mm, at)[0]
+        v_type = _unpack("<i", mm, at)[0]
         if not 0 <= v_type < 256:
             raise NotSliceable("its V data is not a plain cache's")
         if v_trans:
-            el, n_embd = struct.unpack_from("<II", mm, at + 4)
+            el, n_embd = _unpack("<II", mm, at + 4)
             if not 0 < el <= 64 or not 0 < n_embd < 1 << 20:
                 raise NotSliceable("its V data is not a plain cache's")
             at += 12
@@ -314,7 +331,7 @@ def _data(mm: memoryview, size: int, cells_at: int, n: int, cell_bytes: int, s: 
             at += n_embd * n * el
             layers.append(Layer(k_type, k_row, v_type, el, n_embd))
         else:
-            v_row = struct.unpack_from("<Q", mm, at + 4)[0]
+            v_row = _unpack("<Q", mm, at + 4)[0]
             if not 0 < v_row < 1 << 30:
                 raise NotSliceable("its V data is not a plain cache's")
             at += 12

@@ -114,6 +114,25 @@ def test_a_block_that_cannot_be_read_midway_is_an_error_never_a_signal(tmp_path)
     assert os.WEXITSTATUS(status) == 0
 
 
+def test_a_read_error_while_the_engines_file_is_parsed_is_an_oserror(tmp_path, monkeypatch):
+    """The engine's file is parsed (cut into blocks, imported) by reads, not through a map: a
+    read error of the disk reaches the caller as OSError (a finalize tries again), where under
+    a map it would have been SIGBUS."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(slot_file(TOKS))
+    assert parse(p).n_cells == len(TOKS)
+    real = os.pread
+
+    def eio(fd, n, offset):
+        if offset > 0:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", eio)
+    with pytest.raises(OSError, match="injected"):
+        parse(p)
+
+
 def test_real_damage_to_block_i_leaves_blocks_before_it_restorable(tmp_path):
     s = Store(tmp_path, hot_budget=0)
     save(s, A, TOKS)
