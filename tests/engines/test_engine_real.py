@@ -24,7 +24,7 @@ C = chat_body("Say hello in French.")
 
 async def make_sessions(eng, session_dir, min_tokens=100) -> Sessions:
     cfg = parse(f'slot_save_path = "{session_dir}"\nauto_sessions_min_tokens = {min_tokens}\n'
-                f'[engine]\nurl = "{eng.url}"\ntimeout_s = 30\n'.encode(), "test.toml")
+                f'state_dir = "{session_dir}-state"\n[engine]\nurl = "{eng.url}"\ntimeout_s = 30\n'.encode(), "test.toml")
     engine = LlamaServer(eng.url, timeout_s=30)
     store = Store(session_dir)
     checked = await check_engine(cfg, engine, store)
