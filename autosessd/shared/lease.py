@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from .bucket import LEASE, SESSIONS, SharedError, _http_date, _why, parse_key, plan_bucket_prune
+from .bucket import LEASE, SharedError, _http_date, _why, plan_bucket_prune
 
 
 log = logging.getLogger("autosessd.shared")
@@ -130,7 +130,7 @@ class Lease:
 
 class BucketPrune:
     """SharedStore's bucket prune (a mixin: it uses SharedStore's _client, bucket, prefix, cfg,
-    _errors, counters under _lock, and its listing, _list)."""
+    _errors, counters under _lock, and its listings, _list and unfinished)."""
 
     def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None,
                      stop: threading.Event | None = None) -> dict:
@@ -189,15 +189,8 @@ class BucketPrune:
 
     def _abort_abandoned(self, now: float) -> int:
         n = 0
-        kw = {"Bucket": self.bucket, "Prefix": self.prefix + SESSIONS}
-        while True:
-            r = self._client.list_multipart_uploads(**kw)
-            for u in r.get("Uploads", []):
-                if parse_key(self.prefix, u["Key"], 0, 0) is None:
-                    continue  # not a name autosessd owns
-                if now - u["Initiated"].timestamp() > max(STALE_MULTIPART_S, self.cfg.grace_s):
-                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
-                    n += 1
-            if not r.get("IsTruncated"):
-                return n
-            kw["KeyMarker"], kw["UploadIdMarker"] = r.get("NextKeyMarker"), r.get("NextUploadIdMarker")
+        for _, u in self.unfinished():
+            if now - u["Initiated"].timestamp() > max(STALE_MULTIPART_S, self.cfg.grace_s):
+                self.abort(u)
+                n += 1
+        return n

@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..base.config import SharedConfig
 from ..store import slotfile
@@ -184,6 +184,24 @@ class SharedStore(Uploads, Downloads, BucketPrune):
         """Current saves for this model (one name, or all), newest first."""
         found = self.list(model)
         return [s for s in found if name is None or s.name == name]
+
+    def unfinished(self) -> Iterator[tuple[RemoteSession, dict[str, Any]]]:
+        """The unfinished multipart uploads under the prefix of names autosessd owns, every page:
+        each as its key reads (the save, its host) with S3's entry (Key, UploadId, Initiated)."""
+        kw = {"Bucket": self.bucket, "Prefix": self.prefix + SESSIONS}
+        while True:
+            r = self._client.list_multipart_uploads(**kw)
+            for u in r.get("Uploads", []):
+                s = parse_key(self.prefix, u["Key"], 0, 0.0)
+                if s is not None:  # else not a name autosessd owns
+                    yield s, u
+            if not r.get("IsTruncated"):
+                return
+            kw["KeyMarker"], kw["UploadIdMarker"] = r.get("NextKeyMarker"), r.get("NextUploadIdMarker")
+
+    def abort(self, upload: dict[str, Any]) -> None:
+        """Abort one unfinished multipart upload (an entry of unfinished())."""
+        self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
 
     def newest(self, model: str, name: str) -> RemoteSession | None:
         """The current save of one name (one LIST of its own folder)."""

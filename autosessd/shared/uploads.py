@@ -197,11 +197,9 @@ class Uploads:
             except self._errors as e:
                 failed.append(f"{s.key}: {_why(e)}")
         try:
-            r = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix + SESSIONS)
-            for u in r.get("Uploads", []):
-                s = parse_key(self.prefix, u["Key"], 0, 0.0)
-                if s is not None and s.host == self.host and stem_of(s.name) in stems:
-                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+            for s, u in self.unfinished():
+                if s.host == self.host and stem_of(s.name) in stems:
+                    self.abort(u)
         except self._errors as e:
             failed.append(f"unfinished uploads under {self.prefix + SESSIONS}: {_why(e)}")
         if removed:
@@ -256,11 +254,11 @@ class Uploads:
                 log.warning("auto sessions: shared: upload of %s dropped: the local save cannot be read: %s",
                             job.path.name, e)
             except Exception as e:  # the bucket, the local disk, or a bug: tried again later
-                with self._lock:
+                with self._cond:
                     gone = job.forgotten
-                if gone:  # forget() aborted its multipart upload: no failure, and not tried again
-                    with self._cond:
+                    if gone:  # forget() aborted its multipart upload: no failure, and not tried again
                         self.counters.uploads_superseded += 1
+                if gone:
                     log.info("auto sessions: shared: upload of %s stopped: its conversation was forgotten",
                              job.path.name)
                     continue
