@@ -165,11 +165,11 @@ class _Reads:
         return got
 
 
-def _unpack(fmt: str, mm: "memoryview | _Reads", at: int) -> tuple:
+def _unpack(fmt: str, mm: _Reads, at: int) -> tuple:
     return struct.unpack(fmt, mm[at:at + struct.calcsize(fmt)])
 
 
-def _u32(mm: "memoryview | _Reads", at: int) -> int:
+def _u32(mm: _Reads, at: int) -> int:
     return _unpack("<I", mm, at)[0]
 
 
@@ -183,7 +183,7 @@ def parse(path: str | Path, max_tokens: int | None = None) -> KVFile:
         return _parse(_Reads(f.fileno(), size), size, max_tokens)
 
 
-def _parse(mm: "memoryview | _Reads", size: int, max_tokens: int | None) -> KVFile:
+def _parse(mm: _Reads, size: int, max_tokens: int | None) -> KVFile:
     magic, version, n_words = _unpack("<III", mm, 0)
     if magic != MAGIC or version != VERSION:
         raise NotSliceable(f"not a llama-server slot file of version {VERSION}")
@@ -222,7 +222,7 @@ def _parse(mm: "memoryview | _Reads", size: int, max_tokens: int | None) -> KVFi
         except NotSliceable as e:
             why.append(e)
             continue
-        cells = np.frombuffer(bytes(mm[at:at + n_cells * cell_bytes]), dtype=np.int32)  # a copy: mm closes
+        cells = np.frombuffer(mm[at:at + n_cells * cell_bytes], dtype=np.int32)
         cells = cells.reshape(n_cells, cell_bytes // 4)
         if not np.all(cells[:, 1] == 1):
             why.append(NotSliceable("a cell belongs to more than one sequence"))
@@ -247,7 +247,7 @@ def _parse(mm: "memoryview | _Reads", size: int, max_tokens: int | None) -> KVFi
     raise next((e for e in why if e.whole), why[0])
 
 
-def tail_kind(mm: "memoryview | _Reads", size: int, at: int, n_cells: int, n_stream: int) -> str:
+def tail_kind(mm: _Reads, size: int, at: int, n_cells: int, n_stream: int) -> str:
     """What the rest of a file from `at` is, after a first cache of n_cells cells at positions
     0 … n_cells−1: WINDOW (a second KV cache's state to the file's end, fewer cells than the
     first, every one of one sequence at one of those positions, the last among them: read on
@@ -285,7 +285,7 @@ def tail_kind(mm: "memoryview | _Reads", size: int, at: int, n_cells: int, n_str
             continue
         if end != size:
             continue
-        cells = np.frombuffer(bytes(mm[p:p + n * cell_bytes]), dtype=np.int32).reshape(n, cell_bytes // 4)
+        cells = np.frombuffer(mm[p:p + n * cell_bytes], dtype=np.int32).reshape(n, cell_bytes // 4)
         pos = cells[:, 0]
         if np.all(cells[:, 1] == 1) and pos.min() >= 0 and pos.max() == n_cells - 1 \
                 and len(np.unique(pos)) == n:
@@ -293,7 +293,7 @@ def tail_kind(mm: "memoryview | _Reads", size: int, at: int, n_cells: int, n_str
     raise other
 
 
-def _data(mm: "memoryview | _Reads", size: int, cells_at: int, n: int, cell_bytes: int, s: int,
+def _data(mm: _Reads, size: int, cells_at: int, n: int, cell_bytes: int, s: int,
           n_stream: int) -> tuple[Shape, tuple[int, ...], tuple[int, ...], int]:
     """One cache's data after its n cells' meta: its shape, where each layer's K and V are, and
     where its state ends (after the zero counts of the streams after s)."""
