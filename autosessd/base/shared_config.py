@@ -41,6 +41,10 @@ class SharedConfig:
     # How often this host tries the bucket prune (under the lease: one host at a time); 0: only
     # `autosessctl prune --shared`.
     prune_every_s: float = 600.0
+    # A save kept as token blocks goes up as its manifest and the blocks the bucket lacks; true:
+    # as a whole file too, which hosts of the version before manifests (1.x) find. For a
+    # rolling upgrade; off again once every host runs this version.
+    whole_files: bool = False
 
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")

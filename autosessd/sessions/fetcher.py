@@ -28,6 +28,7 @@ from ..base import logs
 from ..shared import AlreadyHere, BadObject, Incompatible, RemoteSession, SharedError
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, Store, auto_name
+from ..store.runs import decode
 from . import policy
 from .policy import Fetch, FileInfo, Held, SaveOutcome
 from .remote import Remote
@@ -184,8 +185,11 @@ class Fetcher:
         on without it, as if there were no bucket."""
         ctx = self.ctx
         remote = bucket(ctx)
+        # A manifest's download fetches only the blocks this host lacks (a shared prefix, an earlier turn).
+        n_bytes = (remote.shared.missing_bytes(save, remote.catalog.manifests.get(save.key), ctx.store)
+                   if save.manifest else None)
         est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate(),
-                                   unreachable=remote.unreachable())
+                                   unreachable=remote.unreachable(), n_bytes=n_bytes)
         if not est.worth:
             why = est.blocked or f"re-reading its {fetch.gain:,} tokens is faster"
             result.skipped.append(f"shared: {save.name} not downloaded: {why}")
@@ -237,10 +241,12 @@ class Fetcher:
             raise
         ctx.counters.fetched += 1
         ms = (time.monotonic() - t0) * 1000
-        ctx.events.emit("downloaded", file=save.name, host=save.host, n_tokens=save.n_tokens, bytes=save.bytes,
+        got = save.bytes if n_bytes is None else n_bytes
+        ctx.events.emit("downloaded", file=save.name, host=save.host, n_tokens=save.n_tokens, bytes=got,
                         ms=round(ms, 2))
-        result.skipped.append(f"shared: downloaded {save.name} ({fmt_bytes(save.bytes)}) from {save.host} in "
-                              f"{ms:,.0f} ms")
+        result.skipped.append(f"shared: downloaded {save.name} ({fmt_bytes(got)}"
+                              f"{f' of {fmt_bytes(save.bytes)}: the blocks this host lacked' if save.manifest else ''})"
+                              f" from {save.host} in {ms:,.0f} ms")
         return claim
 
     def _download(self, save: RemoteSession, limit: float, state: dict[str, float | None]) -> None:
@@ -254,6 +260,12 @@ class Fetcher:
         ctx.remote.shared.download(save, ctx.store, claimed=True, deadline=began + limit, layout=ctx.engine_layout)
         if ctx.index is not None:
             try:
-                ctx.index.add_file(save.name)  # the model its metadata names, the saving host's
+                if save.manifest:  # no file here: its manifest's tokens
+                    meta = ctx.store.read_meta(save.conversation_key or "")
+                    if meta is None or not meta.in_blocks:
+                        raise ValueError("its manifest is not there")
+                    ctx.index.add(save.name, decode(meta.tokens or b""), meta.model, meta.marks)
+                else:
+                    ctx.index.add_file(save.name)  # the model its metadata names, the saving host's
             except (OSError, ValueError, slotfile.BadSlotFile) as e:
                 raise SharedError(f"indexing the downloaded {save.name}: {e}") from None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -38,9 +39,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..base.config import SharedConfig
-from ..shared import RemoteSession, SharedError, SharedStore
+from ..shared import BadObject, RemoteSession, SharedError, SharedStore
 from ..store.directory import AUTO_BIN, Meta, auto_name
-from ..store.runs import TokenRun, swa_usable
+from ..store.runs import TokenRun, decode, swa_usable
 from ..store.slotfile import comparable, encode
 
 log = logging.getLogger("autosessd")
@@ -68,6 +69,7 @@ class Catalog:
     tokens: dict[str, bytes] = field(default_factory=dict)  # by object key: encoded, comparable part
     run: TokenRun = field(default_factory=TokenRun)  # (tokens, name) of the saves whose tokens are read
     listed_at: float = 0.0  # time.time() when the LIST was sent; 0: never listed
+    manifests: dict[str, Meta] = field(default_factory=dict)  # by object key: a manifest save's, as read
 
 
 def _said_if_failed(task: asyncio.Task) -> None:
@@ -148,7 +150,8 @@ class Remote:
             saves = {n: s for n, s in old.saves.items() if n not in names}
             kept = {s.key for s in saves.values()}
             self.catalog = Catalog(saves, {k: t for k, t in old.tokens.items() if k in kept},
-                                   TokenRun([(t, n) for t, n in old.run.items if n not in names]), old.listed_at)
+                                   TokenRun([(t, n) for t, n in old.run.items if n not in names]), old.listed_at,
+                                   {k: m for k, m in old.manifests.items() if k in kept})
         return await self.run(self.shared.forget, names)
 
     # -- the catalog -----------------------------------------------------------------
@@ -191,6 +194,7 @@ class Remote:
             log.info("auto sessions: shared: the bucket answers again")
         old = self.catalog
         tokens = {s.key: old.tokens[s.key] for s in saves if s.key in old.tokens}
+        manifests = {s.key: old.manifests[s.key] for s in saves if s.key in old.manifests}
         new = [s for s in saves if s.key not in tokens]
         if new:
             ex = concurrent.futures.ThreadPoolExecutor(HEADERS_AT_ONCE, thread_name_prefix="autosessd-headers")
@@ -204,24 +208,35 @@ class Remote:
                     for fut in done:
                         got = fut.result()
                         if got is not None:
-                            tokens[futs[fut].key] = got
+                            tokens[futs[fut].key] = got[0]
+                            if got[1] is not None:
+                                manifests[futs[fut].key] = got[1]
             finally:
                 ex.shutdown(wait=False, cancel_futures=True)
-        by_name = {s.name: s for s in saves}
+        # A manifest's size is its whole file's, as the manifest says (its object is a few KB).
+        by_name = {s.name: (dataclasses.replace(s, bytes=manifests[s.key].bytes) if s.key in manifests else s)
+                   for s in saves}
         if model != self.model:
             return self.catalog  # the engine came back with another model meanwhile (engine_changed)
         if tokens.keys() == old.tokens.keys() and by_name.keys() == old.saves.keys():
             run = old.run  # nothing came or went: the sorted run stays
         else:
             run = TokenRun([(tokens[s.key], s.name) for s in saves if s.key in tokens])
-        self.catalog = Catalog(by_name, tokens, run, asked)
+        self.catalog = Catalog(by_name, tokens, run, asked, manifests)
         return self.catalog
 
-    def _tokens_of(self, s: RemoteSession) -> bytes | None:
+    def _tokens_of(self, s: RemoteSession) -> tuple[bytes, Meta | None] | None:
+        """(the save's tokens, encoded; its manifest, for a manifest save), or None: not read now."""
         if self.closing.is_set():
             return None
         try:
-            return encode(comparable(self.shared.tokens(s, self.max_tokens)))
+            if s.manifest:
+                meta = self.shared.read_manifest(s, self.max_tokens)
+                return encode(comparable(decode(meta.tokens or b""))), meta
+            return encode(comparable(self.shared.tokens(s, self.max_tokens))), None
+        except BadObject as e:  # not what its name says: remembered, never read again
+            self.shared._remember_bad(s.key, str(e))
+            return None
         except SharedError as e:
             # Another reading tries again (the object may be gone: pruned, superseded).
             self.header_failures += 1

@@ -7,16 +7,20 @@ local file can find a save another host made and download it into the session di
 Each part owns its section of what it guarantees, in its docstring:
 
   bucket.py     the layout in the bucket (one object per save, never overwritten: the newer
-                save wins by name), the tier's errors, the download estimate and the bucket
-                prune's plan; pure, no boto3
+                save wins by name; a save kept as blocks is a manifest naming block objects),
+                the tier's errors, the download estimate and the bucket prune's plans; pure,
+                no boto3
   uploads.py    the upload queue and its one worker thread, retries, the re-queue at start
+  blockobjects.py  a manifest's blocks the bucket lacks sent before it; the blocks a host
+                lacks fetched and checked before its manifest is installed (Store.install)
   downloads.py  decide (download or re-read), the download's backoff and rate, download()
                 into the session directory through Store.install
   lease.py      the bucket prune under a lease taken with conditional PUTs
   tier.py       SharedStore: the client, its configuration, counters, listing, status,
                 composed with the three above
 
-Threads: boto3 is synchronous. The upload worker is one thread of its own; find(), tokens(),
+Threads: boto3 is synchronous. The upload worker is one thread of its own (it sends a save's
+blocks four at a time); find(), tokens(),
 download() and prune_bucket() block, and the daemon calls them with asyncio.to_thread (the
 client is thread-safe). Nothing here raises into a request for a tier failure except as
 SharedError, which the caller logs and answers by running the turn as if there were no bucket.

@@ -4,12 +4,27 @@ Layout in the bucket. autosessd owns exactly these names under `prefix`; nothing
 the prefix or outside it, is ever read as a session, listed for prune, or deleted:
 
     <prefix>sessions/<model>/<stem>/<saved_at µs, 20 digits>-<n_tokens, 10 digits>-<host>.bin
+    <prefix>sessions/<model>/<stem>/<saved_at µs, 20 digits>-<n_tokens, 10 digits>-<host>.manifest
+    <prefix>blocks/<block key, 32 hex>.blk
     <prefix>leases/prune.json
 
   <model>  the engine's model fingerprint (16 hex, engines/llama_server.py); one that is not a
            plain name is replaced by a hash of it
   <stem>   the local file name without ".bin" (auto-<key>, or a parked name)
   <host>   the saving host ([shared] host, default the hostname)
+
+A save is one object: a whole slot file (.bin), or, for a save the local store keeps as token
+blocks (store/blocks.py), its manifest (.manifest: the local manifest's JSON, store.names.Meta,
+with the saving host) whose blocks, the tail among them, are objects of their own under
+blocks/, each the local block file as it is (its 64-byte header with key, cells and payload
+digest, then the payload). A block's key names its bytes' meaning (the chained hash: model,
+shape, every token up to its end), so hosts agree on names without talking and a block is sent
+once whoever sends it first; an object there is never sent again. A manifest goes up after
+every block it names is there (blockobjects.py: no manifest in the bucket names a missing
+block), and a block goes only when no manifest names it and it has not been written or
+refreshed for grace_s (lease.py). Hosts of the version before manifests list only .bin names:
+they neither see nor touch .manifest and blocks/ ([shared] whole_files sends both forms for
+them during an upgrade).
 
 One object per save, written once and never overwritten. That is what makes two hosts saving
 the same conversation safe:
@@ -50,10 +65,14 @@ from typing import Iterable
 from ..store.names import AUTO_BIN, MANUAL_NAME
 
 FORMAT = "1"  # x-amz-meta-autosessd-format: the layout above
+FORMAT_BLOCKS = "2"  # a manifest and its blocks
 SESSIONS = "sessions/"
+BLOCKS = "blocks/"
 LEASE = "leases/prune.json"
+MANIFEST = ".manifest"
 _OBJ = re.compile(r"^sessions/(?P<model>[A-Za-z0-9._-]{1,64})/(?P<stem>[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})/"
-                  r"(?P<us>\d{20})-(?P<n>\d{10})-(?P<host>[A-Za-z0-9][A-Za-z0-9.-]{0,62})\.bin$")
+                  r"(?P<us>\d{20})-(?P<n>\d{10})-(?P<host>[A-Za-z0-9][A-Za-z0-9.-]{0,62}?)(?P<kind>\.bin|\.manifest)$")
+_BLOCK = re.compile(r"^blocks/(?P<key>[0-9a-f]{32})\.blk$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HOST_BAD = re.compile(r"[^A-Za-z0-9.-]+")
 
@@ -90,8 +109,9 @@ class RemoteSession:
     saved_at: float  # the saving host's clock, seconds
     n_tokens: int
     host: str
-    bytes: int
+    bytes: int  # the object's (a manifest's: its own few KB, until the catalog has read it)
     modified: float  # the store's Last-Modified, seconds (the server's clock)
+    manifest: bool = False  # a manifest naming blocks (format 2), not a whole slot file
 
     @property
     def conversation_key(self) -> str | None:
@@ -158,27 +178,33 @@ class BucketPrunePlan:
     remove: list[RemoteSession]
     keep: list[RemoteSession]
     superseded: int  # of `remove`, older saves of a conversation that has a newer one
-
-    @property
-    def freed(self) -> int:
-        return sum(s.bytes for s in self.remove)
+    freed: int = 0  # bytes the removed saves alone held (a block another kept save names is not counted)
 
 
 def plan_bucket_prune(saves: Iterable[RemoteSession], keep: int, max_bytes: int, now: float,
-                      grace_s: float) -> BucketPrunePlan:
-    """Pure. The newest save of each (model, name) is current; older ones go once they have been
-    superseded for grace_s (server clock: `now` and `modified` both come from the store). Of the
-    current saves the newest `keep` and at most max_bytes stay."""
+                      grace_s: float, blocks: dict[str, tuple[str, ...]] | None = None,
+                      block_bytes: dict[str, int] | None = None) -> BucketPrunePlan:
+    """Pure. The newest save of each (model, name) is current (a whole file and a manifest of
+    the same save, [shared] whole_files, are one save); older ones go once they have been
+    superseded for grace_s (server clock: `now` and `modified` both come from the store). Of
+    the current saves the newest `keep` and at most max_bytes stay.
+
+    blocks: a manifest's key → the blocks it names, block_bytes: a block's bytes. A save's cost
+    is its object plus the blocks no newer kept save named before it: a block is counted once,
+    whatever shares it (a manifest whose blocks are not known costs its object only)."""
+    blocks, block_bytes = blocks or {}, block_bytes or {}
     groups: dict[tuple[str, str], list[RemoteSession]] = {}
     for s in saves:
         groups.setdefault((s.model, s.name), []).append(s)
-    current, remove, kept = [], [], []
+    current: list[list[RemoteSession]] = []
+    remove, kept = [], []
     superseded = 0
     for versions in groups.values():
         versions.sort(key=lambda s: s.order, reverse=True)
-        current.append(versions[0])
-        newest_seen = versions[0].modified
-        for old in versions[1:]:
+        top = versions[0].order
+        current.append([s for s in versions if s.order == top])
+        newest_seen = min(s.modified for s in current[-1])
+        for old in versions[len(current[-1]):]:
             # Superseded since the newer one appeared; its own age does not matter. (`now`
             # comes from an HTTP Date, whole seconds: an age is under-, never overestimated.)
             if grace_s <= 0 or now - newest_seen >= grace_s:
@@ -186,16 +212,39 @@ def plan_bucket_prune(saves: Iterable[RemoteSession], keep: int, max_bytes: int,
                 superseded += 1
             else:
                 kept.append(old)
+    counted: set[str] = set()
+    for s in kept:
+        counted.update(blocks.get(s.key, ()))
+
+    def cost(s: RemoteSession) -> int:
+        return s.bytes + sum(block_bytes.get(b, 0) for b in set(blocks.get(s.key, ())) - counted)
+
     total = 0
     n = 0
-    for s in sorted(current, key=lambda s: s.order, reverse=True):
-        if n < keep and total + s.bytes <= max_bytes:
-            kept.append(s)
-            total += s.bytes
+    for same in sorted(current, key=lambda v: v[0].order, reverse=True):
+        c = sum(cost(s) for s in same)
+        if n < keep and total + c <= max_bytes:
+            kept.extend(same)
+            total += c
             n += 1
+            for s in same:
+                counted.update(blocks.get(s.key, ()))
         else:
-            remove.append(s)
-    return BucketPrunePlan(remove=remove, keep=kept, superseded=superseded)
+            remove.extend(same)
+    freed = sum(s.bytes for s in remove)
+    freed += sum(block_bytes.get(b, 0) for b in {b for s in remove for b in blocks.get(s.key, ())} - counted)
+    return BucketPrunePlan(remove=remove, keep=kept, superseded=superseded, freed=freed)
+
+
+def plan_block_prune(listed: dict[str, tuple[int, float]], named: set[str], listed_at: float,
+                     grace_s: float) -> list[str]:
+    """Pure. The blocks (key → (bytes, Last-Modified)) to remove: named by no manifest the
+    prune listed at `listed_at` (server clock) and not written or refreshed since grace_s
+    before that. An upload refreshes a block it counts on when it is older than grace_s / 2
+    and puts its manifest within grace_s / 2 (blockobjects.py): a block it counts on is either
+    named by a manifest listed, or younger than grace_s, so never removed under it."""
+    return sorted(k for k, (_, modified) in listed.items()
+                  if k not in named and (grace_s <= 0 or listed_at - modified >= grace_s))
 
 
 def model_id(model: str) -> str:
@@ -223,7 +272,21 @@ def parse_key(prefix: str, key: str, size: int, modified: float) -> RemoteSessio
     if not m:
         return None
     return RemoteSession(key=key, model=m["model"], name=m["stem"] + ".bin", saved_at=int(m["us"]) / 1e6,
-                         n_tokens=int(m["n"]), host=m["host"], bytes=size, modified=modified)
+                         n_tokens=int(m["n"]), host=m["host"], bytes=size, modified=modified,
+                         manifest=m["kind"] == MANIFEST)
+
+
+def block_object(prefix: str, key: str) -> str:
+    """The object holding block `key` (store/blocks.py's key: 32 hex digits)."""
+    return f"{prefix}{BLOCKS}{key}.blk"
+
+
+def parse_block_key(prefix: str, key: str) -> str | None:
+    """A listed object → the block key it holds, or None when it is not a block autosessd owns."""
+    if not key.startswith(prefix):
+        return None
+    m = _BLOCK.match(key[len(prefix):])
+    return m["key"] if m else None
 
 
 def read_credentials(path: str) -> dict[str, str]:

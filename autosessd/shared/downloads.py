@@ -66,12 +66,15 @@ class Downloads:
         log.warning("auto sessions: shared: %s; this object is not fetched again", why)
 
     def decide(self, s: RemoteSession, prefill_tokens_s: float | None, n_tokens: int | None = None,
-               restore_bytes_s: float | None = None, unreachable: str | None = None) -> Estimate:
+               restore_bytes_s: float | None = None, unreachable: str | None = None,
+               n_bytes: int | None = None) -> Estimate:
         """Whether downloading `s` beats re-reading n_tokens (default: the tokens it holds),
         from the measured download rate; logs both numbers and counts a skip. Never while the
-        bucket is failing (unreachable: why) or a failed download's backoff runs."""
+        bucket is failing (unreachable: why) or a failed download's backoff runs. n_bytes: what
+        the download fetches (a manifest's blocks this host lacks; default: the save's bytes)."""
         n = s.n_tokens if n_tokens is None else n_tokens
-        est = estimate(s.bytes, n, self._down_rate, prefill_tokens_s, restore_bytes_s)
+        est = estimate(s.bytes if n_bytes is None else n_bytes, n, self._down_rate, prefill_tokens_s,
+                       restore_bytes_s)
         if self.is_bad(s.key):
             return dataclasses.replace(est, blocked=f"{s.key} was refused before: {self.bad.get(s.key)}")
         blocked = self.download_blocked(unreachable)
@@ -81,11 +84,11 @@ class Downloads:
                 self.counters.downloads_skipped_unreachable += 1
                 said, self._blocked_said = self._blocked_said, True
             (log.debug if said else log.warning)("auto sessions: %s (said once until downloads are tried again)",
-                                                 est.line(s.name, s.bytes, n))
+                                                 est.line(s.name, s.bytes if n_bytes is None else n_bytes, n))
             return est
         with self._lock:
             self._blocked_said = False
-        log.info("auto sessions: %s", est.line(s.name, s.bytes, n))
+        log.info("auto sessions: %s", est.line(s.name, s.bytes if n_bytes is None else n_bytes, n))
         if not est.worth:
             with self._lock:
                 self.counters.downloads_skipped_slower += 1
@@ -127,6 +130,8 @@ class Downloads:
         metadata, both taken from the one GET: no second request between them), after its
         last look that nobody took the name and no local save at least as new finalized
         meanwhile."""
+        if s.manifest:
+            return self._download_blocks(s, store, claimed, deadline, layout)
         name = s.name
         stem = stem_of(name)
         final = store.path / name
@@ -212,29 +217,8 @@ class Downloads:
                 with self._lock:
                     self.counters.downloads_kept_local += 1
                 raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") from None
-        except AlreadyHere:
-            raise
-        except BadObject as e:
-            self._remember_bad(s.key, str(e))
-            raise
-        except Incompatible as e:
-            with self._lock:
-                self.counters.downloads_refused_layout += 1
-                self.counters.last_download_error = str(e)
-            raise
         except BaseException as e:
-            spent = time.monotonic() - t0
-            with self._lock:
-                self.counters.download_failures += 1
-                self.counters.last_download_error = str(e)
-                # What the failed try says about the link: bytes that arrived over the time it
-                # took. A stalled link thus drives the estimate towards re-reading, instead of
-                # leaving it unknown (and so "download") for ever.
-                if spent >= DOWN_RATE_MIN_S:
-                    self._learn_rate(max(got, 1) / spent)
-                self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
-                                           max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
-                self._down_backoff_until = time.monotonic() + self._down_backoff_s
+            self._failed(s, e, t0, got)
             raise
         finally:
             if not claimed:
@@ -243,21 +227,76 @@ class Downloads:
                 temp.unlink()
             except FileNotFoundError:
                 pass
+        ms = self._succeeded(s, t0, s.bytes)
+        log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
+                 f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
+        return final
+
+    def _download_blocks(self, s: RemoteSession, store: Store, claimed: bool, deadline: float | None,
+                         layout: slotfile.KVLayout | None) -> Path:
+        """download() of a manifest: its blocks this host lacks, then the manifest
+        (blockobjects.download_manifest), counted as download() counts a whole file."""
+        t0 = time.monotonic()
+        try:
+            got = self.download_manifest(s, store, claimed, deadline, layout)
+        except BaseException as e:
+            self._failed(s, e, t0, 0)
+            raise
+        with self._lock:
+            c = self.counters
+            c.blocks_fetched += got["blocks_fetched"]
+            c.bytes_fetched += got["bytes_fetched"]
+            c.blocks_held += got["blocks_held"]
+            c.bytes_held += got["bytes_held"]
+        ms = self._succeeded(s, t0, got["bytes_fetched"], learn=got["bytes_fetched"] >= CHUNK)
+        log.info("auto sessions: shared: downloaded %s's manifest of %s (%s tokens) in %.0f ms: %d block(s), "
+                 "%.2f GB fetched; %d block(s), %.2f GB held here already", s.host, s.name, f"{s.n_tokens:,}", ms,
+                 got["blocks_fetched"], got["bytes_fetched"] / 1e9, got["blocks_held"], got["bytes_held"] / 1e9)
+        return store.path / s.name
+
+    def _succeeded(self, s: RemoteSession, t0: float, n_bytes: int, learn: bool = True) -> float:
+        """A download done: counted, its rate learned (unless `learn` is false: a manifest whose
+        blocks were nearly all here says nothing of the link), the backoff reset. → its ms."""
         ms = (time.monotonic() - t0) * 1000
-        rate = s.bytes / max(ms / 1000, 1e-6)
         with self._lock:
             self.counters.downloads += 1
             if s.host != self.host:  # another host's save: the conversation moved here
                 self.counters.downloads_moved += 1
-                self.counters.bytes_down_moved += s.bytes
+                self.counters.bytes_down_moved += n_bytes
             self.counters.download_ms_total += ms
             self.counters.last_download_ms = ms
-            self._learn_rate(rate)
+            if learn:
+                self._learn_rate(n_bytes / max(ms / 1000, 1e-6))
             self._down_backoff_s = 0.0
             self._down_backoff_until = 0.0
-        log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
-                 f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
-        return final
+        return ms
+
+    def _failed(self, s: RemoteSession, e: BaseException, t0: float, got: int) -> None:
+        """A download that did not happen, counted by why: nothing to do (AlreadyHere), the
+        object (BadObject: remembered, no backoff), the layout, or the bucket or the link (a
+        failure: its backoff starts)."""
+        if isinstance(e, AlreadyHere):
+            return
+        if isinstance(e, BadObject):
+            self._remember_bad(s.key, str(e))
+            return
+        if isinstance(e, Incompatible):
+            with self._lock:
+                self.counters.downloads_refused_layout += 1
+                self.counters.last_download_error = str(e)
+            return
+        spent = time.monotonic() - t0
+        with self._lock:
+            self.counters.download_failures += 1
+            self.counters.last_download_error = str(e)
+            # What the failed try says about the link: bytes that arrived over the time it
+            # took. A stalled link thus drives the estimate towards re-reading, instead of
+            # leaving it unknown (and so "download") for ever.
+            if spent >= DOWN_RATE_MIN_S:
+                self._learn_rate(max(got, 1) / spent)
+            self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
+                                       max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
+            self._down_backoff_until = time.monotonic() + self._down_backoff_s
 
     @staticmethod
     def _check_whole(s: RemoteSession, md: dict[str, str], got: int, digest: str) -> None:

@@ -10,8 +10,11 @@ servers that want it. A conditional DELETE is ignored by RGW 16.2, so a lease is
 rewriting it as released, never deleted.
 
 What goes is bucket.plan_bucket_prune's: superseded saves past grace_s, then the oldest current
-ones beyond keep / max_gb; multipart uploads abandoned for a day (their host died mid-upload)
-are aborted. Only names autosessd owns (bucket.py's layout) are ever touched.
+ones beyond keep / max_gb (a block counted once, whatever names it); then bucket.plan_block_prune's:
+the blocks no manifest left names and nobody wrote or refreshed for grace_s (no block goes while
+a manifest that could not be read is there); multipart uploads abandoned for a day (their host
+died mid-upload) are aborted. Manifests go before blocks: a prune stopped anywhere (kill -9)
+leaves blocks no manifest names, never a manifest naming a missing block. Only names autosessd owns (bucket.py's layout) are ever touched.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from .bucket import LEASE, SharedError, _http_date, _why, plan_bucket_prune
+from .bucket import LEASE, SharedError, _http_date, _why, plan_block_prune, plan_bucket_prune
 
 
 log = logging.getLogger("autosessd.shared")
@@ -130,7 +133,8 @@ class Lease:
 
 class BucketPrune:
     """SharedStore's bucket prune (a mixin: it uses SharedStore's _client, bucket, prefix, cfg,
-    _errors, counters under _lock, and its listings, _list and unfinished)."""
+    _errors, counters under _lock, and its listings, _list and unfinished, and blockobjects'
+    read_blocks, list_blocks and delete_blocks)."""
 
     def prune_bucket(self, dry_run: bool = False, keep: int | None = None, max_gb: float | None = None,
                      stop: threading.Event | None = None) -> dict:
@@ -153,10 +157,26 @@ class BucketPrune:
         freed = 0
         try:
             saves, now = self._list()
-            plan = plan_bucket_prune(saves, keep, max_bytes, now, self.cfg.grace_s)
+            # The blocks each manifest names (read once per manifest: they never change), and
+            # every block there is. A manifest that cannot be read now protects every block.
+            named_by: dict[str, tuple[str, ...]] = {}
+            unread = 0
+            for s in saves:
+                if s.manifest:
+                    got = self.read_blocks(s.key, s.bytes)
+                    if got is None:
+                        unread += 1
+                    else:
+                        named_by[s.key] = got
+            listed, _ = self.list_blocks()
+            plan = plan_bucket_prune(saves, keep, max_bytes, now, self.cfg.grace_s, named_by,
+                                     {k: v[0] for k, v in listed.items()})
             report = {"done": True, "dry_run": dry_run, "saves": len(saves), "remove": len(plan.remove),
-                      "superseded": plan.superseded, "freed_bytes": plan.freed}
-            if not dry_run:
+                      "superseded": plan.superseded, "freed_bytes": plan.freed, "blocks": len(listed)}
+            gone: set[str] = set()
+            if dry_run:
+                gone = {s.key for s in plan.remove}
+            else:
                 todo = list(plan.remove)
                 while todo:
                     if stop is not None and stop.is_set():
@@ -170,8 +190,24 @@ class BucketPrune:
                     failed = {e["Key"] for e in r.get("Errors", [])}
                     removed += sum(1 for s in batch if s.key not in failed)
                     freed += sum(s.bytes for s in batch if s.key not in failed)
+                    gone.update(s.key for s in batch if s.key not in failed)
                 aborted = 0 if stop is not None and stop.is_set() else self._abort_abandoned(now)
                 report.update(removed=removed, freed_bytes=freed, aborted_uploads=aborted)
+            # Then the blocks no manifest left names, unwritten for grace_s (bucket.plan_block_prune).
+            if unread:
+                report["blocks_kept_why"] = f"{unread} manifest(s) could not be read: no block removed"
+                doomed = []
+            else:
+                named = {b for k, keys in named_by.items() if k not in gone for b in keys}
+                doomed = plan_block_prune(listed, named, now, self.cfg.grace_s)
+            report["blocks_remove"] = len(doomed)
+            report["block_bytes_freed"] = sum(listed[k][0] for k in doomed)
+            if doomed and not dry_run:
+                if stop is not None and stop.is_set():
+                    raise SharedError("bucket prune: cut short by a stop")
+                if not lease.held() or not lease.renew():
+                    raise SharedError("bucket prune: lost the lease (another host took it over)")
+                report["blocks_removed"] = len(self.delete_blocks(doomed))
         except self._errors as e:
             raise SharedError(f"bucket prune: {_why(e)}") from e
         finally:
@@ -182,9 +218,11 @@ class BucketPrune:
         report["at"] = time.time()
         with self._lock:
             self.counters.last_prune = report
-        log.info("auto sessions: shared: bucket prune %s %d of %d saves (%d superseded), %.2f GB",
-                 "would remove" if dry_run else "removed", report["remove"] if dry_run else removed,
-                 report["saves"], plan.superseded, (plan.freed if dry_run else freed) / 1e9)
+        log.info("auto sessions: shared: bucket prune %s %d of %d saves (%d superseded), %.2f GB; %d of %d blocks "
+                 "(%.2f GB)", "would remove" if dry_run else "removed", report["remove"] if dry_run else removed,
+                 report["saves"], plan.superseded, (plan.freed if dry_run else freed) / 1e9,
+                 report["blocks_remove"] if dry_run else report.get("blocks_removed", 0), report["blocks"],
+                 report["block_bytes_freed"] / 1e9)
         return report
 
     def _abort_abandoned(self, now: float) -> int:

@@ -13,6 +13,7 @@ import logging
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -21,6 +22,7 @@ from ..store import slotfile
 from ..store.directory import Store
 from .bucket import (SESSIONS, RemoteSession, SharedError, Unavailable, _http_date, _why, default_host, model_id,
                      parse_key, read_credentials, stem_of)
+from .blockobjects import BlockObjects
 from .downloads import Downloads
 from .lease import BucketPrune
 from .uploads import Uploads, _Job
@@ -35,6 +37,15 @@ class Counters:
     upload_failures: int = 0  # failed attempts (each is retried, but for those dropped)
     uploads_dropped: int = 0  # saves that could not be read to be sent (damaged): never retried
     bytes_up: int = 0
+    manifests_up: int = 0  # saves sent as a manifest and the blocks the bucket lacked
+    blocks_up: int = 0  # blocks sent
+    blocks_skipped: int = 0  # blocks a manifest named that the bucket held already: not sent
+    bytes_up_blocks: int = 0  # bytes those saves sent (blocks and manifests) ...
+    bytes_whole_files: int = 0  # ... and what they would have sent as whole files
+    blocks_fetched: int = 0  # blocks downloaded for a manifest ...
+    bytes_fetched: int = 0
+    blocks_held: int = 0  # ... and those its host held already (not downloaded)
+    bytes_held: int = 0
     downloads: int = 0  # hits: a remote save brought into the session directory
     downloads_moved: int = 0  # of those, saves another host made: conversations that moved here
     bytes_down_moved: int = 0  # their bytes
@@ -52,7 +63,7 @@ class Counters:
     last_prune: dict[str, Any] | None = None
 
 
-class SharedStore(Uploads, Downloads, BucketPrune):
+class SharedStore(Uploads, Downloads, BlockObjects, BucketPrune):
     """The interface the daemon wires in (see each module's docstring for what each part guarantees).
 
     start(store, model)          start the upload worker; re-queue local saves the bucket lacks
@@ -128,6 +139,11 @@ class SharedStore(Uploads, Downloads, BucketPrune):
         self._blocked_said = False  # the skip is logged once per outage, not at every turn
         # Objects refused as not whole (downloads.BadObject): key → why. Under _lock.
         self.bad: dict[str, str] = {}
+        # Blocks this host sent or saw in the bucket: key → Last-Modified (server clock); the
+        # server's clock less this host's; manifests' block lists by object key. Under _lock.
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._clock_skew = 0.0
+        self._manifests: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         # Observers of transfer progress (tests stop the gateway mid-transfer with it):
         # called with ("up" | "down", key, bytes so far) from the transferring thread.
         self.progress: Callable[[str, str, int], None] | None = None
@@ -176,7 +192,7 @@ class SharedStore(Uploads, Downloads, BucketPrune):
             if self.is_bad(s.key):
                 continue
             k = (s.model, s.name)
-            if k not in best or s.order > best[k].order:
+            if k not in best or (s.order, s.manifest) > (best[k].order, best[k].manifest):  # a twin: the manifest
                 best[k] = s
         return sorted(best.values(), key=lambda s: s.order, reverse=True)
 
@@ -203,9 +219,9 @@ class SharedStore(Uploads, Downloads, BucketPrune):
         """Abort one unfinished multipart upload (an entry of unfinished())."""
         self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
 
-    def newest(self, model: str, name: str) -> RemoteSession | None:
-        """The current save of one name (one LIST of its own folder)."""
-        saves = self._list(model, stem_of(name))[0]
+    def newest(self, model: str, name: str, whole: bool = False) -> RemoteSession | None:
+        """The current save of one name (one LIST of its own folder); whole: of its whole files."""
+        saves = [s for s in self._list(model, stem_of(name))[0] if not (whole and s.manifest)]
         return max(saves, key=lambda s: s.order, default=None)
 
     def tokens(self, s: RemoteSession, max_tokens: int | None = None) -> tuple[int, ...]:
@@ -248,6 +264,10 @@ class SharedStore(Uploads, Downloads, BucketPrune):
                 "upload_failures": c.upload_failures, "uploads_dropped": c.uploads_dropped,
                 "last_upload_error": c.last_upload_error,
                 "bytes_up": c.bytes_up,
+                "manifests_up": c.manifests_up, "blocks_up": c.blocks_up, "blocks_skipped": c.blocks_skipped,
+                "bytes_up_blocks": c.bytes_up_blocks, "bytes_whole_files": c.bytes_whole_files,
+                "blocks_fetched": c.blocks_fetched, "bytes_fetched": c.bytes_fetched,
+                "blocks_held": c.blocks_held, "bytes_held": c.bytes_held,
                 "downloads": c.downloads, "downloads_moved": c.downloads_moved,
                 "bytes_down_moved": c.bytes_down_moved, "download_failures": c.download_failures,
                 "downloads_skipped_slower": c.downloads_skipped_slower,

@@ -187,15 +187,7 @@ class Uploads:
                     self.counters.uploads_superseded += 1
             if self._running is not None and self._running.stem in stems:
                 self._running.forgotten = True
-        removed, failed = [], []
-        for s in self.versions():
-            if stem_of(s.name) not in stems:
-                continue
-            try:
-                self._client.delete_object(Bucket=self.bucket, Key=s.key)
-                removed.append(s.key)
-            except self._errors as e:
-                failed.append(f"{s.key}: {_why(e)}")
+        removed, failed = self.remove_saves(stems)
         try:
             for s, u in self.unfinished():
                 if s.host == self.host and stem_of(s.name) in stems:
@@ -292,6 +284,63 @@ class Uploads:
                     self._running = None
 
     def _upload(self, job: _Job) -> str:
+        """One attempt at a job: a save kept as token blocks goes up as its manifest and the blocks
+        the bucket lacks (and as a whole file too with [shared] whole_files, for hosts of the
+        version before manifests); any other as its whole file. → "done" or "superseded: why"."""
+        if self._store is not None and job.meta.in_blocks:
+            outcome = self._upload_blocks(job)
+            if outcome != "done" or not self.cfg.whole_files:
+                return outcome
+        return self._upload_whole(job)
+
+    def _upload_blocks(self, job: _Job) -> str:
+        store = self._store
+        assert store is not None
+        meta = store.read_meta(job.meta.key)
+        if meta is None or meta.saved_at != job.meta.saved_at or not meta.in_blocks:
+            return "superseded: the local save is gone, or saved again since"
+        newest = self.newest(meta.model, job.path.name)
+        mine = (round(meta.saved_at * 1e6), self.host)
+        if newest is not None and newest.order >= mine:
+            return ("done" if newest.order == mine else
+                    f"superseded: {newest.host} saved it later ({newest.saved_at:.3f} > {meta.saved_at:.3f})")
+        sent = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal sent
+            with self._lock:
+                sent += n
+                self.counters.bytes_up += n
+                so_far = sent
+            if self.progress:
+                self.progress("up", job.path.name, so_far)
+
+        try:
+            key, done = self.upload_manifest(meta, job.path.name, store, on_bytes)
+        except Refused as e:
+            if not e.bad:
+                raise StoreError(str(e)) from None  # unreadable for now: tried again
+            raise
+        with self._lock:
+            c = self.counters
+            c.manifests_up += 1
+            c.blocks_up += done["blocks_sent"]
+            c.blocks_skipped += done["blocks_skipped"]
+            c.bytes_up_blocks += sent
+            c.bytes_whole_files += meta.bytes
+            forgotten = job.forgotten
+        log.info("auto sessions: shared: %s up as a manifest: %d block(s) sent, %d already in the bucket; %s of "
+                 "the whole file's %s", job.path.name, done["blocks_sent"], done["blocks_skipped"],
+                 f"{sent / 1e6:,.1f} MB", f"{meta.bytes / 1e6:,.1f} MB")
+        if forgotten:  # forget() listed the bucket before this manifest was there
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=key)
+            except self._errors as e:
+                raise SharedError(f"{key}: forgotten while it went up, and not removed: {_why(e)}") from e
+            return "superseded: forgotten while it went up (its manifest removed)"
+        return "done"
+
+    def _upload_whole(self, job: _Job) -> str:
         meta = job.meta
         key = self.object_key(meta, job.path.name)
         try:
@@ -316,7 +365,8 @@ class Uploads:
                 return f"superseded: not a slot file this code reads ({e})"
             if header.n_tokens != meta.n_tokens:
                 return f"superseded: the file holds {header.n_tokens:,} tokens, the save had {meta.n_tokens:,}"
-            newest = self.newest(meta.model, job.path.name)
+            # Beside a manifest of the same save (whole_files) only whole files are compared.
+            newest = self.newest(meta.model, job.path.name, whole=job.meta.in_blocks)
             mine = (round(meta.saved_at * 1e6), self.host)
             if newest is not None and newest.order >= mine:
                 return ("done" if newest.order == mine else
@@ -427,7 +477,8 @@ class Uploads:
             r = remote.get(e.name)
             if r is None or round(r.saved_at * 1e6) < round(e.meta.saved_at * 1e6):
                 path = store.hot_path(e.key) if e.meta.in_blocks else store.bin_path(e.key)
-                candidates[self.object_key(e.meta, e.name)] = (path, e.meta)
+                key = self.manifest_key(e.meta, e.name) if e.meta.in_blocks else self.object_key(e.meta, e.name)
+                candidates[key] = (path, e.meta)
         if not candidates:
             return
         now = time.time()

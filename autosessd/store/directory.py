@@ -49,6 +49,7 @@ from typing import Iterator
 
 from ..base import files
 from ..base.files import Ident
+from .installing import Installing
 from .integrity import Integrity
 from .names import (AUTO_BIN, AUTO_META, FILE_MODE, GROUP_FILE_MODE, QUARANTINE, QUARANTINE_KEEP_S, TEMP_PREFIX,  # noqa: F401
                     InUse, Meta, NewerHere, StoreError, auto_name, fsync_dir, manual_name, meta_name,
@@ -62,7 +63,7 @@ from .space import Space
 log = logging.getLogger("autosessd")
 
 
-class Store(Saving, Integrity, Space):
+class Store(Saving, Installing, Integrity, Space):
     """The session directory. Used from the event loop and from worker threads (finalize,
     prune, status, ls and the shared tier's downloads run in threads).
 

@@ -22,7 +22,8 @@ NAME = f"auto-{KEY}.bin"
 
 def shared_cfg(gw, bucket, **kw):
     kw = {"prefix": "team/", "read_timeout_s": 10, "connect_timeout_s": 2, "retry_max_s": 2, **kw}
-    extra = "".join(f"{k} = {v!r}\n" if isinstance(v, str) else f"{k} = {v}\n" for k, v in kw.items())
+    extra = "".join(f"{k} = {v!r}\n" if isinstance(v, str) else f"{k} = {str(v).lower()}\n" if isinstance(v, bool)
+                    else f"{k} = {v}\n" for k, v in kw.items())
     return parse((f'slot_save_path = "/srv/x"\n[shared]\nendpoint_url = "{gw.endpoint}"\nbucket = "{bucket}"\n'
                   f'{extra}').encode(), "test.toml").shared
 

@@ -43,7 +43,7 @@ class FakeShared:
     def is_bad(self, key):
         return False
 
-    def decide(self, save, prefill_tokens_s, n_tokens=None, restore_bytes_s=None, unreachable=None):
+    def decide(self, save, prefill_tokens_s, n_tokens=None, restore_bytes_s=None, unreachable=None, n_bytes=None):
         return SimpleNamespace(worth=True, blocked=None)
 
     def upload_later(self, path, meta):

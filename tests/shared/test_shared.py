@@ -1,11 +1,13 @@
 """The shared tier's pure parts: bucket names, the prune plan, the download estimate, credentials."""
 
+import dataclasses
 import os
 
 import pytest
 
 from autosessd.shared import (RemoteSession, SharedError, Unavailable, estimate, model_id, parse_key,
                               plan_bucket_prune, read_credentials, stem_of)
+from autosessd.shared.bucket import block_object, parse_block_key, plan_block_prune
 
 P = "team/"
 KEY = "0123456789abcdef"
@@ -73,6 +75,42 @@ def test_prune_size_budget_and_newer_wins_by_name_not_arrival():
                              now=1000.0, grace_s=0)
     assert [s.key for s in plan.keep] == [newer.key]
     assert {s.key for s in plan.remove} == {late_arrival.key, rs("auto-b", 90.0, size=7).key}
+
+
+def manifest(stem, saved, host="h1", size=1, modified=None):
+    s = rs(stem, saved, host, size, modified)
+    return dataclasses.replace(s, key=s.key[:-4] + ".manifest", manifest=True)
+
+
+def test_a_manifest_parses_as_a_save_and_blocks_by_their_key():
+    k = obj(n=27174)[:-4] + ".manifest"
+    s = parse_key(P, k, 5, 9.0)
+    assert s.manifest and s.n_tokens == 27174 and s.host == "h1" and s.name == f"auto-{KEY}.bin"
+    assert not parse_key(P, obj(), 5, 9.0).manifest
+    assert parse_block_key(P, block_object(P, "ab" * 16)) == "ab" * 16
+    for bad in (f"{P}blocks/{'ab' * 16}.blk.partial", f"{P}blocks/{'AB' * 16}.blk", f"{P}blocks/../x.blk",
+                f"blocks/{'ab' * 16}.blk"):
+        assert parse_block_key(P, bad) is None
+
+
+def test_prune_counts_a_block_once_and_a_save_s_two_forms_as_one():
+    a, b = manifest("auto-a", 200.0), manifest("auto-b", 100.0)
+    a_whole = dataclasses.replace(rs("auto-a", 200.0, size=50))  # whole_files: the same save, whole
+    blocks = {a.key: ("p1", "p2", "a1"), b.key: ("p1", "p2", "b1")}
+    sizes = {"p1": 10, "p2": 10, "a1": 10, "b1": 10}
+    # a costs 1 + 30 + 50 (its twin); b adds only its own block and manifest (1 + 10): both fit 92.
+    plan = plan_bucket_prune([a, b, a_whole], keep=2, max_bytes=92, now=1000.0, grace_s=0,
+                             blocks=blocks, block_bytes=sizes)
+    assert plan.remove == [] and {s.key for s in plan.keep} == {a.key, a_whole.key, b.key}
+    plan = plan_bucket_prune([a, b, a_whole], keep=1, max_bytes=10**9, now=1000.0, grace_s=0,
+                             blocks=blocks, block_bytes=sizes)
+    assert [s.key for s in plan.remove] == [b.key] and plan.freed == 1 + 10  # p1, p2 stay: a names them
+
+
+def test_a_block_goes_only_unnamed_and_past_the_grace():
+    listed = {"named": (10, 0.0), "young": (10, 950.0), "old": (10, 100.0)}
+    assert plan_block_prune(listed, {"named"}, listed_at=1000.0, grace_s=600) == ["old"]
+    assert plan_block_prune(listed, {"named"}, listed_at=1000.0, grace_s=0) == ["old", "young"]
 
 
 def test_estimate_says_both_numbers_and_which_is_faster():
