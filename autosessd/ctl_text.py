@@ -188,6 +188,11 @@ def shared_lines(sh: dict[str, Any], arrivals: int | None = None) -> list[str]:
            f"{sh['downloads_skipped_unreachable']:,} while the bucket failed, "
            f"{sh['downloads_refused_layout']:,} refused (another KV layout), {gb(sh['bytes_down'])} down "
            f"in {sh['download_ms_total'] / 1000:,.1f} s{rate}"]
+    if sh.get("manifests_up") or sh.get("blocks_fetched") or sh.get("blocks_held"):
+        out.append(f"          by block: {sh['manifests_up']:,} save(s) up as manifests, {sh['blocks_up']:,} block(s) "
+                   f"sent, {sh['blocks_skipped']:,} already in the bucket: {gb(sh['bytes_up_blocks'])} up of "
+                   f"{gb(sh['bytes_whole_files'])} as whole files; {sh['blocks_fetched']:,} block(s) fetched "
+                   f"({gb(sh['bytes_fetched'])}), {sh['blocks_held']:,} held here ({gb(sh['bytes_held'])})")
     if arrivals is not None:
         out.append(f"          moved here from other hosts: {arrivals:,} conversation(s), "
                    f"{sh.get('downloads_moved', 0):,} download(s) of their saves ({gb(sh.get('bytes_down_moved', 0))})")
@@ -295,7 +300,9 @@ def forgot(r: dict[str, Any]) -> str:
         lines.append(f"  slot(s) whose engine slot could not be emptied (autosessd no longer names them): "
                      f"{slots(r['erase_failed'])}")
     if r.get("bucket"):
-        lines.append(f"  removed from the shared bucket: {len(r['bucket'])} save(s), every host's")
+        blocks = sum(1 for k in r["bucket"] if k.startswith("blocks/"))
+        lines.append(f"  removed from the shared bucket: {len(r['bucket']) - blocks} save(s), every host's"
+                     + (f", and {blocks} block(s) no other save names" if blocks else ""))
     for k in r.get("kept") or []:
         lines.append(f"  kept: {k}")
     return "\n".join(lines)

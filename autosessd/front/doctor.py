@@ -79,6 +79,25 @@ class Facts:
     hot_bytes: int = 0
     hot_budget: int | None = None
     stale_staging: tuple[str, ...] = ()
+    # The shared bucket by block (issue 48): its status counters (None: no [shared]), whole_files on.
+    shared: dict[str, Any] | None = None
+    whole_files: bool = False
+
+
+def _shared_findings(sh: dict[str, Any], whole_files: bool) -> list[Finding]:
+    """The bucket by block: what went up against whole files, what came down against what was here."""
+    out = []
+    if sh.get("manifests_up"):
+        out.append(Finding("ok", "shared", f"{sh['manifests_up']:,} save(s) up by block: {sh['bytes_up_blocks'] / 1e9:,.2f}"
+                           f" GB sent where whole files would have been {sh['bytes_whole_files'] / 1e9:,.2f} GB; "
+                           f"{sh['blocks_skipped']:,} block(s) the bucket held already"))
+    if sh.get("blocks_fetched") or sh.get("blocks_held"):
+        out.append(Finding("ok", "shared", f"downloads by block: {sh['bytes_fetched'] / 1e9:,.2f} GB fetched, "
+                           f"{sh['bytes_held'] / 1e9:,.2f} GB of the blocks they named held here already"))
+    if whole_files:
+        out.append(Finding("unknown", "shared.whole_files", "every save kept as blocks also goes up whole (for hosts "
+                           "of the version before manifests)", "set it false once every host runs this version"))
+    return out
 
 
 def _flag(flags: dict[str, str | bool] | None, *names: str) -> str | bool | None:
@@ -159,6 +178,8 @@ def checks(f: Facts) -> list[Finding]:
         out.append(Finding("problem", "staging", "tmpfs staging of stores that no longer exist (memory until the "
                            f"next boot): {'; '.join(f.stale_staging)}",
                            "autosessd removes them at its next start; or remove them by hand"))
+    if f.shared is not None:
+        out.extend(_shared_findings(f.shared, f.whole_files))
     if f.whole:
         why = "; ".join(f"{n:,} {w}" for w, n in sorted(f.whole.items(), key=lambda kv: -kv[1])[:3])
         out.append(Finding("unknown", "store", f"conversation(s) kept whole, not as blocks: {why}"))
@@ -269,7 +290,9 @@ async def facts(s: Sessions) -> Facts:
                  not_reused_cause=nr["likely_cause"] if nr else None, swa_retries=c.swa_retries,
                  rewinds=c.rewinds, rewinds_reread=c.rewinds_reread, rewinds_not_done=c.rewinds_not_done,
                  blocks=s.store.cut, staging_tmpfs=tmpfs, whole=whole or None, staging_unsafe=unsafe,
-                 hot_bytes=hot["bytes"], hot_budget=hot["budget"], stale_staging=stale)
+                 hot_bytes=hot["bytes"], hot_budget=hot["budget"], stale_staging=stale,
+                 shared=ctx.remote.status() if ctx.remote is not None else None,
+                 whole_files=bool(ctx.cfg.shared and ctx.cfg.shared.whole_files))
 
 
 def _staging_facts(s: Sessions) -> tuple[str | None, tuple[str, ...]]:

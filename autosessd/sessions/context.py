@@ -6,7 +6,7 @@ constructor and keeps no copy of anything in it (a reload replaces `cfg`, a save
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from ..base.config import Config
 from ..engines.base import ChatEngine, Engine
@@ -37,6 +37,8 @@ class Bucket(Protocol):
     def went_on(self, key: str, tokens: bytes | None, n_tokens: int | None, more: int) -> str | None: ...
 
     async def forget(self, names: set[str]) -> list[str]: ...
+
+    def status(self) -> dict[str, Any]: ...
 
 
 class Facts(Protocol):
