@@ -186,8 +186,8 @@ class Fetcher:
         ctx = self.ctx
         remote = bucket(ctx)
         # A manifest's download fetches only the blocks this host lacks (a shared prefix, an earlier turn).
-        n_bytes = (remote.shared.missing_bytes(save, remote.catalog.manifests.get(save.key), ctx.store)
-                   if save.manifest else None)
+        known = remote.catalog.manifests.get(save.key)
+        n_bytes = remote.shared.missing_bytes(save, known[0] if known else None, ctx.store) if save.manifest else None
         est = remote.shared.decide(save, remote.prefill_tokens_s, fetch.gain, self._restore_rate(),
                                    unreachable=remote.unreachable(), n_bytes=n_bytes)
         if not est.worth:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from ..base.config import SharedConfig
 from ..shared import BadObject, RemoteSession, SharedError, SharedStore
+from ..shared.blockobjects import block_sizes
 from ..store.directory import AUTO_BIN, Meta, auto_name
 from ..store.runs import TokenRun, decode, swa_usable
 from ..store.slotfile import comparable, encode
@@ -69,7 +70,8 @@ class Catalog:
     tokens: dict[str, bytes] = field(default_factory=dict)  # by object key: encoded, comparable part
     run: TokenRun = field(default_factory=TokenRun)  # (tokens, name) of the saves whose tokens are read
     listed_at: float = 0.0  # time.time() when the LIST was sent; 0: never listed
-    manifests: dict[str, Meta] = field(default_factory=dict)  # by object key: a manifest save's, as read
+    # By object key, a manifest save's blocks: (key, bytes of its object) each, and the whole file's bytes.
+    manifests: dict[str, tuple[tuple[tuple[str, int], ...], int]] = field(default_factory=dict)
 
 
 def _said_if_failed(task: asyncio.Task) -> None:
@@ -214,7 +216,7 @@ class Remote:
             finally:
                 ex.shutdown(wait=False, cancel_futures=True)
         # A manifest's size is its whole file's, as the manifest says (its object is a few KB).
-        by_name = {s.name: (dataclasses.replace(s, bytes=manifests[s.key].bytes) if s.key in manifests else s)
+        by_name = {s.name: (dataclasses.replace(s, bytes=manifests[s.key][1]) if s.key in manifests else s)
                    for s in saves}
         if model != self.model:
             return self.catalog  # the engine came back with another model meanwhile (engine_changed)
@@ -225,14 +227,15 @@ class Remote:
         self.catalog = Catalog(by_name, tokens, run, asked, manifests)
         return self.catalog
 
-    def _tokens_of(self, s: RemoteSession) -> tuple[bytes, Meta | None] | None:
-        """(the save's tokens, encoded; its manifest, for a manifest save), or None: not read now."""
+    def _tokens_of(self, s: RemoteSession) -> tuple[bytes, tuple[tuple[tuple[str, int], ...], int] | None] | None:
+        """(the save's tokens, encoded; for a manifest save its blocks and bytes, as
+        Catalog.manifests keeps them), or None: not read now."""
         if self.closing.is_set():
             return None
         try:
             if s.manifest:
                 meta = self.shared.read_manifest(s, self.max_tokens)
-                return encode(comparable(decode(meta.tokens or b""))), meta
+                return encode(comparable(decode(meta.tokens or b""))), (block_sizes(meta), meta.bytes)
             return encode(comparable(self.shared.tokens(s, self.max_tokens))), None
         except BadObject as e:  # not what its name says: remembered, never read again
             self.shared._remember_bad(s.key, str(e))

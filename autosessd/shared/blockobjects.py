@@ -26,7 +26,7 @@ manifest installed under the conversation's name (Store.install), naming the blo
 as this host holds them. The blocks are pinned from before the first is looked at until the
 manifest names them.
 
-The bucket prune and forget take blocks by manifests (lease.py, uploads.forget): read_blocks()
+The bucket prune (lease.py) and forget (remove_saves) take blocks by manifests: read_blocks()
 gives a manifest's blocks (a manifest never changes: read once, kept by key).
 """
 
@@ -35,24 +35,27 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
+import threading
 import time
 from typing import Any, Iterator
 
 from ..base import files
+from ..store import blocks as local_blocks
 from ..store import slotfile
-from ..store.blocks import HEADER, MAGIC_BLOCK, BlockStore, _digest_of, chain
-from ..store.directory import InUse, Meta, NewerHere, Store
+from ..store.blocks import HEADER, MAGIC_BLOCK, BlockStore, _digest_of, chain, tail_key
+from ..store.directory import Meta, StoreError
 from ..store.kvfile import Shape
 from ..store.names import AUTO_BIN
 from ..store.staging import Refused
-from .bucket import (FORMAT_BLOCKS, SESSIONS, AlreadyHere, BadObject, RemoteSession, SharedError, _http_date, _why,
+from .bucket import (FORMAT_BLOCKS, SESSIONS, BadObject, RemoteSession, SharedError, _http_date, _why,
                      block_object, model_id, parse_block_key, stem_of)
 
 log = logging.getLogger("autosessd.shared")
 
 BLOCKS_AT_ONCE = 4  # blocks sent or fetched at once (a block of the Llama-3-8B shape: 16 MiB)
 SEEN_KEPT = 200_000  # blocks remembered as in the bucket (key → Last-Modified)
-MANIFESTS_KEPT = 20_000  # manifests' block lists remembered (by object key: a manifest never changes)
+MANIFESTS_KEPT = 5_000  # manifests' block lists remembered (by object key: a manifest never changes)
 MANIFEST_MAX = 64 << 20  # a manifest larger than this is not read (1M tokens take ~6 MB)
 
 
@@ -64,15 +67,21 @@ class Ref:
     n_cells: int
     payload: int
     digest: str
+    cell_bytes: int  # its header's (the shape's cell meta; 0 for the tail)
 
 
 def refs_of(meta: Meta) -> list[Ref]:
     """The blocks a manifest names, its tail last; ValueError when its shape is not one."""
     shape = Shape.from_json(meta.kv)
-    out = [Ref(k, n, n * shape.cell_size(), d) for k, n, d in meta.blocks]
+    out = [Ref(k, n, n * shape.cell_size(), d, shape.cell_bytes) for k, n, d in meta.blocks]
     if meta.tail:
-        out.append(Ref(meta.tail[0], 0, meta.tail[1], meta.tail[2]))
+        out.append(Ref(meta.tail[0], 0, meta.tail[1], meta.tail[2], 0))
     return out
+
+
+def block_sizes(meta: Meta) -> tuple[tuple[str, int], ...]:
+    """(key, bytes of its object) of every block a manifest names: what a download of it may fetch."""
+    return tuple((r.key, HEADER.size + r.payload) for r in refs_of(meta))
 
 
 def check_block(data: bytes | memoryview, ref: Ref) -> str:
@@ -82,14 +91,42 @@ def check_block(data: bytes | memoryview, ref: Ref) -> str:
     either is right for it."""
     if len(data) != HEADER.size + ref.payload:
         raise ValueError(f"{len(data):,} bytes, a block of {ref.n_cells} cells has {HEADER.size + ref.payload:,}")
-    magic, n, _cb, raw_key, raw_digest = HEADER.unpack_from(data)
-    if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells:
+    magic, n, cb, raw_key, raw_digest = HEADER.unpack_from(data)
+    if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells or cb != ref.cell_bytes:
         raise ValueError("its header is not that of the block its name says")
     h = files.Hasher()
     h.update(memoryview(data)[HEADER.size:])
     if h.hexdigest() != _digest_of(raw_digest):
         raise ValueError(f"its payload's digest is {h.hexdigest()}, its header says {_digest_of(raw_digest)}")
+    if not ref.n_cells and h.hexdigest() != ref.digest:  # a tail is keyed by its digest: only its own bytes
+        raise ValueError(f"a tail whose digest is {h.hexdigest()}, its manifest says {ref.digest}")
     return h.hexdigest()
+
+
+def _not_its(meta: Meta, refs: list[Ref], s: RemoteSession) -> str | None:
+    """Why manifest `meta` is not the save its object's name `s` says, or None. Its block keys
+    are those of its own tokens (the chain: KV of other tokens is never handed to the engine as
+    this conversation's), every block but the last whole, its tail under the key of its bytes."""
+    m = AUTO_BIN.match(s.name)
+    if meta.layout:
+        slotfile.KVLayout.from_fingerprint(meta.layout)  # raises on one that is not a layout
+    if not meta.in_blocks or m is None or meta.key != m.group(1):
+        return "names another conversation, or no blocks"
+    if meta.n_tokens != s.n_tokens or len(meta.tokens or b"") != 4 * meta.n_tokens:
+        return f"holds {len(meta.tokens or b'') // 4:,} tokens, its name says {s.n_tokens:,}"
+    if model_id(meta.model) != s.model or not math.isfinite(meta.saved_at) \
+            or round(meta.saved_at * 1e6) != round(s.saved_at * 1e6):
+        return "its model or time is not its name's"
+    cells = [r.n_cells for r in refs if r.n_cells]
+    if sum(cells) > meta.n_tokens or any(n != local_blocks.BLOCK_TOKENS for n in cells[:-1]) \
+            or (cells and not 0 < cells[-1] <= local_blocks.BLOCK_TOKENS):
+        return "its blocks are not whole blocks of its tokens"
+    shape = Shape.from_json(meta.kv)
+    if [r.key for r in refs if r.n_cells] != chain(meta.model, shape, meta.tokens or b"", meta.n_cells):
+        return "its block keys are not those of its tokens"
+    if meta.tail and meta.tail[0] != tail_key(meta.model, shape, meta.tail[2]):
+        return "its tail's key is not that of its bytes"
+    return None
 
 
 class BlockObjects:
@@ -104,7 +141,12 @@ class BlockObjects:
                 f"{us:020d}-{meta.n_tokens:010d}-{self.host}.manifest")
 
     def _server_now(self, r: dict) -> float:
-        return _http_date(r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")) or time.time()
+        """The server's clock in a response (or an error's response), learned as the skew too."""
+        now = _http_date(r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
+        if now is None:
+            return time.time() + self._clock_skew
+        self._clock_skew = now - time.time()
+        return now
 
     def _saw(self, key: str, modified: float) -> None:
         with self._lock:
@@ -119,35 +161,38 @@ class BlockObjects:
                 self._seen.pop(k, None)
 
     # -- upload ------------------------------------------------------------------------
-    def upload_manifest(self, meta: Meta, name: str, store: Store, on_bytes) -> tuple[str, dict[str, int]]:
-        """Send the blocks of `meta` (a local manifest, read again by the caller) the bucket lacks,
-        then the manifest. → (its object key, what was done: blocks sent / skipped, bytes).
-        SharedError for the bucket, Refused for a local block that cannot be sent."""
+    def upload_manifest(self, meta: Meta, name: str, blocks: BlockStore, on_bytes) -> tuple[str, dict[str, int]]:
+        """Send the blocks of `meta` (a local manifest whose blocks the caller pinned as it read
+        it) the bucket lacks, then the manifest. → (its object key, what was done: blocks sent /
+        skipped, bytes). SharedError for the bucket, Refused for a local block that cannot be sent."""
         key = self.manifest_key(meta, name)
         try:
             refs = refs_of(meta)
         except (ValueError, KeyError, TypeError) as e:
             raise Refused(f"{name}'s manifest: {e}") from None
         done = {"blocks_sent": 0, "blocks_skipped": 0, "block_bytes_sent": 0}
-        with store.blocks.pinned([r.key for r in refs]):
+        grace = self.cfg.grace_s
+        for again in range(3):
             t0 = time.monotonic()
-            self._ensure(refs, store.blocks, done, on_bytes)
-            grace = self.cfg.grace_s
-            if grace > 0 and time.monotonic() - t0 > grace / 4:
-                with self._lock:  # slow: every block is looked at again before the manifest names it
-                    for r in refs:
-                        self._seen.pop(r.key, None)
-                self._ensure(refs, store.blocks, {"blocks_sent": 0, "blocks_skipped": 0, "block_bytes_sent": 0},
-                             on_bytes)
-            body = dataclasses.replace(meta, host=self.host, ident=None).to_json()
-            md = {"autosessd-format": FORMAT_BLOCKS, "key": meta.key, "n-tokens": str(meta.n_tokens),
-                  "saved-at": repr(meta.saved_at), "bytes": str(meta.bytes), "host": self.host}
-            try:
-                self._client.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=md,
-                                        ContentType="application/json")
-            except self._errors as e:
-                raise SharedError(f"upload of {name}'s manifest to {key}: {_why(e)}") from e
-            on_bytes(len(body))
+            got = {"blocks_sent": 0, "blocks_skipped": 0, "block_bytes_sent": 0}
+            self._ensure(refs, blocks, got, on_bytes)
+            for k, v in got.items():
+                done[k] += v if not again or k != "blocks_skipped" else 0
+            if grace <= 0 or time.monotonic() - t0 <= grace / 4:
+                break
+            self.forget_seen(r.key for r in refs)  # slow: every block looked at again, then the manifest
+        else:
+            raise SharedError(f"upload of {name}: looking at its {len(refs):,} blocks took over grace_s / 4 "
+                              f"({grace / 4:.0f} s) three times; tried again later")
+        body = dataclasses.replace(meta, host=self.host, ident=None).to_json()
+        md = {"autosessd-format": FORMAT_BLOCKS, "key": meta.key, "n-tokens": str(meta.n_tokens),
+              "saved-at": repr(meta.saved_at), "bytes": str(meta.bytes), "host": self.host}
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=md,
+                                    ContentType="application/json")
+        except self._errors as e:
+            raise SharedError(f"upload of {name}'s manifest to {key}: {_why(e)}") from e
+        on_bytes(len(body))
         with self._lock:
             self._manifests[key] = tuple(r.key for r in refs)
         return key, done
@@ -171,13 +216,14 @@ class BlockObjects:
             except self._ClientError as e:
                 if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404:
                     raise SharedError(f"looking for block {r.key} in the bucket: {_why(e)}") from e
+                self._server_now(e.response)
                 h = None
             except self._errors as e:
                 raise SharedError(f"looking for block {r.key} in the bucket: {_why(e)}") from e
-            if h is not None and int(h.get("ContentLength", -1)) == HEADER.size + r.payload:
+            # A block this host found damaged there is sent again (its bytes replace the object).
+            if h is not None and int(h.get("ContentLength", -1)) == HEADER.size + r.payload and not self.is_bad(obj):
                 server_now = self._server_now(h)
                 modified = h["LastModified"].timestamp()
-                self._clock_skew = server_now - time.time()
                 if grace > 0 and server_now - modified >= grace / 2:
                     try:  # refreshed in place: its Last-Modified is now, no bytes over the link
                         c = self._client.copy_object(Bucket=self.bucket, Key=obj, CopySource={
@@ -200,18 +246,31 @@ class BlockObjects:
             with self._lock:
                 done["blocks_sent"] += 1
                 done["block_bytes_sent"] += len(data)
+                self.bad.pop(obj, None)
             on_bytes(len(data))
             self._saw(r.key, self._server_now(p))
 
         self._each(one, todo)
 
     def _each(self, fn, items: list) -> None:
-        """fn over items, BLOCKS_AT_ONCE at a time; the first error raised after all have ended."""
+        """fn over items, BLOCKS_AT_ONCE at a time; after the first error no other is begun, and
+        it is raised (a BadObject first) once those under way have ended."""
         if not items:
             return
+        failed = threading.Event()
+
+        def guarded(x) -> None:
+            if failed.is_set():
+                return
+            try:
+                fn(x)
+            except BaseException:
+                failed.set()
+                raise
+
         with concurrent.futures.ThreadPoolExecutor(min(BLOCKS_AT_ONCE, len(items)),
                                                    thread_name_prefix="autosessd-blocks") as ex:
-            futs = [ex.submit(fn, x) for x in items]
+            futs = [ex.submit(guarded, x) for x in items]
             errors = [f.exception() for f in futs]
         for e in errors:
             if isinstance(e, BadObject):
@@ -236,6 +295,49 @@ class BlockObjects:
             raise Refused(f"block {r.key} here is damaged, its bytes changed: {e}") from None
         return data
 
+    def _send_blocks(self, job: Any, meta: Meta, blocks: BlockStore) -> str:
+        """uploads._upload_blocks's sending: the blocks the bucket lacks, the manifest, counted."""
+        newest = self.newest(meta.model, job.path.name)
+        mine = (round(meta.saved_at * 1e6), self.host)
+        if newest is not None and newest.order >= mine:
+            return ("done" if newest.order == mine else
+                    f"superseded: {newest.host} saved it later ({newest.saved_at:.3f} > {meta.saved_at:.3f})")
+        sent = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal sent
+            with self._lock:
+                sent += n
+                self.counters.bytes_up += n
+                so_far = sent
+            if self.progress:
+                self.progress("up", job.path.name, so_far)
+
+        try:
+            key, done = self.upload_manifest(meta, job.path.name, blocks, on_bytes)
+        except Refused as e:
+            if not e.bad:
+                raise StoreError(str(e)) from None  # unreadable for now: tried again
+            raise
+        with self._lock:
+            c = self.counters
+            c.manifests_up += 1
+            c.blocks_up += done["blocks_sent"]
+            c.blocks_skipped += done["blocks_skipped"]
+            c.bytes_up_blocks += sent
+            c.bytes_whole_files += meta.bytes
+            forgotten = job.forgotten
+        log.info("auto sessions: shared: %s up as a manifest: %d block(s) sent, %d already in the bucket; %s of "
+                 "the whole file's %s", job.path.name, done["blocks_sent"], done["blocks_skipped"],
+                 f"{sent / 1e6:,.1f} MB", f"{meta.bytes / 1e6:,.1f} MB")
+        if forgotten:  # forget() listed the bucket before this manifest was there
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=key)
+            except self._errors as e:
+                raise SharedError(f"{key}: forgotten while it went up, and not removed: {_why(e)}") from e
+            return "superseded: forgotten while it went up (its manifest removed)"
+        return "done"
+
     # -- manifests ---------------------------------------------------------------------
     def read_manifest(self, s: RemoteSession, max_tokens: int | None = None) -> Meta:
         """The manifest of save `s` (one GET), checked against its name: BadObject when it is not
@@ -254,23 +356,9 @@ class BlockObjects:
         try:
             meta = Meta.from_json(data)
             refs = refs_of(meta)
-        except (ValueError, KeyError, TypeError) as e:
-            raise BadObject(f"{s.key}: not a manifest ({str(e)[:200]})") from None
-        m = AUTO_BIN.match(s.name)
-        why = None
-        if not meta.in_blocks or m is None or meta.key != m.group(1):
-            why = "names another conversation, or no blocks"
-        elif meta.n_tokens != s.n_tokens or len(meta.tokens or b"") != 4 * meta.n_tokens:
-            why = f"holds {len(meta.tokens or b'') // 4:,} tokens, its name says {s.n_tokens:,}"
-        elif model_id(meta.model) != s.model or round(meta.saved_at * 1e6) != round(s.saved_at * 1e6):
-            why = "its model or time is not its name's"
-        elif sum(r.n_cells for r in refs) > meta.n_tokens:
-            why = "its blocks hold more cells than its tokens"
-        elif [r.key for r in refs if r.n_cells] != chain(meta.model, Shape.from_json(meta.kv), meta.tokens or b"",
-                                                          meta.n_cells):
-            # A block's key is the hash of every token up to its end: KV of other tokens is
-            # never handed to the engine as this conversation's (nor blocks of another size).
-            why = "its block keys are not those of its tokens"
+            why = _not_its(meta, refs, s)
+        except Exception as e:  # whatever the bytes are (JSON of another shape, NaN, huge numbers)
+            raise BadObject(f"{s.key}: not a manifest ({type(e).__name__}: {str(e)[:200]})") from None
         if why:
             raise BadObject(f"{s.key}: {why}")
         with self._lock:
@@ -288,13 +376,17 @@ class BlockObjects:
             return got
         try:
             r = self._client.get_object(Bucket=self.bucket, Key=key)
-            meta = Meta.from_json(r["Body"].read(MANIFEST_MAX + 1))
+            if int(r.get("ContentLength", 0)) > MANIFEST_MAX:
+                r["Body"].close()
+                raise ValueError(f"{int(r['ContentLength']):,} bytes")
+            meta = Meta.from_json(r["Body"].read())
             keys = tuple(x.key for x in refs_of(meta))
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("auto sessions: shared: %s is not a manifest (%s)", key, str(e)[:200])
-            return ()  # names nothing: it protects no block
         except self._errors as e:
             log.debug("auto sessions: shared: reading %s: %s", key, _why(e))
+            return None
+        except Exception as e:  # not readable as a manifest (another version's?): it protects every block
+            log.warning("auto sessions: shared: %s is not a manifest this version reads (%s: %s); no block is "
+                        "removed while it is there", key, type(e).__name__, str(e)[:200])
             return None
         with self._lock:
             self._manifests[key] = keys
@@ -337,11 +429,31 @@ class BlockObjects:
         self.forget_seen(keys)
         return gone
 
+    def unchanged(self, keys: list[str], listed: dict[str, tuple[int, float]]) -> list[str]:
+        """Of blocks `keys`, those still as `listed` showed them (one HEAD each, just before a
+        removal): a block refreshed or sent again since (an upload counting on it; a refresh
+        comes grace_s / 2 after its last write or more) is not removed. One that does not
+        answer is not removed now either."""
+        out: list[str] = []
+
+        def one(k: str) -> None:
+            try:
+                h = self._client.head_object(Bucket=self.bucket, Key=block_object(self.prefix, k))
+            except self._errors:
+                return
+            if h["LastModified"].timestamp() - listed[k][1] < 1.0:  # HEAD has whole seconds, a LIST ms
+                with self._lock:
+                    out.append(k)
+
+        self._each(one, keys)
+        return sorted(out)
+
     def remove_saves(self, stems: set[str]) -> tuple[list[str], list[str]]:
         """Every host's saves of these names removed from the bucket (forget), and the blocks only
-        their manifests named (a block another manifest names stays; while a manifest cannot
-        be read, none goes: the bucket prune takes them later). → (keys removed, blocks as
-        "blocks/<key>"; what could not be removed, and why). SharedError: no listing."""
+        their manifests named, unless written within grace_s (a block another manifest names
+        stays; while a manifest cannot be read, none goes: the bucket prune takes them later).
+        → (keys removed, blocks as "blocks/<key>"; what could not be removed, and why).
+        SharedError: no listing."""
         removed, failed = [], []
         saves = self.versions()
         named_by = {s.key: self.read_blocks(s.key, s.bytes) for s in saves if s.manifest}  # before any goes
@@ -362,111 +474,16 @@ class BlockObjects:
         only = sorted(mine - others)
         if only and not unread:
             try:
-                removed += [f"blocks/{k}" for k in self.delete_blocks(only)]
+                # As the bucket prune: a block written or refreshed within grace_s may be one an
+                # upload of another conversation counts on (its manifest not up yet): the prune
+                # takes it after grace_s, when no manifest names it.
+                listed, now = self.list_blocks()
+                grace = self.cfg.grace_s
+                old = [k for k in only if k in listed and (grace <= 0 or now - listed[k][1] >= grace)]
+                removed += [f"blocks/{k}" for k in self.delete_blocks(self.unchanged(old, listed))]
+                if len(old) < len(only):
+                    log.info("auto sessions: shared: %d block(s) only the forgotten saves named were written within "
+                             "grace_s: the bucket prune removes them after it", len(only) - len(old))
             except self._errors as e:
                 failed.append(f"{len(only)} block(s) of it: {_why(e)}")
         return removed, failed
-
-    # -- download ------------------------------------------------------------------------
-    def missing_bytes(self, s: RemoteSession, meta: Meta | None, store: Store) -> int:
-        """Bytes a download of `s` would fetch: its blocks this host lacks (its size when the
-        manifest is not known)."""
-        if meta is None:
-            return s.bytes
-        try:
-            return sum(HEADER.size + r.payload for r in refs_of(meta) if not store.blocks.path(r.key).exists())
-        except (ValueError, KeyError, TypeError):
-            return s.bytes
-
-    def download_manifest(self, s: RemoteSession, store: Store, claimed: bool, deadline: float | None,
-                          layout: slotfile.KVLayout | None) -> dict[str, int]:
-        """Bring save `s` (a manifest) into the local store: the blocks this host lacks, then the
-        manifest (the module docstring). → what was fetched. AlreadyHere, BadObject,
-        Incompatible, SharedError as download() has them; nothing under the name changes on
-        any of them (fetched blocks no manifest names go at the local prune's sweep)."""
-        name, conv = s.name, s.conversation_key
-        if conv is None or store.blocks is None:
-            raise SharedError(f"{name}: a manifest is restored only into a block store of an auto name")
-        if store.users(name) > (1 if claimed else 0):
-            raise SharedError(f"{name} is being written or read here; a download does not replace it")
-        local = store.read_meta(conv)
-        if local is not None and local.saved_at >= s.saved_at:
-            with self._lock:
-                self.counters.downloads_kept_local += 1
-            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
-        meta = self.read_manifest(s)
-        if meta.layout:
-            self._check_layout(s, slotfile.KVLayout.from_fingerprint(meta.layout), layout, None)
-        refs = refs_of(meta)
-        got = {"blocks_fetched": 0, "bytes_fetched": 0, "blocks_held": 0, "bytes_held": 0}
-        if not claimed:
-            store.acquire(name)
-        try:
-            with store.blocks.pinned([r.key for r in refs]):
-                need, seen = [], set()
-                for r in refs:
-                    have = store.blocks.info(r.key)
-                    if have is not None and have[0] == r.n_cells:
-                        got["blocks_held"] += 1
-                        got["bytes_held"] += HEADER.size + r.payload
-                    elif r.key not in seen:
-                        seen.add(r.key)
-                        need.append(r)
-
-                def fetch(r: Ref) -> None:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise SharedError(f"download of {s.key}: past its time limit (download_timeout_s)")
-                    obj = block_object(self.prefix, r.key)
-                    try:
-                        data = self._client.get_object(Bucket=self.bucket, Key=obj)["Body"].read()
-                    except self._ClientError as e:
-                        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                            raise BadObject(f"{s.key} names block {r.key}, which the bucket does not hold") from None
-                        raise SharedError(f"download of block {r.key}: {_why(e)}") from e
-                    except self._errors as e:
-                        raise SharedError(f"download of block {r.key}: {_why(e)}") from e
-                    with self._lock:
-                        self.counters.bytes_down += len(data)
-                    try:
-                        check_block(data, r)
-                    except ValueError as e:
-                        with self._lock:  # the manifest is remembered and counted by download()
-                            self.bad[obj] = f"block {obj}: {e}"
-                        raise BadObject(f"{s.key} names block {r.key}, whose object is damaged: {e}") from None
-                    mv = memoryview(data)
-                    _, cb = HEADER.unpack_from(data)[1:3]
-                    store.blocks.put(r.key, r.n_cells, cb, [mv[HEADER.size:]])
-                    with self._lock:
-                        got["blocks_fetched"] += 1
-                        got["bytes_fetched"] += len(data)
-                    if self.progress:
-                        self.progress("down", obj, len(data))
-
-                try:
-                    self._each(fetch, need)
-                except OSError as e:
-                    raise SharedError(f"download of {s.key}: storing its blocks here: {e.strerror or e}") from e
-                store.blocks.sync([r.key for r in need])
-                mine = []
-                for r in refs:  # as this host holds them: a block here first keeps its own bytes
-                    have = store.blocks.info(r.key)
-                    if have is None or have[0] != r.n_cells:
-                        raise SharedError(f"download of {s.key}: block {r.key} went missing here meanwhile")
-                    mine.append(dataclasses.replace(r, digest=have[1]))
-                blocks_ = tuple((r.key, r.n_cells, r.digest) for r in mine if r.n_cells)
-                tail = next(((r.key, r.payload, r.digest) for r in mine if not r.n_cells), None)
-                local_meta = dataclasses.replace(meta, host=s.host, ident=None, blocks=blocks_, tail=tail)
-                try:
-                    store.install(None, name, local_meta, claimed=True)
-                except InUse:
-                    raise SharedError(f"{name} was taken here during the download (a save or a restore); "
-                                      f"it is not replaced") from None
-                except NewerHere:
-                    with self._lock:
-                        self.counters.downloads_kept_local += 1
-                    raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") \
-                        from None
-        finally:
-            if not claimed:
-                store.release(name)
-        return got

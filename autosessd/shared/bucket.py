@@ -158,8 +158,11 @@ class Estimate:
 
 
 def estimate(n_bytes: int, n_tokens: int, down_bytes_s: float | None, prefill_tokens_s: float | None,
-             restore_bytes_s: float | None = None, latency_s: float = 0.05) -> Estimate:
-    """Pure: time to download n_bytes and restore them vs time to prefill n_tokens.
+             restore_bytes_s: float | None = None, latency_s: float = 0.05,
+             restore_n_bytes: int | None = None) -> Estimate:
+    """Pure: time to download n_bytes and restore restore_n_bytes (default: n_bytes; a manifest's
+    download fetches only the blocks the host lacks, its restore reads them all) vs time to
+    prefill n_tokens.
 
     down_bytes_s: measured download throughput (SharedStore keeps it); prefill_tokens_s: the
     engine's prompt rate (llama-server reports timings.prompt_per_second); restore_bytes_s: the
@@ -168,7 +171,7 @@ def estimate(n_bytes: int, n_tokens: int, down_bytes_s: float | None, prefill_to
     if down_bytes_s and down_bytes_s > 0:
         download_s = latency_s + n_bytes / down_bytes_s
         if restore_bytes_s and restore_bytes_s > 0:
-            download_s += n_bytes / restore_bytes_s
+            download_s += (n_bytes if restore_n_bytes is None else restore_n_bytes) / restore_bytes_s
     reread_s = n_tokens / prefill_tokens_s if prefill_tokens_s and prefill_tokens_s > 0 else None
     return Estimate(download_s, reread_s, down_bytes_s, prefill_tokens_s)
 
@@ -212,9 +215,8 @@ def plan_bucket_prune(saves: Iterable[RemoteSession], keep: int, max_bytes: int,
                 superseded += 1
             else:
                 kept.append(old)
-    counted: set[str] = set()
-    for s in kept:
-        counted.update(blocks.get(s.key, ()))
+    counted: set[str] = set()  # the blocks of current saves kept so far (superseded ones in their grace are
+    # kept beside the budget, as before blocks: they do not make a current save cheaper)
 
     def cost(s: RemoteSession) -> int:
         return s.bytes + sum(block_bytes.get(b, 0) for b in set(blocks.get(s.key, ())) - counted)
@@ -231,8 +233,9 @@ def plan_bucket_prune(saves: Iterable[RemoteSession], keep: int, max_bytes: int,
                 counted.update(blocks.get(s.key, ()))
         else:
             remove.extend(same)
+    still = {b for s in kept for b in blocks.get(s.key, ())}
     freed = sum(s.bytes for s in remove)
-    freed += sum(block_bytes.get(b, 0) for b in {b for s in remove for b in blocks.get(s.key, ())} - counted)
+    freed += sum(block_bytes.get(b, 0) for b in {b for s in remove for b in blocks.get(s.key, ())} - still)
     return BucketPrunePlan(remove=remove, keep=kept, superseded=superseded, freed=freed)
 
 

@@ -32,9 +32,11 @@ from urllib.parse import unquote
 from ..base import files
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
+from ..store.blocks import HEADER
 from ..store.names import marks_from
-from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, estimate,
-                     stem_of)
+from .blockobjects import Ref, check_block, refs_of
+from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, block_object,
+                     estimate, stem_of)
 
 log = logging.getLogger("autosessd.shared")
 
@@ -57,13 +59,18 @@ class Downloads:
             return key in self.bad
 
     def _remember_bad(self, key: str, why: str) -> None:
+        self._mark_bad(key, why)
+        with self._lock:
+            self.counters.downloads_refused_bad += 1
+            self.counters.last_download_error = why
+        log.warning("auto sessions: shared: %s; this object is not fetched again", why)
+
+    def _mark_bad(self, key: str, why: str) -> None:
+        """`key` refused as not whole (the oldest forgotten past BAD_KEPT); not counted."""
         with self._lock:
             self.bad[key] = why
             while len(self.bad) > BAD_KEPT:
                 del self.bad[next(iter(self.bad))]
-            self.counters.downloads_refused_bad += 1
-            self.counters.last_download_error = why
-        log.warning("auto sessions: shared: %s; this object is not fetched again", why)
 
     def decide(self, s: RemoteSession, prefill_tokens_s: float | None, n_tokens: int | None = None,
                restore_bytes_s: float | None = None, unreachable: str | None = None,
@@ -74,7 +81,7 @@ class Downloads:
         the download fetches (a manifest's blocks this host lacks; default: the save's bytes)."""
         n = s.n_tokens if n_tokens is None else n_tokens
         est = estimate(s.bytes if n_bytes is None else n_bytes, n, self._down_rate, prefill_tokens_s,
-                       restore_bytes_s)
+                       restore_bytes_s, restore_n_bytes=s.bytes)  # the restore reads all of it
         if self.is_bad(s.key):
             return dataclasses.replace(est, blocked=f"{s.key} was refused before: {self.bad.get(s.key)}")
         blocked = self.download_blocked(unreachable)
@@ -237,10 +244,11 @@ class Downloads:
         """download() of a manifest: its blocks this host lacks, then the manifest
         (blockobjects.download_manifest), counted as download() counts a whole file."""
         t0 = time.monotonic()
+        got = {"blocks_fetched": 0, "bytes_fetched": 0, "blocks_held": 0, "bytes_held": 0}
         try:
-            got = self.download_manifest(s, store, claimed, deadline, layout)
+            self.download_manifest(s, store, claimed, deadline, layout, got)
         except BaseException as e:
-            self._failed(s, e, t0, 0)
+            self._failed(s, e, t0, got["bytes_fetched"])
             raise
         with self._lock:
             c = self.counters
@@ -343,6 +351,109 @@ class Downloads:
                     n_prompt=num("n-prompt", int), prefix=md.get("prefix") == "1",
                     layout=layout.fingerprint() if layout is not None else None, host=s.host,
                     marks=marks_from(md.get("marks", "")))
+
+    # -- download ------------------------------------------------------------------------
+    @staticmethod
+    def missing_bytes(s: RemoteSession, sizes: tuple[tuple[str, int], ...] | None, store: Store) -> int:
+        """Bytes a download of `s` would fetch: of its blocks (blockobjects.block_sizes), those
+        this host lacks (its size when they are not known)."""
+        if sizes is None or store.blocks is None:
+            return s.bytes
+        return sum(n for key, n in dict(sizes).items() if not store.blocks.path(key).exists())
+
+    def download_manifest(self, s: RemoteSession, store: Store, claimed: bool, deadline: float | None,
+                          layout: slotfile.KVLayout | None, got: dict[str, int]) -> None:
+        """Bring save `s` (a manifest) into the local store: the blocks this host lacks, then the
+        manifest (the module docstring). `got` counts what was fetched and held (a failure
+        leaves in it what had arrived). AlreadyHere, BadObject, Incompatible, SharedError as
+        download() has them; nothing under the name changes on any of them (fetched blocks no
+        manifest names go at the local prune's sweep)."""
+        name, conv = s.name, s.conversation_key
+        if conv is None or store.blocks is None:
+            raise SharedError(f"{name}: a manifest is restored only into a block store of an auto name")
+        if store.users(name) > (1 if claimed else 0):
+            raise SharedError(f"{name} is being written or read here; a download does not replace it")
+        local = store.read_meta(conv)
+        if local is not None and local.saved_at >= s.saved_at:
+            with self._lock:
+                self.counters.downloads_kept_local += 1
+            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
+        meta = self.read_manifest(s)
+        if meta.layout:
+            self._check_layout(s, slotfile.KVLayout.from_fingerprint(meta.layout), layout, None)
+        refs = refs_of(meta)
+        if not claimed:
+            store.acquire(name)
+        try:
+            with store.blocks.pinned([r.key for r in refs]):
+                need, seen = [], set()
+                for r in refs:
+                    have = store.blocks.info(r.key)
+                    if have is not None and have[0] == r.n_cells:
+                        got["blocks_held"] += 1
+                        got["bytes_held"] += HEADER.size + r.payload
+                    elif r.key not in seen:
+                        seen.add(r.key)
+                        need.append(r)
+
+                def fetch(r: Ref) -> None:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise SharedError(f"download of {s.key}: past its time limit (download_timeout_s)")
+                    obj = block_object(self.prefix, r.key)
+                    try:
+                        resp = self._client.get_object(Bucket=self.bucket, Key=obj)
+                        if int(resp.get("ContentLength", -1)) != HEADER.size + r.payload:  # before reading it
+                            resp["Body"].close()
+                            data = b""
+                        else:
+                            data = resp["Body"].read()
+                    except self._ClientError as e:
+                        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                            raise BadObject(f"{s.key} names block {r.key}, which the bucket does not hold") from None
+                        raise SharedError(f"download of block {r.key}: {_why(e)}") from e
+                    except self._errors as e:
+                        raise SharedError(f"download of block {r.key}: {_why(e)}") from e
+                    with self._lock:
+                        self.counters.bytes_down += len(data)
+                    try:
+                        check_block(data, r)
+                    except ValueError as e:
+                        self._mark_bad(obj, f"block {obj}: {e}")  # the manifest: counted by download()
+                        raise BadObject(f"{s.key} names block {r.key}, whose object is damaged: {e}") from None
+                    store.blocks.put(r.key, r.n_cells, r.cell_bytes, [memoryview(data)[HEADER.size:]])
+                    with self._lock:
+                        got["blocks_fetched"] += 1
+                        got["bytes_fetched"] += len(data)
+                    if self.progress:
+                        self.progress("down", obj, len(data))
+
+                try:
+                    self._each(fetch, need)
+                except OSError as e:
+                    raise SharedError(f"download of {s.key}: storing its blocks here: {e.strerror or e}") from e
+                store.blocks.sync([r.key for r in need])
+                mine = []
+                for r in refs:  # as this host holds them: a block here first keeps its own bytes
+                    have = store.blocks.info(r.key)
+                    if have is None or have[0] != r.n_cells:
+                        raise SharedError(f"download of {s.key}: block {r.key} went missing here meanwhile")
+                    mine.append(dataclasses.replace(r, digest=have[1]))
+                blocks_ = tuple((r.key, r.n_cells, r.digest) for r in mine if r.n_cells)
+                tail = next(((r.key, r.payload, r.digest) for r in mine if not r.n_cells), None)
+                local_meta = dataclasses.replace(meta, host=s.host, ident=None, blocks=blocks_, tail=tail)
+                try:
+                    store.install(None, name, local_meta, claimed=True)
+                except InUse:
+                    raise SharedError(f"{name} was taken here during the download (a save or a restore); "
+                                      f"it is not replaced") from None
+                except NewerHere:
+                    with self._lock:
+                        self.counters.downloads_kept_local += 1
+                    raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") \
+                        from None
+        finally:
+            if not claimed:
+                store.release(name)
 
 
 def _object_meta(md: dict[str, str]) -> dict[str, str]:

@@ -161,18 +161,24 @@ class BucketPrune:
             # every block there is. A manifest that cannot be read now protects every block.
             named_by: dict[str, tuple[str, ...]] = {}
             unread = 0
-            for s in saves:
-                if s.manifest:
-                    got = self.read_blocks(s.key, s.bytes)
-                    if got is None:
-                        unread += 1
-                    else:
-                        named_by[s.key] = got
+            for i, s in enumerate(x for x in saves if x.manifest):
+                if i % 200 == 199:  # reading many manifests for the first time takes a while
+                    if stop is not None and stop.is_set():
+                        raise SharedError("bucket prune: cut short by a stop")
+                    if not lease.held() or not lease.renew():
+                        raise SharedError("bucket prune: lost the lease (another host took it over)")
+                got = self.read_blocks(s.key, s.bytes)
+                if got is None:
+                    unread += 1
+                else:
+                    named_by[s.key] = got
             listed, _ = self.list_blocks()
             plan = plan_bucket_prune(saves, keep, max_bytes, now, self.cfg.grace_s, named_by,
                                      {k: v[0] for k, v in listed.items()})
+            # freed_bytes: the saves' own objects; the blocks they free come after, block_bytes_freed.
             report = {"done": True, "dry_run": dry_run, "saves": len(saves), "remove": len(plan.remove),
-                      "superseded": plan.superseded, "freed_bytes": plan.freed, "blocks": len(listed)}
+                      "superseded": plan.superseded, "freed_bytes": sum(s.bytes for s in plan.remove),
+                      "blocks": len(listed)}
             gone: set[str] = set()
             if dry_run:
                 gone = {s.key for s in plan.remove}
@@ -207,7 +213,7 @@ class BucketPrune:
                     raise SharedError("bucket prune: cut short by a stop")
                 if not lease.held() or not lease.renew():
                     raise SharedError("bucket prune: lost the lease (another host took it over)")
-                report["blocks_removed"] = len(self.delete_blocks(doomed))
+                report["blocks_removed"] = len(self.delete_blocks(self.unchanged(doomed, listed)))
         except self._errors as e:
             raise SharedError(f"bucket prune: {_why(e)}") from e
         finally:
@@ -220,7 +226,7 @@ class BucketPrune:
             self.counters.last_prune = report
         log.info("auto sessions: shared: bucket prune %s %d of %d saves (%d superseded), %.2f GB; %d of %d blocks "
                  "(%.2f GB)", "would remove" if dry_run else "removed", report["remove"] if dry_run else removed,
-                 report["saves"], plan.superseded, (plan.freed if dry_run else freed) / 1e9,
+                 report["saves"], plan.superseded, (report["freed_bytes"] if dry_run else freed) / 1e9,
                  report["blocks_remove"] if dry_run else report.get("blocks_removed", 0), report["blocks"],
                  report["block_bytes_freed"] / 1e9)
         return report

@@ -295,50 +295,16 @@ class Uploads:
 
     def _upload_blocks(self, job: _Job) -> str:
         store = self._store
-        assert store is not None
-        meta = store.read_meta(job.meta.key)
-        if meta is None or meta.saved_at != job.meta.saved_at or not meta.in_blocks:
-            return "superseded: the local save is gone, or saved again since"
-        newest = self.newest(meta.model, job.path.name)
-        mine = (round(meta.saved_at * 1e6), self.host)
-        if newest is not None and newest.order >= mine:
-            return ("done" if newest.order == mine else
-                    f"superseded: {newest.host} saved it later ({newest.saved_at:.3f} > {meta.saved_at:.3f})")
-        sent = 0
-
-        def on_bytes(n: int) -> None:
-            nonlocal sent
-            with self._lock:
-                sent += n
-                self.counters.bytes_up += n
-                so_far = sent
-            if self.progress:
-                self.progress("up", job.path.name, so_far)
-
+        assert store is not None and store.blocks is not None
+        # Its manifest as it is now, its blocks pinned in the same section: no prune or later
+        # save takes one of them before the bucket has them.
+        meta, _, pins = store.hot.pinned_manifest(job.meta.key)
         try:
-            key, done = self.upload_manifest(meta, job.path.name, store, on_bytes)
-        except Refused as e:
-            if not e.bad:
-                raise StoreError(str(e)) from None  # unreadable for now: tried again
-            raise
-        with self._lock:
-            c = self.counters
-            c.manifests_up += 1
-            c.blocks_up += done["blocks_sent"]
-            c.blocks_skipped += done["blocks_skipped"]
-            c.bytes_up_blocks += sent
-            c.bytes_whole_files += meta.bytes
-            forgotten = job.forgotten
-        log.info("auto sessions: shared: %s up as a manifest: %d block(s) sent, %d already in the bucket; %s of "
-                 "the whole file's %s", job.path.name, done["blocks_sent"], done["blocks_skipped"],
-                 f"{sent / 1e6:,.1f} MB", f"{meta.bytes / 1e6:,.1f} MB")
-        if forgotten:  # forget() listed the bucket before this manifest was there
-            try:
-                self._client.delete_object(Bucket=self.bucket, Key=key)
-            except self._errors as e:
-                raise SharedError(f"{key}: forgotten while it went up, and not removed: {_why(e)}") from e
-            return "superseded: forgotten while it went up (its manifest removed)"
-        return "done"
+            if meta is None or meta.saved_at != job.meta.saved_at or not meta.in_blocks:
+                return "superseded: the local save is gone, or saved again since"
+            return self._send_blocks(job, meta, store.blocks)
+        finally:
+            store.blocks.unpin(pins)
 
     def _upload_whole(self, job: _Job) -> str:
         meta = job.meta

@@ -69,6 +69,7 @@ class Installing:
         if Path(name).name != name or name.startswith("."):
             raise ValueError(f"install: {name!r} is not a bare file name")
         final = self.path / name
+        aside: list[Path] = []
         meta_tmp = None
         if meta is not None:
             meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
@@ -82,9 +83,15 @@ class Installing:
                     raise NewerHere(f"{name}: the local save (saved_at {local.saved_at:.3f}) is as new")
                 if temp is not None:
                     os.replace(temp, final)
-                else:  # an older save's copy, and its whole file
-                    self.hot.forget(name)
-                    self._unlink(final)
+                else:  # an older save's copy and whole file: renamed aside now, unlinked after the lock
+                    got = self.hot.set_aside(name)
+                    aside += [got[0]] if got is not None else []
+                    dead = self.path / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.replaced.partial"
+                    try:
+                        os.rename(final, dead)
+                        aside.append(dead)
+                    except FileNotFoundError:
+                        pass
                 if meta_tmp is not None:
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
@@ -97,5 +104,7 @@ class Installing:
         finally:
             if meta_tmp is not None:
                 self._unlink(meta_tmp)
+            for p in aside:
+                self._unlink(p)
         fsync_dir(self.path)
 

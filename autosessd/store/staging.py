@@ -192,7 +192,7 @@ class Staging:
         with self.lock:
             self._copies.pop(name, None)
 
-    def _set_aside(self, name: str) -> tuple[Path, int] | None:
+    def set_aside(self, name: str) -> tuple[Path, int] | None:
         """Under lock: the copy out of the records and renamed aside (the caller unlinks it
         outside the lock: a multi-GB unlink on a disk is not held under it)."""
         rec = self._copies.pop(name, None)
@@ -219,7 +219,7 @@ class Staging:
                 victim = next((n for n in self._copies if self._free(n, own)), None)
                 if victim is None:
                     return freed
-                got = self._set_aside(victim)
+                got = self.set_aside(victim)
             if got is not None:
                 with contextlib.suppress(FileNotFoundError):
                     got[0].unlink()
@@ -239,7 +239,7 @@ class Staging:
         """A copy dropped (its conversation removed): → its bytes. Only a recorded copy is
         removed, never the store's own whole file under the same name."""
         with self.lock:
-            got = self._set_aside(name)
+            got = self.set_aside(name)
         if got is None:
             return 0
         with contextlib.suppress(FileNotFoundError):
@@ -288,7 +288,7 @@ class Staging:
         none can be read."""
         m = AUTO_BIN.match(name)
         key = m.group(1) if m else None
-        meta, meta_ident, pins = self._pinned_manifest(key) if key else (None, None, [])
+        meta, meta_ident, pins = self.pinned_manifest(key) if key else (None, None, [])
         try:
             if meta is None or not meta.in_blocks:
                 if self.dir == self.store_dir:
@@ -312,7 +312,7 @@ class Staging:
         finally:
             self.blocks.unpin(pins)
 
-    def _pinned_manifest(self, key: str) -> tuple[Meta | None, Ident | None, list[str]]:
+    def pinned_manifest(self, key: str) -> tuple[Meta | None, Ident | None, list[str]]:
         """The manifest of `key` with its blocks pinned as it is: read (parsed, the first time)
         outside the lock, then under it looked at again (a stat: its parse is cached by its
         identity) and pinned only if it is still that file; read again if a save replaced it

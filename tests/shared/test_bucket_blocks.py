@@ -190,8 +190,27 @@ def test_a_block_is_kept_through_the_grace_whatever_the_manifests_say(hosts, s3_
     assert report["blocks_remove"] == 0 and len(bucket_state(s3_gateway, s3_bucket)[1]) == 10
 
 
+def test_a_block_written_again_after_the_prune_listed_it_is_not_removed(hosts, s3_gateway, s3_bucket):
+    """The prune decides from its listing; an upload may refresh a block after it (its manifest
+    then lands after the prune's list of manifests): each block is looked at again just before
+    its removal, and one written since stays."""
+    (h1, s1), = hosts(1)
+    h1.start(s1)
+    meta = save(s1, A, PROMPT)
+    assert up(h1, s1, A) == "done"
+    listed, _ = h1.list_blocks()
+    time.sleep(2.1)  # a HEAD says Last-Modified in whole seconds: a write 1 s later may not show
+    c = s3_gateway.client()
+    fresh = meta.blocks[2][0]
+    obj = f"team/blocks/{fresh}.blk"
+    c.copy_object(Bucket=s3_bucket, Key=obj, CopySource={"Bucket": s3_bucket, "Key": obj}, MetadataDirective="REPLACE",
+                  Metadata={"autosessd-format": "2"})  # as an upload refreshes it
+    still = h1.unchanged(sorted(listed), listed)
+    assert fresh not in still and len(still) == len(listed) - 1
+
+
 def test_forget_takes_its_manifests_and_the_blocks_no_other_manifest_names(hosts, s3_gateway, s3_bucket):
-    (h1, s1), (h2, s2) = hosts(2)
+    (h1, s1), (h2, s2) = hosts(2, grace_s=0)
     h1.start(s1)
     h2.start(s2)
     save(s1, A, PROMPT + [1, 2, 3, 4, 5])
@@ -203,6 +222,19 @@ def test_forget_takes_its_manifests_and_the_blocks_no_other_manifest_names(hosts
     manifests, there = bucket_state(s3_gateway, s3_bucket)
     assert len(manifests) == 1 and len(there) == 11
     no_manifest_names_a_missing_block(s3_gateway, s3_bucket)
+
+
+def test_forget_leaves_blocks_written_within_the_grace_to_the_prune(hosts, s3_gateway, s3_bucket):
+    """Another host's upload may count on a block written lately (its manifest not up yet):
+    forget takes the manifests at once, such blocks only once the grace has passed."""
+    (h1, s1), = hosts(1, grace_s=3600)
+    h1.start(s1)
+    save(s1, A, PROMPT)
+    assert up(h1, s1, A) == "done"
+    removed = h1.forget({f"auto-{A}.bin"})
+    manifests, there = bucket_state(s3_gateway, s3_bucket)
+    assert len(removed) == 1 and not manifests and len(there) == 10
+    assert h1.prune_bucket(max_gb=1)["blocks_remove"] == 0  # still within the grace
 
 
 def test_with_whole_files_a_save_goes_up_in_both_forms_for_hosts_of_the_version_before(hosts, s3_gateway,
@@ -267,7 +299,7 @@ def test_kill_9_during_uploads_and_prunes_never_leaves_a_manifest_naming_a_missi
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests / "shared"), str(tests.parent)])}
     rng = random.Random(7)
     kills = 0
-    for i in range(5):
+    for i in range(3):
         d = tmp_path / f"run{i}"
         d.mkdir()
         p = subprocess.Popen([sys.executable, "-c", CHILD, s3_gateway.endpoint, s3_bucket, str(d), str(i)],
@@ -286,4 +318,4 @@ def test_kill_9_during_uploads_and_prunes_never_leaves_a_manifest_naming_a_missi
             p.stderr.close()
         no_manifest_names_a_missing_block(s3_gateway, s3_bucket)
     manifests, there = bucket_state(s3_gateway, s3_bucket)
-    assert kills == 5 and manifests and there  # the runs got as far as uploads
+    assert kills == 3 and manifests and there  # the runs got as far as uploads
