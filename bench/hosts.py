@@ -10,6 +10,9 @@ Per repetition:
     (b) host 2      A's return on another host: autosessd finds A's save in the bucket,
                     downloads it and restores it (idle_save_switched_s = 0: its reply is then
                     saved while idle and uploaded, waited for, so (a) runs on a quiet machine)
+    (d) host 3      A's return on a host that holds A's system prompt (its first
+                    SYSTEM_TOKENS tokens) from a conversation of its own: it downloads only
+                    the blocks of A it lacks (issue 48)
     (a) host 1      A's return on its own host: restored from its local file (staging)
     (c) the engine  the same request to the engine alone: it re-reads all of A
 
@@ -35,7 +38,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENS = int(os.environ.get("BENCH_HOSTS_TOKENS", "6000"))
 REPS = int(os.environ.get("BENCH_HOSTS_REPS", "1"))
 PER_TOKEN = 131072
-CASES = ("own host", "another host", "engine alone")
+CASES = ("own host", "another host", "engine alone", "prefix host")
+SYSTEM_TOKENS = 4000  # A opens with a system prompt of this many tokens, which host 3 holds already
+
+
+def _system() -> str:
+    import demo
+    from kv8b import TOKENS_PER_FACT
+
+    return "You answer questions about boxes of marbles. " + demo.facts(max(1, int(SYSTEM_TOKENS / TOKENS_PER_FACT)),
+                                                                         "crate")
 
 
 # -- the bucket -----------------------------------------------------------------------
@@ -142,12 +154,15 @@ def returned(h: dict[str, Any], r: dict[str, Any], before: dict[str, Any]) -> di
     return out
 
 
-def one_rep(i: int, h1: dict[str, Any], h2: dict[str, Any], alone_port: int,
+SYSTEM = ""  # set by s15_hosts (demo.facts needs bench/ on the path)
+
+
+def one_rep(i: int, h1: dict[str, Any], h2: dict[str, Any], h3: dict[str, Any], alone_port: int,
             b: list[dict[str, str]]) -> tuple[dict[str, Any], list[dict[str, str]]]:
     from kv8b import facts, going_on, idle_saves
 
     out: dict[str, Any] = {}
-    a = facts(TOKENS, f"box{i}" if i else "box")
+    a = [{"role": "system", "content": SYSTEM}, facts(TOKENS - SYSTEM_TOKENS, f"box{i}" if i else "box")[0]]
     ra = ask(h1["port"], a)  # host 1 reads A
     out["first_read_ttft_s"], out["prompt_tokens"] = ra["ttft_s"], ra["prompt"]
     a = going_on(a, ra, 1)
@@ -177,6 +192,13 @@ def one_rep(i: int, h1: dict[str, Any], h2: dict[str, Any], alone_port: int,
     out["own host"] = returned(h1, r, before)
     quiet(h1, idle1)
 
+    # (d) a host holding A's system prompt: only the rest comes down
+    wait_for("host 3's catalog to list A", lambda: (status(h3)["shared"]["catalog"]["listed_at"] or 0) > up_at, 120)
+    before, idle3 = status(h3), idle_saves(h3["socket"])
+    r = ask(h3["port"], a)
+    out["prefix host"] = returned(h3, r, before)
+    quiet(h3, idle3)
+
     # (c) the engine alone re-reads A
     r = ask(alone_port, a)
     out["engine alone"] = {"ttft_s": r["ttft_s"], "end_s": r["end_s"], "cache_n": r["cache_n"],
@@ -194,7 +216,7 @@ def one_rep(i: int, h1: dict[str, Any], h2: dict[str, Any], alone_port: int,
 def s15_hosts(run: Any) -> dict[str, Any]:
     import shutil
 
-    from kv8b import facts
+    from kv8b import facts, idle_saves
 
     if "MODEL_KV8B" not in run.paths:
         return {"skipped": "scripts/fetch-engine gave no MODEL_KV8B"}
@@ -220,12 +242,18 @@ def s15_hosts(run: Any) -> dict[str, Any]:
         c.delete_object(Bucket=bucket, Key="warm-up")
         for k in saved_env:
             os.environ[k] = env[k]  # the daemons' credentials (their environment)
-        h1, h2 = host(run, 1, env, bucket), host(run, 2, env, bucket)
+        h1, h2, h3 = host(run, 1, env, bucket), host(run, 2, env, bucket), host(run, 3, env, bucket)
         alone_port, _ = engine(run, run._dir("alone-sessions"))
+        global SYSTEM
+        SYSTEM = _system()
         b = facts(300, "jar")
+        # Host 3 reads a conversation of its own that opens with A's system prompt (saved, uploaded).
+        idle3 = idle_saves(h3["socket"])
+        ask(h3["port"], [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say ok."}])
+        quiet(h3, idle3)
         reps = []
         for i in range(REPS):
-            r, b = one_rep(i, h1, h2, alone_port, b)
+            r, b = one_rep(i, h1, h2, h3, alone_port, b)
             reps.append(r)
         out["runs"] = reps
         out["arrivals_host2"] = status(h2)["counters"].get("arrivals")
@@ -264,7 +292,11 @@ def t15(r: dict[str, Any]) -> str:
 
     for case, label, src in (("own host", "(a) on its own host (host 1)", "its local file"),
                              ("another host", "(b) on another host (host 2)", "the bucket: download + restore"),
+                             ("prefix host", f"(d) on a host holding its first {SYSTEM_TOKENS:,} tokens (host 3)",
+                              "the bucket: the blocks it lacked + restore"),
                              ("engine alone", "(c) the engine alone", "a re-read of the prompt")):
+        if case not in runs[-1]:
+            continue
         x = runs[-1][case]
         turn = "-"
         if case != "engine alone":
@@ -280,7 +312,7 @@ def t15(r: dict[str, Any]) -> str:
                      f"{turn} | {dl} |")
     last = runs[-1]
     came = last["another host"]["headers"].get("x-autosessd-conversation", "-")
-    own, other, alone = (_med([x[c]["ttft_s"] for x in runs]) for c in CASES)
+    own, other, alone, _ = (_med([x[c]["ttft_s"] for x in runs]) for c in CASES)
     lines += ["", f"A: {last['prompt_tokens']:,} tokens. Another host against its own: "
               f"**{other / own:.1f}×** the first token; the re-read against another host: **{alone / other:.0f}×**. "
               f"Host 2's catalog listed A {_med([x['uploaded_after_s'] for x in runs]):.1f} s after the switch to B. "
