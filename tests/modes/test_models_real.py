@@ -57,6 +57,7 @@ def router(engines, session_dir, tmp_path, slots=1):
     return engines(session_dir, ctx=8192, slots=slots, router=(tmp_path / "models", ["ga", "gb"], 1))
 
 
+@pytest.mark.parametrize("model", ["kv8b"], indirect=True)  # Gemma 3 behind the router: the next tests
 def test_a_model_switch_and_back_reuses_the_conversation_and_the_router_alone_does_not(engines, session_dir,
                                                                                       tmp_path, model):
     eng = router(engines, session_dir, tmp_path)

@@ -157,7 +157,9 @@ def all_up(stats: Path, n_hosts: int) -> None:
 
 @pytest.mark.s3
 @pytest.mark.parametrize("model", ["kv8b"], indirect=True)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+# SIGKILL only: a host stopped with SIGTERM behind a front door is the next test's (twice) and
+# test_front_door_smg_real's; the suite's time is better spent elsewhere than on both here.
+@pytest.mark.parametrize("sig", [signal.SIGKILL], ids=["sigkill"])
 def test_each_conversation_stays_on_its_host_and_moves_with_a_restore_when_its_host_stops(
         engines, model, s3_gateway, s3_bucket, aws_env, tmp_path, sig):
     """SIGTERM: the stop saves what the slots hold and uploads it before the exit. SIGKILL: no
