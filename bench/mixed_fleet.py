@@ -38,7 +38,8 @@ def step(role: str, bucket: str, work: str, endpoint: str) -> None:
     d.mkdir()
     sh, store = SharedStore(cfg), Store(d)
     sh.start(store)
-    mine, theirs = ("a1a1a1a1a1a1a1a1", "b2b2b2b2b2b2b2b2") if role == "new" else ("b2b2b2b2b2b2b2b2", "a1a1a1a1a1a1a1a1")
+    a, b = "a1a1a1a1a1a1a1a1", "b2b2b2b2b2b2b2b2"
+    mine, theirs = (a, b) if role == "new" else (b, a)
     tokens = list(range(700 if role == "new" else 900, 1000 if role == "new" else 1250))
     data = slot_file(tokens)
     store.temp_path(mine).write_bytes(data)

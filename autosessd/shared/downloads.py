@@ -215,15 +215,7 @@ class Downloads:
             # The last look and the renames, in one section of the store's lock: the name is
             # not taken by anyone but this download (which holds one count of it, claimed or
             # acquired above), and a local save finalized meanwhile (another slot) stays.
-            try:
-                store.install(temp, name, meta, claimed=True)
-            except InUse:
-                raise SharedError(f"{name} was taken here during the download (a save or a restore); "
-                                  f"it is not replaced") from None
-            except NewerHere:
-                with self._lock:
-                    self.counters.downloads_kept_local += 1
-                raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") from None
+            self._install(store, temp, s, meta)
         except BaseException as e:
             self._failed(s, e, t0, got)
             raise
@@ -305,6 +297,20 @@ class Downloads:
             self._down_backoff_s = min(max(self.cfg.retry_max_s, 1.0),
                                        max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
             self._down_backoff_until = time.monotonic() + self._down_backoff_s
+
+    def _install(self, store: Store, temp: Path | None, s: RemoteSession, meta: Meta | None) -> None:
+        """Store.install of a download (the caller holds the name), its refusals in the tier's
+        terms: someone took the name meanwhile (SharedError), or a local save as new landed
+        (AlreadyHere, counted)."""
+        try:
+            store.install(temp, s.name, meta, claimed=True)
+        except InUse:
+            raise SharedError(f"{s.name} was taken here during the download (a save or a restore); "
+                              f"it is not replaced") from None
+        except NewerHere:
+            with self._lock:
+                self.counters.downloads_kept_local += 1
+            raise AlreadyHere(f"{s.name}: a local save as new as {s.host}'s finalized during the download") from None
 
     @staticmethod
     def _check_whole(s: RemoteSession, md: dict[str, str], got: int, digest: str) -> None:
@@ -441,16 +447,7 @@ class Downloads:
                 blocks_ = tuple((r.key, r.n_cells, r.digest) for r in mine if r.n_cells)
                 tail = next(((r.key, r.payload, r.digest) for r in mine if not r.n_cells), None)
                 local_meta = dataclasses.replace(meta, host=s.host, ident=None, blocks=blocks_, tail=tail)
-                try:
-                    store.install(None, name, local_meta, claimed=True)
-                except InUse:
-                    raise SharedError(f"{name} was taken here during the download (a save or a restore); "
-                                      f"it is not replaced") from None
-                except NewerHere:
-                    with self._lock:
-                        self.counters.downloads_kept_local += 1
-                    raise AlreadyHere(f"{name}: a local save as new as {s.host}'s finalized during the download") \
-                        from None
+                self._install(store, None, s, local_meta)
         finally:
             if not claimed:
                 store.release(name)

@@ -14,7 +14,9 @@ ones beyond keep / max_gb (a block counted once, whatever names it); then bucket
 the blocks no manifest left names and nobody wrote or refreshed for grace_s (no block goes while
 a manifest that could not be read is there); multipart uploads abandoned for a day (their host
 died mid-upload) are aborted. Manifests go before blocks: a prune stopped anywhere (kill -9)
-leaves blocks no manifest names, never a manifest naming a missing block. Only names autosessd owns (bucket.py's layout) are ever touched.
+leaves blocks no manifest names, never a manifest naming a missing block; and each block is
+looked at again just before its removal (one written since stays). Only names autosessd owns
+(bucket.py's layout) are ever touched.
 """
 
 from __future__ import annotations

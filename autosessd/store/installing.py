@@ -96,7 +96,7 @@ class Installing:
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
                     self._remember_meta(meta.key, written)
-                    self._named(meta.key, meta)  # its blocks named, or none: a whole file where a manifest may have been
+                    self._named(meta.key, meta)  # its blocks named (none: a whole file, where a manifest was)
                     now = files.regular_ident(final)
                     if meta.digest is not None and now is not None:
                         # The rename moved the ctime the metadata recorded: checked as it arrived.
