@@ -193,8 +193,7 @@ class BlockObjects:
         except self._errors as e:
             raise SharedError(f"upload of {name}'s manifest to {key}: {_why(e)}") from e
         on_bytes(len(body))
-        with self._lock:
-            self._manifests[key] = tuple(r.key for r in refs)
+        self._named_by(key, tuple(r.key for r in refs))
         return key, done
 
     def _ensure(self, refs: list[Ref], blocks: BlockStore, done: dict[str, int], on_bytes) -> None:
@@ -346,13 +345,11 @@ class BlockObjects:
             raise SharedError(f"{s.key}: its name says {s.n_tokens:,} tokens, more than the engine's context "
                               f"of {max_tokens:,}: not read")
         try:
-            r = self._client.get_object(Bucket=self.bucket, Key=s.key)
-            if int(r.get("ContentLength", 0)) > MANIFEST_MAX:
-                r["Body"].close()
-                raise BadObject(f"{s.key}: a manifest of {int(r['ContentLength']):,} bytes")
-            data = r["Body"].read()
+            data = self._manifest_bytes(s.key)
         except self._errors as e:
             raise SharedError(f"reading the manifest {s.key}: {_why(e)}") from e
+        except ValueError as e:
+            raise BadObject(f"{s.key}: {e}") from None
         try:
             meta = Meta.from_json(data)
             refs = refs_of(meta)
@@ -361,13 +358,26 @@ class BlockObjects:
             raise BadObject(f"{s.key}: not a manifest ({type(e).__name__}: {str(e)[:200]})") from None
         if why:
             raise BadObject(f"{s.key}: {why}")
-        with self._lock:
-            self._manifests[s.key] = tuple(r.key for r in refs)
-            while len(self._manifests) > MANIFESTS_KEPT:
-                self._manifests.popitem(last=False)
+        self._named_by(s.key, tuple(r.key for r in refs))
         return meta
 
-    def read_blocks(self, key: str, size: int) -> tuple[str, ...] | None:
+    def _manifest_bytes(self, key: str) -> bytes:
+        """One GET of a manifest object; ValueError when it is larger than any manifest."""
+        r = self._client.get_object(Bucket=self.bucket, Key=key)
+        if int(r.get("ContentLength", 0)) > MANIFEST_MAX:
+            r["Body"].close()
+            raise ValueError(f"a manifest of {int(r['ContentLength']):,} bytes")
+        return r["Body"].read()
+
+    def _named_by(self, key: str, blocks: tuple[str, ...]) -> None:
+        """Remember which blocks manifest object `key` names (the oldest forgotten past MANIFESTS_KEPT)."""
+        with self._lock:
+            self._manifests[key] = blocks
+            self._manifests.move_to_end(key)
+            while len(self._manifests) > MANIFESTS_KEPT:
+                self._manifests.popitem(last=False)
+
+    def read_blocks(self, key: str) -> tuple[str, ...] | None:
         """The blocks the manifest object `key` names (cached: a manifest never changes); None
         when it could not be read."""
         with self._lock:
@@ -375,12 +385,7 @@ class BlockObjects:
         if got is not None:
             return got
         try:
-            r = self._client.get_object(Bucket=self.bucket, Key=key)
-            if int(r.get("ContentLength", 0)) > MANIFEST_MAX:
-                r["Body"].close()
-                raise ValueError(f"{int(r['ContentLength']):,} bytes")
-            meta = Meta.from_json(r["Body"].read())
-            keys = tuple(x.key for x in refs_of(meta))
+            keys = tuple(x.key for x in refs_of(Meta.from_json(self._manifest_bytes(key))))
         except self._errors as e:
             log.debug("auto sessions: shared: reading %s: %s", key, _why(e))
             return None
@@ -388,8 +393,7 @@ class BlockObjects:
             log.warning("auto sessions: shared: %s is not a manifest this version reads (%s: %s); no block is "
                         "removed while it is there", key, type(e).__name__, str(e)[:200])
             return None
-        with self._lock:
-            self._manifests[key] = keys
+        self._named_by(key, keys)
         return keys
 
     def list_blocks(self) -> tuple[dict[str, tuple[int, float]], float]:
@@ -456,7 +460,7 @@ class BlockObjects:
         SharedError: no listing."""
         removed, failed = [], []
         saves = self.versions()
-        named_by = {s.key: self.read_blocks(s.key, s.bytes) for s in saves if s.manifest}  # before any goes
+        named_by = {s.key: self.read_blocks(s.key) for s in saves if s.manifest}  # before any goes
         for s in saves:
             if stem_of(s.name) not in stems:
                 continue

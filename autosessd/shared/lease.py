@@ -169,7 +169,7 @@ class BucketPrune:
                         raise SharedError("bucket prune: cut short by a stop")
                     if not lease.held() or not lease.renew():
                         raise SharedError("bucket prune: lost the lease (another host took it over)")
-                got = self.read_blocks(s.key, s.bytes)
+                got = self.read_blocks(s.key)
                 if got is None:
                     unread += 1
                 else:
