@@ -20,7 +20,12 @@ def slot_file(tokens, *, n_layer=3, k_row=16, v_row=16, v_trans=0, n_embd_v=8, e
               order=None, n_cells=None, n_stream=1, stream=0, media=False, extra=b"", seq=0, salt=0,
               positions=None):
     """The bytes of a slot file holding `tokens` (the first n_cells with KV; default all), its
-    cells written in `order` (a permutation of positions; default 0 … n−1)."""
+    cells written in `order` (a permutation of positions; default 0 … n−1). k_row, v_row and
+    n_embd_v: one for every layer, or a list of one per layer."""
+
+    def per(x, layer):
+        return x[layer] if isinstance(x, (list, tuple)) else x
+
     n_tok = len(tokens)
     n = n_tok if n_cells is None else n_cells
     order = list(range(n)) if order is None else list(order)
@@ -41,20 +46,21 @@ def slot_file(tokens, *, n_layer=3, k_row=16, v_row=16, v_trans=0, n_embd_v=8, e
             out += struct.pack("<i", seq)
         out += struct.pack("<IIII", v_trans, n_layer, 0, 0)
         for layer in range(n_layer):
-            out += struct.pack("<iQ", 1, k_row)
+            out += struct.pack("<iQ", 1, per(k_row, layer))
             for i in order:
-                out += cell_bytes_of(("k", layer), pos_of[i], tokens[i], k_row, salt)
+                out += cell_bytes_of(("k", layer), pos_of[i], tokens[i], per(k_row, layer), salt)
         for layer in range(n_layer):
             if v_trans:
-                out += struct.pack("<iII", 1, el, n_embd_v)
-                cols = {i: cell_bytes_of(("v", layer), pos_of[i], tokens[i], n_embd_v * el, salt) for i in order}
-                for j in range(n_embd_v):
+                ne = per(n_embd_v, layer)
+                out += struct.pack("<iII", 1, el, ne)
+                cols = {i: cell_bytes_of(("v", layer), pos_of[i], tokens[i], ne * el, salt) for i in order}
+                for j in range(ne):
                     for i in order:
                         out += cols[i][j * el:(j + 1) * el]
             else:
-                out += struct.pack("<iQ", 1, v_row)
+                out += struct.pack("<iQ", 1, per(v_row, layer))
                 for i in order:
-                    out += cell_bytes_of(("v", layer), pos_of[i], tokens[i], v_row, salt)
+                    out += cell_bytes_of(("v", layer), pos_of[i], tokens[i], per(v_row, layer), salt)
     out += struct.pack("<I", 0) * (n_stream - stream - 1)
     return bytes(out) + extra
 

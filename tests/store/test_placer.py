@@ -1,0 +1,157 @@
+"""The engine's file written in place as a download brings its blocks (cutting.Placer, issue 48):
+blocks placed in any order, from several threads at once, give byte for byte the file
+assemble() writes from the same blocks — V transposed or not, cells with the M-RoPE
+extension, another stream's slot, a last block shorter than the others, a window model's or a
+hybrid's tail, a file with one token more than cells. A block of the wrong size is refused."""
+
+import io
+import os
+import random
+import threading
+
+import pytest
+
+from autosessd.store import blocks as B
+from autosessd.store import cutting
+from autosessd.store.blocks import BadBlock, BlockStore
+from autosessd.store.cutting import Placer, assemble, split
+from autosessd.store.kvfile import parse
+from autosessd.store.slotfile import encode
+from kv_common import slot_file, two_part_file
+
+MODEL = "test-model"
+
+
+def payload(store, key):
+    return store.path(key).read_bytes()[B.HEADER.size:]
+
+
+def placed(tmp_path, store, kv, refs, tail=None, seed=0, threads=1):
+    """The file a Placer writes from `refs` (and `tail`) placed in a shuffled order."""
+    out = tmp_path / f"placed-{seed}-{threads}.bin"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs, tail)
+        jobs = list(range(len(refs))) + ([-1] if tail else [])
+        random.Random(seed).shuffle(jobs)
+
+        def one(i):
+            if i < 0:
+                p.place_tail(payload(store, tail.key))
+            else:
+                p.place(i, payload(store, refs[i].key))
+
+        if threads == 1:
+            for i in jobs:
+                one(i)
+        else:
+            ts = [threading.Thread(target=lambda part=jobs[k::threads]: [one(i) for i in part])
+                  for k in range(threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        p.finish()
+        p.close()
+    finally:
+        os.close(fd)
+    return out.read_bytes()
+
+
+def assembled(store, kv, refs, tail=None):
+    buf = io.BytesIO()
+    assemble(store, kv.shape, encode(kv.tokens), refs, sum(r.n_cells for r in refs), buf, tail)
+    return buf.getvalue()
+
+
+@pytest.fixture(params=[1, 3000, 1 << 30], ids=["each-block", "runs", "at-the-end"])
+def group(request, monkeypatch):
+    """Blocks written as each arrives, in runs of a few, or all when the last one came."""
+    monkeypatch.setattr(cutting, "GROUP_BYTES", request.param)
+
+
+@pytest.mark.parametrize("v_trans", [0, 1])
+@pytest.mark.parametrize("cell_ext", [False, True])
+@pytest.mark.parametrize("n_stream, stream", [(1, 0), (4, 2)])
+def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, monkeypatch, group, v_trans, cell_ext,
+                                                                    n_stream, stream):
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    n = 45
+    tokens = [1000 + i for i in range(n)]
+    order = list(range(30, n)) + list(range(30))  # cells in cache order: split gathers them by position
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(tokens, v_trans=v_trans, cell_ext=cell_ext, order=order, n_stream=n_stream,
+                              stream=stream))
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    assert [r.n_cells for r in refs] == [8] * 5 + [5]
+    want = assembled(store, kv, refs)
+    for seed, threads in ((1, 1), (2, 1), (3, 4)):
+        assert placed(tmp_path, store, kv, refs, seed=seed, threads=threads) == want
+
+
+@pytest.mark.parametrize("v_trans", [0, 1])
+def test_layers_of_other_row_sizes_are_placed_each_at_its_own_offsets(tmp_path, monkeypatch, group, v_trans):
+    """Runs of layers whose rows are of one size go in one copy each: rows that change from
+    layer to layer (and back) start a new run."""
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    tokens = list(range(700, 737))
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(tokens, n_layer=6, k_row=[16, 16, 32, 8, 8, 16], v_row=[16, 8, 8, 24, 24, 24],
+                              n_embd_v=[8, 8, 4, 4, 6, 8], v_trans=v_trans))
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    assert placed(tmp_path, store, kv, refs, seed=11, threads=2) == assembled(store, kv, refs) == src.read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["window", "recurrent"])
+def test_a_file_with_a_tail_is_placed_byte_for_byte_as_the_engine_wrote_it(tmp_path, monkeypatch, group, kind):
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    tokens = list(range(300, 345))
+    data, _ = two_part_file(tokens, kind)
+    src = tmp_path / "a.bin"
+    src.write_bytes(data)
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, tail, _ = split(store, kv, src, MODEL)
+    assert placed(tmp_path, store, kv, refs, tail, seed=5, threads=3) == data == assembled(store, kv, refs, tail)
+
+
+def test_a_file_with_one_token_more_than_cells(tmp_path, monkeypatch):
+    """The engine's file after a request whose last token it did not decode: n tokens, n−1 cells."""
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    tokens = list(range(500, 521))
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(tokens, n_cells=20))
+    kv = parse(src)
+    assert kv.n_cells == 20 and len(kv.tokens) == 21
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    assert placed(tmp_path, store, kv, refs, seed=7) == assembled(store, kv, refs) == src.read_bytes()
+
+
+def test_a_block_of_the_wrong_size_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    tokens = list(range(20))
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(tokens))
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+        with pytest.raises(BadBlock, match="bytes, its payload has"):
+            p.place(0, payload(store, refs[0].key)[:-1])
+        with pytest.raises(BadBlock, match="a tail of"):
+            p.place_tail(b"x")
+        p.place(0, payload(store, refs[0].key))
+        with pytest.raises(BadBlock, match="placed twice"):
+            p.place(0, payload(store, refs[0].key))
+        with pytest.raises(BadBlock, match="never placed"):
+            p.finish()
+        p.close()
+    finally:
+        os.close(fd)
