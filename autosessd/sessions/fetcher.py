@@ -20,15 +20,15 @@ SharedStore a Remote wraps.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..base import logs
 from ..shared import AlreadyHere, BadObject, Incompatible, RemoteSession, SharedError
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, Store, auto_name
-from ..store.runs import decode
 from . import policy
 from .policy import Fetch, FileInfo, Held, SaveOutcome
 from .remote import Remote
@@ -50,6 +50,8 @@ class Claim:
         self.store, self.name = store, name
         self.fut: asyncio.Future | None = None
         self._released = False
+        # Called once the name is let go after a download that came whole (on the event loop).
+        self.after: Callable[[], None] | None = None
         store.acquire(name)
 
     def release(self) -> None:
@@ -60,6 +62,8 @@ class Claim:
             self.fut.add_done_callback(self._later)
         else:
             self.store.release(self.name)
+            if self.after is not None:
+                self.after()
 
     def _later(self, fut: asyncio.Future) -> None:
         if not fut.cancelled():
@@ -79,6 +83,8 @@ class Fetcher:
     def __init__(self, ctx: Context, saver: Saver):
         self.ctx = ctx
         self.saver = saver
+        # A downloaded file's key, once its restore read it: kept as blocks later (Upkeep.keep_as_blocks).
+        self.downloaded: Callable[[str], None] | None = None
 
     async def by_tokens(self, key: str, held: Held | None, outcome: SaveOutcome, tokens: bytes, shared: int,
                         found: tuple[str, int] | None, result: TurnResult
@@ -240,6 +246,8 @@ class Fetcher:
             claim.release()
             raise
         ctx.counters.fetched += 1
+        if self.downloaded is not None and save.conversation_key:
+            claim.after = functools.partial(self.downloaded, save.conversation_key)
         ms = (time.monotonic() - t0) * 1000
         got = save.bytes if n_bytes is None else n_bytes
         ctx.events.emit("downloaded", file=save.name, host=save.host, n_tokens=save.n_tokens, bytes=got,
@@ -260,12 +268,6 @@ class Fetcher:
         ctx.remote.shared.download(save, ctx.store, claimed=True, deadline=began + limit, layout=ctx.engine_layout)
         if ctx.index is not None:
             try:
-                if save.manifest:  # no file here: its manifest's tokens
-                    meta = ctx.store.read_meta(save.conversation_key or "")
-                    if meta is None or not meta.in_blocks:
-                        raise ValueError("its manifest is not there")
-                    ctx.index.add(save.name, decode(meta.tokens or b""), meta.model, meta.marks)
-                else:
-                    ctx.index.add_file(save.name)  # the model its metadata names, the saving host's
+                ctx.index.add_file(save.name)  # whole, a manifest's too; the model its metadata names, the saving host's
             except (OSError, ValueError, slotfile.BadSlotFile) as e:
                 raise SharedError(f"indexing the downloaded {save.name}: {e}") from None

@@ -11,10 +11,11 @@ Each part owns its section of what it guarantees, in its docstring:
                 the tier's errors, the download estimate and the bucket prune's plans; pure,
                 no boto3
   uploads.py    the upload queue and its one worker thread, retries, the re-queue at start
-  blockobjects.py  a manifest's blocks the bucket lacks sent before it; the blocks a host
-                lacks fetched and checked before its manifest is installed (Store.install)
+  blockobjects.py  a manifest's blocks the bucket lacks sent before it; a manifest read and
+                checked, its blocks fetched and checked
   downloads.py  decide (download or re-read), the download's backoff and rate, download()
-                into the session directory through Store.install
+                into the session directory through Store.install (a manifest's: the engine's
+                file written from the blocks as they come)
   lease.py      the bucket prune under a lease taken with conditional PUTs
   tier.py       SharedStore: the client, its configuration, counters, listing, status,
                 composed with the three above

@@ -21,6 +21,7 @@ a local save at least as new as the remote one is kept.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -32,7 +33,9 @@ from urllib.parse import unquote
 from ..base import files
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
-from ..store.blocks import HEADER
+from ..store.blocks import HEADER, BlockRef, TailRef
+from ..store.cutting import Placer
+from ..store.kvfile import Shape
 from ..store.names import marks_from
 from .blockobjects import Ref, check_block, refs_of
 from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, block_object,
@@ -369,11 +372,15 @@ class Downloads:
 
     def download_manifest(self, s: RemoteSession, store: Store, claimed: bool, deadline: float | None,
                           layout: slotfile.KVLayout | None, got: dict[str, int]) -> None:
-        """Bring save `s` (a manifest) into the local store: the blocks this host lacks, then the
-        manifest (the module docstring). `got` counts what was fetched and held (a failure
-        leaves in it what had arrived). AlreadyHere, BadObject, Incompatible, SharedError as
-        download() has them; nothing under the name changes on any of them (fetched blocks no
-        manifest names go at the local prune's sweep)."""
+        """Bring save `s` (a manifest) into the local store as the engine's file, from the
+        blocks this host lacks (fetched, 4 at a time) and those it holds (read here): each block
+        checked against its own digest, then written in place (cutting.Placer) into one
+        temporary as it comes, fsynced once and installed whole, as a whole file's download is:
+        the user's turn waits for one write of the file, not for a block store's write and an
+        assembly after it. The caller keeps it as blocks after the restore (Store.import_whole:
+        fetcher.py). `got` counts what was fetched and held (a failure leaves in it what had
+        arrived). AlreadyHere, BadObject, Incompatible, SharedError as download() has them;
+        nothing under the name changes on any of them."""
         name, conv = s.name, s.conversation_key
         if conv is None or store.blocks is None:
             raise SharedError(f"{name}: a manifest is restored only into a block store of an auto name")
@@ -390,67 +397,113 @@ class Downloads:
         refs = refs_of(meta)
         if not claimed:
             store.acquire(name)
+        temp = store.path / f"{TEMP_PREFIX}{stem_of(name)}.{uuid.uuid4().hex[:8]}.download.partial"
         try:
             with store.blocks.pinned([r.key for r in refs]):
-                need, seen = [], set()
-                for r in refs:
+                jobs: list[tuple[bool, int | None, Ref]] = []  # (held here, its place: None the tail, ref)
+                for i, r in enumerate(refs):
                     have = store.blocks.info(r.key)
-                    if have is not None and have[0] == r.n_cells:
+                    held = have is not None and have[0] == r.n_cells
+                    jobs.append((held, i if r.n_cells else None, r))
+                    if held:
                         got["blocks_held"] += 1
                         got["bytes_held"] += HEADER.size + r.payload
-                    elif r.key not in seen:
-                        seen.add(r.key)
-                        need.append(r)
+                same = [True]  # every held block holds the manifest's bytes: the file is the saving host's
 
-                def fetch(r: Ref) -> None:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise SharedError(f"download of {s.key}: past its time limit (download_timeout_s)")
-                    obj = block_object(self.prefix, r.key)
-                    try:
-                        resp = self._client.get_object(Bucket=self.bucket, Key=obj)
-                        if int(resp.get("ContentLength", -1)) != HEADER.size + r.payload:  # before reading it
-                            resp["Body"].close()
-                            data = b""
-                        else:
-                            data = resp["Body"].read()
-                    except self._ClientError as e:
-                        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                            raise BadObject(f"{s.key} names block {r.key}, which the bucket does not hold") from None
-                        raise SharedError(f"download of block {r.key}: {_why(e)}") from e
-                    except self._errors as e:
-                        raise SharedError(f"download of block {r.key}: {_why(e)}") from e
-                    with self._lock:
-                        self.counters.bytes_down += len(data)
-                    try:
-                        check_block(data, r)
-                    except ValueError as e:
-                        self._mark_bad(obj, f"block {obj}: {e}")  # the manifest: counted by download()
-                        raise BadObject(f"{s.key} names block {r.key}, whose object is damaged: {e}") from None
-                    store.blocks.put(r.key, r.n_cells, r.cell_bytes, [memoryview(data)[HEADER.size:]])
-                    with self._lock:
-                        got["blocks_fetched"] += 1
-                        got["bytes_fetched"] += len(data)
-                    if self.progress:
-                        self.progress("down", obj, len(data))
-
+                fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                placer: Placer | None = None
                 try:
-                    self._each(fetch, need)
-                except OSError as e:
-                    raise SharedError(f"download of {s.key}: storing its blocks here: {e.strerror or e}") from e
-                store.blocks.sync([r.key for r in need])
-                mine = []
-                for r in refs:  # as this host holds them: a block here first keeps its own bytes
-                    have = store.blocks.info(r.key)
-                    if have is None or have[0] != r.n_cells:
-                        raise SharedError(f"download of {s.key}: block {r.key} went missing here meanwhile")
-                    mine.append(dataclasses.replace(r, digest=have[1]))
-                blocks_ = tuple((r.key, r.n_cells, r.digest) for r in mine if r.n_cells)
-                tail = next(((r.key, r.payload, r.digest) for r in mine if not r.n_cells), None)
-                local_meta = dataclasses.replace(meta, host=s.host, ident=None, blocks=blocks_, tail=tail)
-                self._install(store, None, s, local_meta)
+                    if getattr(store, "group", None) is not None:
+                        os.fchown(fd, -1, store.group)
+                    os.fchmod(fd, getattr(store, "mode", 0o600))
+                    placer = Placer(fd, Shape.from_json(meta.kv), meta.tokens or b"",
+                                    [BlockRef(*b) for b in meta.blocks], TailRef(*meta.tail) if meta.tail else None)
+                    if placer.size != meta.bytes:
+                        raise BadObject(f"{s.key}: its blocks make a file of {placer.size:,} bytes, "
+                                        f"it says {meta.bytes:,}")
+
+                    def one(job: tuple[bool, int | None, Ref]) -> None:
+                        held, i, r = job
+                        data, digest = self._held(store, r) if held else self._fetch_block(s, r, deadline)
+                        if digest != r.digest:
+                            same[0] = False  # the same tokens' KV computed here: as right, other bytes
+                        payload = memoryview(data)[HEADER.size:]
+                        if i is None:
+                            placer.place_tail(payload)
+                        else:
+                            placer.place(i, payload)
+                        if not held:
+                            with self._lock:
+                                got["blocks_fetched"] += 1
+                                got["bytes_fetched"] += len(data)
+
+                    try:
+                        fetched, held = [j for j in jobs if not j[0]], [j for j in jobs if j[0]]
+                        # Reads here between the fetches: placed while the bytes of others arrive.
+                        order = [j for pair in itertools.zip_longest(fetched, held) for j in pair if j is not None]
+                        self._each(one, order)
+                        placer.finish()
+                        placer.close()
+                        os.fsync(fd)
+                    except OSError as e:
+                        raise SharedError(f"download of {s.key}: writing it here: {e.strerror or e}") from e
+                finally:
+                    if placer is not None:
+                        placer.close()
+                    os.close(fd)
+            digest = meta.digest if same[0] and meta.digest else None
+            if digest is None:
+                digest, _ = files.digest_file(temp)
+            whole = dataclasses.replace(meta, host=s.host, ident=None, blocks=(), tail=None, kv=None, tokens=None,
+                                        whole=None, digest=digest)
+            self._install(store, temp, s, whole)
         finally:
             if not claimed:
                 store.release(name)
+            temp.unlink(missing_ok=True)
+
+    def _fetch_block(self, s: RemoteSession, r: Ref, deadline: float | None) -> tuple[bytes, str]:
+        """Block `r` of manifest `s` from the bucket, checked (check_block) → its bytes and its
+        payload's digest; a damaged one is remembered and refused (BadObject)."""
+        if deadline is not None and time.monotonic() > deadline:
+            raise SharedError(f"download of {s.key}: past its time limit (download_timeout_s)")
+        obj = block_object(self.prefix, r.key)
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=obj)
+            if int(resp.get("ContentLength", -1)) != HEADER.size + r.payload:  # before reading it
+                resp["Body"].close()
+                data = b""
+            else:
+                data = resp["Body"].read()
+        except self._ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                raise BadObject(f"{s.key} names block {r.key}, which the bucket does not hold") from None
+            raise SharedError(f"download of block {r.key}: {_why(e)}") from e
+        except self._errors as e:
+            raise SharedError(f"download of block {r.key}: {_why(e)}") from e
+        with self._lock:
+            self.counters.bytes_down += len(data)
+        try:
+            digest = check_block(data, r)
+        except ValueError as e:
+            self._mark_bad(obj, f"block {obj}: {e}")  # the manifest: counted by download()
+            raise BadObject(f"{s.key} names block {r.key}, whose object is damaged: {e}") from None
+        if self.progress:
+            self.progress("down", obj, len(data))
+        return data, digest
+
+    @staticmethod
+    def _held(store: Store, r: Ref) -> tuple[bytes, str]:
+        """Block `r` as this host holds it, checked against its own header (check_block); one
+        that cannot be read or is damaged fails the download (SharedError: the turn re-reads;
+        the restore of a conversation that names it quarantines it)."""
+        try:
+            f, _ = files.open_regular(store.blocks.path(r.key))
+            with f:
+                data = f.read()
+            return data, check_block(data, r)
+        except (OSError, ValueError) as e:
+            raise SharedError(f"block {r.key} here: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _object_meta(md: dict[str, str]) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Store's installs: a save made elsewhere (a download from the shared tier: a whole file, or a
-manifest whose blocks were fetched) put in place under its name as a local finalize would, after
+"""Store's installs: a save made elsewhere (a download from the shared tier: a whole file, or the
+engine's file written from a manifest's blocks) put in place under its name as a local finalize would, after
 the store's last look that nobody holds the name and no local save as new landed meanwhile."""
 
 from __future__ import annotations
@@ -13,18 +13,14 @@ from typing import TYPE_CHECKING
 
 from ..base import files
 from ..base.files import Ident
-from .blocks import BlockStore
 from .names import TEMP_PREFIX, InUse, Meta, NewerHere, auto_name, fsync_dir
-from .staging import Staging
 
 
 class Installing:
     """Store's installs (see the module's docstring)."""
 
     path: Path
-    blocks: BlockStore | None
     in_use: Counter[str]
-    hot: Staging
     _lock: threading.RLock
     _checked: dict[str, tuple[Ident, str]]
 
@@ -38,12 +34,10 @@ class Installing:
         @staticmethod
         def _unlink(path: Path) -> bool: ...
 
-    def install(self, temp: Path | None, name: str, meta: Meta | None, *, claimed: bool) -> None:
+    def install(self, temp: Path, name: str, meta: Meta | None, *, claimed: bool) -> None:
         """Put `temp` (in this directory, whole and fsynced: a download from the shared tier)
         in place as `name`, with `meta` as its metadata, as finalize does for a local save.
         name is auto-<meta.key>.bin, or a parked name with meta None. Blocking.
-        temp None: `meta` is a manifest whose blocks the block store holds (pinned by the
-        caller); an older save's whole file or copy of the name goes in the same section.
 
         Refused, with nothing under the name changed (the caller removes temp):
           InUse      someone else holds the name: in_use counts more than the caller's own
@@ -64,12 +58,9 @@ class Installing:
         cleanup() at start, with the temporaries. No torn .bin: temp was whole before."""
         if meta is not None and name != auto_name(meta.key):
             raise ValueError(f"install: {name} is not the file of {meta.key}'s metadata")
-        if temp is None and (meta is None or not meta.in_blocks or self.blocks is None):
-            raise ValueError(f"install: {name}: no file, and no manifest or no block store")
         if Path(name).name != name or name.startswith("."):
             raise ValueError(f"install: {name!r} is not a bare file name")
         final = self.path / name
-        aside: list[Path] = []
         meta_tmp = None
         if meta is not None:
             meta_tmp = self.path / f"{TEMP_PREFIX}{meta.key}.{uuid.uuid4().hex[:8]}.install.json.partial"
@@ -81,17 +72,7 @@ class Installing:
                 local = self.read_meta(meta.key) if meta is not None else None
                 if local is not None and local.saved_at >= meta.saved_at:
                     raise NewerHere(f"{name}: the local save (saved_at {local.saved_at:.3f}) is as new")
-                if temp is not None:
-                    os.replace(temp, final)
-                else:  # an older save's copy and whole file: renamed aside now, unlinked after the lock
-                    got = self.hot.set_aside(name)
-                    aside += [got[0]] if got is not None else []
-                    dead = self.path / f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}.replaced.partial"
-                    try:
-                        os.rename(final, dead)
-                        aside.append(dead)
-                    except FileNotFoundError:
-                        pass
+                os.replace(temp, final)
                 if meta_tmp is not None:
                     os.replace(meta_tmp, self.meta_path(meta.key))
                     meta_tmp = None
@@ -104,7 +85,5 @@ class Installing:
         finally:
             if meta_tmp is not None:
                 self._unlink(meta_tmp)
-            for p in aside:
-                self._unlink(p)
         fsync_dir(self.path)
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from autosessd.base.files import digest_file
 from autosessd.shared import BadObject
 from autosessd.shared.blockobjects import refs_of
 from autosessd.store import blocks
@@ -99,10 +100,20 @@ def test_another_host_fetches_only_the_blocks_it_lacks_and_restores_the_same_byt
     st = h2.status()
     assert st["blocks_held"] == 10 and st["blocks_fetched"] == 8  # 30 tokens: 7 whole blocks and a partial one
     assert st["bytes_fetched"] < s1.read_meta(A).bytes
+    # The blocks were written into the engine's file as they came (held ones read here): it is
+    # installed whole, host1's file byte for byte, and what the engine reads at once.
+    a1 = s1.stage(f"auto-{A}.bin")
+    got = s2.read_meta(A)
+    assert not got.in_blocks and got.host == "host1" and got.digest == digest_file(s2.bin_path(A))[0]
+    assert s2.bin_path(A).read_bytes() == (s1.staging / a1.name).read_bytes()
+    assert s2.stage(f"auto-{A}.bin").name == f"auto-{A}.bin"
+    # Kept as blocks after its restore (the daemon: Upkeep.keep_as_blocks): only those it lacked are written.
+    before = s2.blocks.bytes_written
+    assert "kept as" in s2.import_whole(A)
     got = s2.read_meta(A)
     assert got.in_blocks and got.host == "host1" and decode(got.tokens) == PROMPT + list(range(1, 31))
-    # The file host2 hands its engine holds the tokens and KV host1's held.
-    a1, a2 = s1.stage(f"auto-{A}.bin"), s2.stage(f"auto-{A}.bin")
+    assert s2.blocks.bytes_written - before == st["bytes_fetched"]
+    a2 = s2.stage(f"auto-{A}.bin")
     assert (s1.staging / a1.name).read_bytes() == (s2.staging / a2.name).read_bytes()
 
 
