@@ -171,6 +171,7 @@ class Sessions:
         self.upkeep = upkeep if upkeep is not None else Upkeep(ctx)
         self.upkeep.savers.append(self.saver)
         self.saver.want_room = self.upkeep.schedule_prune  # a finalize short of space tries again after it
+        fetcher.downloaded = self.upkeep.keep_as_blocks  # a download came whole: kept as blocks after
         self.watch = EngineWatch(ctx, self.engine_restarted, engine_healthy)
         # What each slot held last (held.json; behind a router, one file per model), kept as it changes.
         self.last = held.Recorder(cfg.effective_state_dir() / held.file_name(model if house is not None else None),

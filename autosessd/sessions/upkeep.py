@@ -9,9 +9,13 @@ that save needed (Saver.room_wanted). It runs in a worker thread, one at a time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
+from ..store.directory import auto_name
 from ..store.index import TokenIndex
 from ..store.kvfile import cut_now
 from . import facts
@@ -23,6 +27,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("autosessd")
 
+# A downloaded file is kept as blocks this long after its restore read it (Upkeep.keep_as_blocks).
+KEEP_AS_BLOCKS_AFTER_S = 30.0
+
+
+def _lowest_priority() -> None:
+    """This thread (Linux: a thread's own nice value) at nice 19; elsewhere as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
+
 
 class Upkeep:
     def __init__(self, ctx: Context, saver: Saver | None = None):
@@ -32,6 +47,9 @@ class Upkeep:
         self.savers: list[Saver] = [saver] if saver is not None else []
         self._prune_task: asyncio.Task | None = None
         self._import_task: asyncio.Task | None = None
+        self._wanted: list[str | None] = []  # keys to keep as blocks (None: every whole file)
+        self._later: list[asyncio.TimerHandle] = []  # keep_as_blocks of downloads, waiting
+        self._import_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- the token index -----------------------------------------------------------------
     async def prepare(self, swa: bool = True) -> None:
@@ -58,34 +76,76 @@ class Upkeep:
         files were cut), kept as blocks now (Store.import_whole), one at a time in a worker
         thread, after the start: nothing a user saved is lost, and the upgrade costs no start
         its time."""
-        if self.ctx.store.cut and (self._import_task is None or self._import_task.done()):
+        self._want(None)
+
+    def keep_as_blocks(self, key: str, after_s: float | None = None) -> None:
+        """A file a turn downloaded whole (a manifest's blocks written into the engine's file,
+        or another host's whole file), kept as blocks after_s seconds (KEEP_AS_BLOCKS_AFTER_S)
+        after its restore read it: off the turn's path, and after the conversation's next save,
+        which usually cuts it first (the import then has nothing to do). One held then (a
+        restore reads it) waits as long again."""
+        if self.ctx.store.cut:
+            loop = asyncio.get_running_loop()
+            self._later = [h for h in self._later if h.when() > loop.time()]  # those still to come
+            self._later.append(loop.call_later(KEEP_AS_BLOCKS_AFTER_S if after_s is None else after_s,
+                                               self._want, key))
+
+    def _want(self, key: str | None) -> None:
+        """Import `key` (None: every whole file), in the one import task."""
+        if not self.ctx.store.cut:
+            return
+        self._wanted.append(key)
+        if self._import_task is None or self._import_task.done():
             self._import_task = asyncio.get_running_loop().create_task(self._import())
 
     async def _import(self) -> None:
         store, loop = self.ctx.store, asyncio.get_running_loop()
         try:
-            entries = await loop.run_in_executor(None, store.scan)
-            todo = [e for e in entries if e.meta is not None and not e.blocks and cut_now(e.meta.whole)]
-            n = 0
-            for e in todo:
-                done = await loop.run_in_executor(None, store.import_whole, e.key)
-                if done is None:
-                    continue
-                log.info("auto sessions: %s", done)
-                meta = store.read_meta(e.key)
-                if meta is not None and meta.in_blocks and self.ctx.index is not None:
-                    from ..store.runs import decode
+            while self._wanted:
+                wanted, self._wanted = self._wanted, []
+                every = None in wanted
+                if every:
+                    entries = await loop.run_in_executor(None, store.scan)
+                    keys = [e.key for e in entries if e.meta is not None and not e.blocks and cut_now(e.meta.whole)]
+                else:
+                    keys = list(dict.fromkeys(k for k in wanted if k is not None))
+                n = 0
+                for key in keys:
+                    if not every and store.users(auto_name(key)):
+                        self.keep_as_blocks(key)  # not cut under a restore that reads it: later
+                        continue
+                    done = await loop.run_in_executor(self._importer(), store.import_whole, key)
+                    if done is None:
+                        continue
+                    log.info("auto sessions: %s", done)
+                    meta = store.read_meta(key)
+                    if meta is not None and meta.in_blocks and self.ctx.index is not None:
+                        from ..store.runs import decode
 
-                    self.ctx.index.add(e.name, decode(meta.tokens or b""), meta.model, meta.marks)
-                n += meta is not None and meta.in_blocks
-            if n:
-                log.info("auto sessions: %d whole file(s) from before the block store kept as blocks now", n)
+                        self.ctx.index.add(auto_name(key), decode(meta.tokens or b""), meta.model, meta.marks)
+                    n += meta is not None and meta.in_blocks
+                if n and every:
+                    log.info("auto sessions: %d whole file(s) from before the block store kept as blocks now", n)
         except Exception as e:  # never the daemon's end: the files stay whole
-            log.warning("auto sessions: keeping older whole files as blocks: %s", e)
+            log.warning("auto sessions: keeping whole files as blocks: %s", e)
+
+    def _importer(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The import's own thread, at the lowest CPU priority: cutting a file (its digest, its
+        new blocks) never takes a core from the engine or from a turn's download or restore."""
+        if self._import_pool is None:
+            self._import_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autosessd-import",
+                                                                      initializer=_lowest_priority)
+        return self._import_pool
 
     def stop_import(self) -> None:
+        for h in self._later:
+            h.cancel()
+        self._later.clear()
         if self._import_task is not None:
             self._import_task.cancel()
+        if self._import_pool is not None:
+            self._import_pool.shutdown(wait=False, cancel_futures=True)
+            self._import_pool = None
 
     async def save_index(self) -> None:
         index = self.ctx.index
