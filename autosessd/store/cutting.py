@@ -168,9 +168,9 @@ class Placer:
         for r in self.refs:
             self.first.append(at0)
             at0 += r.n_cells
-        if shape.v_trans:
+        if shape.v_trans and hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, self.size)
-        else:
+        else:  # (macOS has none: there a full disk under the map is SIGBUS)
             os.ftruncate(fd, self.size)
         at = self._put(0, struct.pack("<III3i", MAGIC, VERSION, 4 + n_tokens, TOKEN_NULL, PAYLOAD_VERSION, n_tokens)
                        + tokens + struct.pack("<iII", 0, shape.n_stream, n_cells))
@@ -201,7 +201,10 @@ class Placer:
         if self.tail_at + (tail.size if tail else 0) != self.size:
             raise AssertionError(f"placer: {self.tail_at:,} bytes before the tail, file_size says {self.size:,}")
         self._map: mmap.mmap | None = mmap.mmap(fd, self.size) if shape.v_trans else None
+        self._arr: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else None
         self._lock = threading.Lock()
+        self._tail_placed = False
+        self._taken: set[int] = set()  # placed, or being placed
         self._waiting: dict[int, memoryview] = {}  # arrived, not written yet
         self._written = [False] * len(self.refs)
 
@@ -210,6 +213,8 @@ class Placer:
         view = memoryview(data).cast("B")
         while view:
             n = os.pwrite(self.fd, view, at)
+            if n <= 0:
+                raise OSError(f"pwrite wrote nothing at {at:,}")
             view, at = view[n:], at + n
         return at
 
@@ -235,15 +240,24 @@ class Placer:
         data = memoryview(payload).cast("B")
         if len(data) != payload_size(sh, r.n_cells):
             raise BadBlock(f"block {r.key}: {len(data):,} bytes, its payload has {payload_size(sh, r.n_cells):,}")
-        if self._map is not None:
-            self._place_v(i, data)
         with self._lock:
-            if self._written[i] or i in self._waiting:
+            if i in self._taken:
                 raise BadBlock(f"block {r.key} placed twice")
-            self._waiting[i] = data
+            self._taken.add(i)
+        if self._arr is not None:
+            self._place_v(i, data)
+            data = data[:payload_size(sh, r.n_cells) - sum(r.n_cells * x.v_row * x.n_embd_v for x in sh.layers)]
+        with self._lock:
+            self._waiting[i] = data  # what is left to write: all but a transposed V
             run = self._run_of(i, final=False)
             if run is not None:
                 self._write(*run)
+                # Its neighbours' runs can grow no more now: written too.
+                for j in (run[0] - 1, run[1]):
+                    if j in self._waiting:
+                        near = self._run_of(j, final=False)
+                        if near is not None:
+                            self._write(*near)
 
     def finish(self) -> None:
         """Every block placed: those still waiting written."""
@@ -252,6 +266,8 @@ class Placer:
                 self._write(*self._run_of(min(self._waiting), final=True))
             if not all(self._written):
                 raise BadBlock(f"{self._written.count(False)} of {len(self.refs)} blocks never placed")
+            if self.tail is not None and not self._tail_placed:
+                raise BadBlock("the tail was never placed")
 
     def _run_of(self, i: int, final: bool) -> tuple[int, int] | None:
         """The run of waiting blocks around i, [a, b), if it is to be written now. Under _lock."""
@@ -284,7 +300,8 @@ class Placer:
         n = r.n_cells
         off = n * sh.cell_bytes + sum(n * x.k_row for x in sh.layers)
         src = np.frombuffer(data, dtype=np.uint8)
-        arr = np.frombuffer(self._map, dtype=np.uint8)
+        arr = self._arr
+        assert arr is not None
         for count, (v_row, n_embd_v), at, stride in self.v_runs:
             w = n * v_row
             shape, strides = (count, n_embd_v, w), (stride, self.n_cells * v_row, 1)
@@ -295,17 +312,21 @@ class Placer:
             np.lib.stride_tricks.as_strided(arr[start:], shape=shape, strides=strides)[...] = \
                 src[off:off + count * n_embd_v * w].reshape(shape)
             off += count * n_embd_v * w
-        del arr
 
     def place_tail(self, data: bytes | memoryview) -> None:
         """The tail's bytes (checked against its digest by the caller) at the file's end."""
         if self.tail is None or len(data) != self.tail.size:
             raise BadBlock(f"a tail of {len(data):,} bytes for a file whose tail has "
                            f"{self.tail.size if self.tail else 0:,}")
+        with self._lock:
+            if self._tail_placed:
+                raise BadBlock("the tail placed twice")
+            self._tail_placed = True
         self._put(self.tail_at, data)
 
     def close(self) -> None:
         """The map let go (its pages are the file's: the caller fsyncs fd, then closes it)."""
+        self._arr = None
         if self._map is not None:
             self._map.close()
             self._map = None

@@ -155,3 +155,27 @@ def test_a_block_of_the_wrong_size_is_refused(tmp_path, monkeypatch):
         p.close()
     finally:
         os.close(fd)
+
+
+def test_a_tail_placed_twice_or_never_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    data, _ = two_part_file(list(range(20)), "window")
+    src = tmp_path / "a.bin"
+    src.write_bytes(data)
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, tail, _ = split(store, kv, src, MODEL)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs, tail)
+        for i, r in enumerate(refs):
+            p.place(i, payload(store, r.key))
+        with pytest.raises(BadBlock, match="tail was never placed"):
+            p.finish()
+        p.place_tail(payload(store, tail.key))
+        with pytest.raises(BadBlock, match="tail placed twice"):
+            p.place_tail(payload(store, tail.key))
+        p.finish()
+        p.close()
+    finally:
+        os.close(fd)
