@@ -33,7 +33,7 @@ from urllib.parse import unquote
 from ..base import files
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
-from ..store.blocks import HEADER, BlockRef, TailRef
+from ..store.blocks import HEADER, BadBlock, BlockRef, TailRef
 from ..store.cutting import Placer
 from ..store.kvfile import Shape
 from ..store.names import marks_from
@@ -408,25 +408,32 @@ class Downloads:
                     if held:
                         got["blocks_held"] += 1
                         got["bytes_held"] += HEADER.size + r.payload
-                same = [True]  # every held block holds the manifest's bytes: the file is the saving host's
-
                 fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 placer: Placer | None = None
                 try:
                     if getattr(store, "group", None) is not None:
                         os.fchown(fd, -1, store.group)
                     os.fchmod(fd, getattr(store, "mode", 0o600))
-                    placer = Placer(fd, Shape.from_json(meta.kv), meta.tokens or b"",
-                                    [BlockRef(*b) for b in meta.blocks], TailRef(*meta.tail) if meta.tail else None)
+                    try:
+                        placer = Placer(fd, Shape.from_json(meta.kv), meta.tokens or b"",
+                                        [BlockRef(*b) for b in meta.blocks],
+                                        TailRef(*meta.tail) if meta.tail else None)
+                    except (BadBlock, ValueError, KeyError, TypeError) as e:
+                        raise BadObject(f"{s.key}: not a file its blocks can make: {e}") from None
                     if placer.size != meta.bytes:
                         raise BadObject(f"{s.key}: its blocks make a file of {placer.size:,} bytes, "
                                         f"it says {meta.bytes:,}")
 
                     def one(job: tuple[bool, int | None, Ref]) -> None:
                         held, i, r = job
-                        data, digest = self._held(store, r) if held else self._fetch_block(s, r, deadline)
-                        if digest != r.digest:
-                            same[0] = False  # the same tokens' KV computed here: as right, other bytes
+                        data = self._held(store, r) if held else None
+                        if data is None:  # not held, or not readable here: from the bucket
+                            if held:
+                                with self._lock:
+                                    got["blocks_held"] -= 1
+                                    got["bytes_held"] -= HEADER.size + r.payload
+                            data = self._fetch_block(s, r, deadline)
+                            held = False
                         payload = memoryview(data)[HEADER.size:]
                         if i is None:
                             placer.place_tail(payload)
@@ -448,12 +455,17 @@ class Downloads:
                     except OSError as e:
                         raise SharedError(f"download of {s.key}: writing it here: {e.strerror or e}") from e
                 finally:
-                    if placer is not None:
-                        placer.close()
-                    os.close(fd)
-            digest = meta.digest if same[0] and meta.digest else None
-            if digest is None:
+                    try:
+                        if placer is not None:
+                            placer.close()
+                    finally:
+                        os.close(fd)
+            # Its own digest: the file the blocks make holds the cells in position order in the
+            # first stream, which the saving host's engine file (the manifest's digest) need not.
+            try:
                 digest, _ = files.digest_file(temp)
+            except OSError as e:
+                raise SharedError(f"download of {s.key}: reading it back: {e.strerror or e}") from e
             whole = dataclasses.replace(meta, host=s.host, ident=None, blocks=(), tail=None, kv=None, tokens=None,
                                         whole=None, digest=digest)
             self._install(store, temp, s, whole)
@@ -462,9 +474,9 @@ class Downloads:
                 store.release(name)
             temp.unlink(missing_ok=True)
 
-    def _fetch_block(self, s: RemoteSession, r: Ref, deadline: float | None) -> tuple[bytes, str]:
-        """Block `r` of manifest `s` from the bucket, checked (check_block) → its bytes and its
-        payload's digest; a damaged one is remembered and refused (BadObject)."""
+    def _fetch_block(self, s: RemoteSession, r: Ref, deadline: float | None) -> bytes:
+        """Block `r` of manifest `s` from the bucket, checked (check_block); a damaged one is
+        remembered and refused (BadObject)."""
         if deadline is not None and time.monotonic() > deadline:
             raise SharedError(f"download of {s.key}: past its time limit (download_timeout_s)")
         obj = block_object(self.prefix, r.key)
@@ -484,26 +496,29 @@ class Downloads:
         with self._lock:
             self.counters.bytes_down += len(data)
         try:
-            digest = check_block(data, r)
+            check_block(data, r)
         except ValueError as e:
             self._mark_bad(obj, f"block {obj}: {e}")  # the manifest: counted by download()
             raise BadObject(f"{s.key} names block {r.key}, whose object is damaged: {e}") from None
         if self.progress:
             self.progress("down", obj, len(data))
-        return data, digest
+        return data
 
     @staticmethod
-    def _held(store: Store, r: Ref) -> tuple[bytes, str]:
-        """Block `r` as this host holds it, checked against its own header (check_block); one
-        that cannot be read or is damaged fails the download (SharedError: the turn re-reads;
-        the restore of a conversation that names it quarantines it)."""
+    def _held(store: Store, r: Ref) -> bytes | None:
+        """Block `r` as this host holds it, checked against its own header (check_block); None
+        when it cannot be read or is damaged (said: the download fetches it instead, and a
+        restore that reads it here sets it aside)."""
         try:
             f, _ = files.open_regular(store.blocks.path(r.key))
             with f:
                 data = f.read()
-            return data, check_block(data, r)
+            check_block(data, r)
+            return data
         except (OSError, ValueError) as e:
-            raise SharedError(f"block {r.key} here: {getattr(e, 'strerror', None) or e}") from None
+            log.warning("auto sessions: shared: block %s here: %s; fetched from the bucket instead", r.key,
+                        getattr(e, "strerror", None) or e)
+            return None
 
 
 def _object_meta(md: dict[str, str]) -> dict[str, str]:

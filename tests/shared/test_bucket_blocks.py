@@ -15,6 +15,7 @@ from autosessd.shared import BadObject
 from autosessd.shared.blockobjects import refs_of
 from autosessd.store import blocks
 from autosessd.store.directory import Meta, Store
+from autosessd.store.names import QUARANTINE
 from autosessd.store.runs import decode
 from kv_common import slot_file
 from shared_common import MODEL, objects
@@ -31,8 +32,8 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(blocks, "BLOCK_TOKENS", 4)
 
 
-def save(store: Store, key: str, tokens: list[int], saved_at: float | None = None) -> Meta:
-    data = slot_file(tokens)
+def save(store: Store, key: str, tokens: list[int], saved_at: float | None = None, **kw) -> Meta:
+    data = slot_file(tokens, **kw)
     store.temp_path(key).write_bytes(data)
     meta = store.finalize(key, Meta(key, len(tokens), len(data), saved_at or time.time(), MODEL, 1.0))
     assert meta.in_blocks
@@ -115,6 +116,43 @@ def test_another_host_fetches_only_the_blocks_it_lacks_and_restores_the_same_byt
     assert s2.blocks.bytes_written - before == st["bytes_fetched"]
     a2 = s2.stage(f"auto-{A}.bin")
     assert (s1.staging / a1.name).read_bytes() == (s2.staging / a2.name).read_bytes()
+
+
+def test_a_file_whose_engine_kept_its_cells_out_of_order_comes_down_under_its_own_digest(hosts, s3_gateway,
+                                                                                        s3_bucket):
+    """The engine's file holds its cells in cache order (a unified cache); the file made from
+    the blocks holds them by position: other bytes than the saving host's (its manifest's
+    digest), the same tokens and KV. Installed under its own digest, it is kept as blocks after,
+    not taken for damaged."""
+    (h1, s1), (h2, s2) = hosts(2)
+    h1.start(s1)
+    tokens = PROMPT + list(range(1, 11))
+    save(s1, A, tokens, order=list(range(30, 50)) + list(range(30)))
+    assert up(h1, s1, A) == "done"
+    [found] = h2.find(MODEL)
+    h2.download(found, s2)
+    got = s2.read_meta(A)
+    assert got.digest == digest_file(s2.bin_path(A))[0] != s1.read_meta(A).digest
+    assert "kept as" in s2.import_whole(A) and s2.read_meta(A).in_blocks
+    assert not (s2.path / QUARANTINE).exists() or not any((s2.path / QUARANTINE).iterdir())
+
+
+def test_a_damaged_block_held_here_is_fetched_from_the_bucket_instead(hosts, s3_gateway, s3_bucket):
+    (h1, s1), (h2, s2) = hosts(2)
+    h1.start(s1)
+    save(s1, A, PROMPT + list(range(1, 31)))
+    assert up(h1, s1, A) == "done"
+    held = save(s2, B, PROMPT + [9, 9, 9, 9])
+    victim = s2.blocks.path(held.blocks[2][0])
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF  # a byte of host2's own copy of a prompt block changed on its disk
+    victim.write_bytes(bytes(raw))
+    [found] = h2.find(MODEL)
+    h2.download(found, s2)
+    st = h2.status()
+    assert st["blocks_held"] == 9 and st["blocks_fetched"] == 9 and st["download_failures"] == 0
+    a1 = s1.stage(f"auto-{A}.bin")
+    assert s2.bin_path(A).read_bytes() == (s1.staging / a1.name).read_bytes()
 
 
 def test_a_damaged_block_object_is_refused_before_anything_is_installed(hosts, s3_gateway, s3_bucket):
