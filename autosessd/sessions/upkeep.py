@@ -9,10 +9,7 @@ that save needed (Saver.room_wanted). It runs in a worker thread, one at a time.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 from ..store.directory import auto_name
@@ -31,14 +28,6 @@ log = logging.getLogger("autosessd")
 KEEP_AS_BLOCKS_AFTER_S = 30.0
 
 
-def _lowest_priority() -> None:
-    """This thread (Linux: a thread's own nice value) at nice 19; elsewhere as it is."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (OSError, AttributeError):
-        pass
-
-
 class Upkeep:
     def __init__(self, ctx: Context, saver: Saver | None = None):
         """saver: whose refused saves the prune makes room for; behind a router each model's
@@ -49,7 +38,6 @@ class Upkeep:
         self._import_task: asyncio.Task | None = None
         self._wanted: list[str | None] = []  # keys to keep as blocks (None: every whole file)
         self._later: list[asyncio.TimerHandle] = []  # keep_as_blocks of downloads, waiting
-        self._import_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- the token index -----------------------------------------------------------------
     async def prepare(self, swa: bool = True) -> None:
@@ -114,7 +102,7 @@ class Upkeep:
                     if not every and store.users(auto_name(key)):
                         self.keep_as_blocks(key)  # not cut under a restore that reads it: later
                         continue
-                    done = await loop.run_in_executor(self._importer(), store.import_whole, key)
+                    done = await loop.run_in_executor(None, store.import_whole, key)
                     if done is None:
                         continue
                     log.info("auto sessions: %s", done)
@@ -129,23 +117,12 @@ class Upkeep:
         except Exception as e:  # never the daemon's end: the files stay whole
             log.warning("auto sessions: keeping whole files as blocks: %s", e)
 
-    def _importer(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The import's own thread, at the lowest CPU priority: cutting a file (its digest, its
-        new blocks) never takes a core from the engine or from a turn's download or restore."""
-        if self._import_pool is None:
-            self._import_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autosessd-import",
-                                                                      initializer=_lowest_priority)
-        return self._import_pool
-
     def stop_import(self) -> None:
         for h in self._later:
             h.cancel()
         self._later.clear()
         if self._import_task is not None:
             self._import_task.cancel()
-        if self._import_pool is not None:
-            self._import_pool.shutdown(wait=False, cancel_futures=True)
-            self._import_pool = None
 
     async def save_index(self) -> None:
         index = self.ctx.index

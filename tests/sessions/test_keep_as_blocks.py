@@ -85,27 +85,3 @@ def test_one_held_when_its_time_comes_is_kept_as_blocks_later_and_stop_cancels_t
     asyncio.run(stopped())
     assert not other.read_meta(A).in_blocks and not other.blocks.scan()
 
-
-def test_the_import_runs_at_the_lowest_cpu_priority(tmp_path, monkeypatch):
-    """Cutting a file (its digest, its new blocks) never takes a core from the engine or a turn."""
-    import os
-    import threading
-
-    store = whole_file(tmp_path)
-    seen = []
-    real = store.import_whole
-
-    def import_whole(key):
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return real(key)
-
-    monkeypatch.setattr(store, "import_whole", import_whole)
-    up = Upkeep(SimpleNamespace(store=store, index=None))
-
-    async def go():
-        up.keep_as_blocks(A, after_s=0.01)
-        await until("auto-A.bin kept as blocks", lambda: store.read_meta(A).in_blocks)
-        up.stop_import()
-
-    asyncio.run(go())
-    assert seen == [19] and os.getpriority(os.PRIO_PROCESS, 0) != 19
