@@ -23,7 +23,7 @@ The blocks this host lacks are fetched, four at a time, each checked before it i
 object's size, its header (magic, key, cells) and its payload's digest against the header's; a
 block that fails is a BadObject (the manifest is not fetched again, the turn re-reads). Each,
 and each block this host holds (read and checked likewise), is written at its place in the
-engine's file (cutting.Placer), which is installed whole (Store.install) and kept as blocks
+engine's file (placing.Placer), which is installed whole (Store.install) and kept as blocks
 after its restore (Upkeep.keep_as_blocks).
 
 The bucket prune (lease.py) and forget (remove_saves) take blocks by manifests: read_blocks()

@@ -34,11 +34,11 @@ from ..base import files
 from ..store import slotfile
 from ..store.directory import AUTO_BIN, TEMP_PREFIX, InUse, Meta, NewerHere, Store
 from ..store.blocks import HEADER, BadBlock, BlockRef, TailRef
-from ..store.cutting import Placer
+from ..store.placing import Placer
 from ..store.kvfile import Shape
 from ..store.names import marks_from
-from .blockobjects import Ref, check_block, refs_of
-from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why, block_object,
+from .blockobjects import Ref, refs_of
+from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why,
                      estimate, stem_of)
 
 log = logging.getLogger("autosessd.shared")
@@ -374,7 +374,7 @@ class Downloads:
                           layout: slotfile.KVLayout | None, got: dict[str, int]) -> None:
         """Bring save `s` (a manifest) into the local store as the engine's file, from the
         blocks this host lacks (fetched, 4 at a time) and those it holds (read here): each block
-        checked against its own digest, then written in place (cutting.Placer) into one
+        checked against its own digest, then written in place (placing.Placer) into one
         temporary as it comes, fsynced once and installed whole, as a whole file's download is:
         the user's turn waits for one write of the file, not for a block store's write and an
         assembly after it. The caller keeps it as blocks after the restore (Store.import_whole:
@@ -473,52 +473,6 @@ class Downloads:
             if not claimed:
                 store.release(name)
             temp.unlink(missing_ok=True)
-
-    def _fetch_block(self, s: RemoteSession, r: Ref, deadline: float | None) -> bytes:
-        """Block `r` of manifest `s` from the bucket, checked (check_block); a damaged one is
-        remembered and refused (BadObject)."""
-        if deadline is not None and time.monotonic() > deadline:
-            raise SharedError(f"download of {s.key}: past its time limit (download_timeout_s)")
-        obj = block_object(self.prefix, r.key)
-        try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=obj)
-            if int(resp.get("ContentLength", -1)) != HEADER.size + r.payload:  # before reading it
-                resp["Body"].close()
-                data = b""
-            else:
-                data = resp["Body"].read()
-        except self._ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                raise BadObject(f"{s.key} names block {r.key}, which the bucket does not hold") from None
-            raise SharedError(f"download of block {r.key}: {_why(e)}") from e
-        except self._errors as e:
-            raise SharedError(f"download of block {r.key}: {_why(e)}") from e
-        with self._lock:
-            self.counters.bytes_down += len(data)
-        try:
-            check_block(data, r)
-        except ValueError as e:
-            self._mark_bad(obj, f"block {obj}: {e}")  # the manifest: counted by download()
-            raise BadObject(f"{s.key} names block {r.key}, whose object is damaged: {e}") from None
-        if self.progress:
-            self.progress("down", obj, len(data))
-        return data
-
-    @staticmethod
-    def _held(store: Store, r: Ref) -> bytes | None:
-        """Block `r` as this host holds it, checked against its own header (check_block); None
-        when it cannot be read or is damaged (said: the download fetches it instead, and a
-        restore that reads it here sets it aside)."""
-        try:
-            f, _ = files.open_regular(store.blocks.path(r.key))
-            with f:
-                data = f.read()
-            check_block(data, r)
-            return data
-        except (OSError, ValueError) as e:
-            log.warning("auto sessions: shared: block %s here: %s; fetched from the bucket instead", r.key,
-                        getattr(e, "strerror", None) or e)
-            return None
 
 
 def _object_meta(md: dict[str, str]) -> dict[str, str]:

@@ -24,6 +24,7 @@ from .bucket import (SESSIONS, RemoteSession, SharedError, Unavailable, _http_da
                      parse_key, read_credentials, stem_of)
 from .blockobjects import BlockObjects
 from .downloads import Downloads
+from .fetching import BlockFetching
 from .lease import BucketPrune
 from .uploads import Uploads, _Job
 
@@ -63,7 +64,7 @@ class Counters:
     last_prune: dict[str, Any] | None = None
 
 
-class SharedStore(Uploads, Downloads, BlockObjects, BucketPrune):
+class SharedStore(Uploads, Downloads, BlockFetching, BlockObjects, BucketPrune):
     """The interface the daemon wires in (see each module's docstring for what each part guarantees).
 
     start(store, model)          start the upload worker; re-queue local saves the bucket lacks

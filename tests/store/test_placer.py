@@ -12,9 +12,10 @@ import threading
 import pytest
 
 from autosessd.store import blocks as B
-from autosessd.store import cutting
+from autosessd.store import placing
 from autosessd.store.blocks import BadBlock, BlockStore
-from autosessd.store.cutting import Placer, assemble, split
+from autosessd.store.cutting import assemble, split
+from autosessd.store.placing import Placer
 from autosessd.store.kvfile import parse
 from autosessd.store.slotfile import encode
 from kv_common import slot_file, two_part_file
@@ -67,7 +68,7 @@ def assembled(store, kv, refs, tail=None):
 @pytest.fixture(params=[1, 3000, 1 << 30], ids=["each-block", "runs", "at-the-end"])
 def group(request, monkeypatch):
     """Blocks written as each arrives, in runs of a few, or all when the last one came."""
-    monkeypatch.setattr(cutting, "GROUP_BYTES", request.param)
+    monkeypatch.setattr(placing, "GROUP_BYTES", request.param)
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])
