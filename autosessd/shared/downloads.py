@@ -143,19 +143,10 @@ class Downloads:
         if s.manifest:
             return self._download_blocks(s, store, claimed, deadline, layout)
         name = s.name
-        stem = stem_of(name)
         final = store.path / name
         conv = s.conversation_key
-        if store.users(name) > (1 if claimed else 0):
-            raise SharedError(f"{name} is being written or read here; a download does not replace it")
-        local = store.read_meta(conv) if conv else None
-        if local is not None and local.saved_at >= s.saved_at:
-            with self._lock:
-                self.counters.downloads_kept_local += 1
-            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
-        temp = store.path / f"{TEMP_PREFIX}{stem}.{uuid.uuid4().hex[:8]}.download.partial"
-        # The store's mode and group when it has them (0640 + control.group), else 0600.
-        mode, group = getattr(store, "mode", 0o600), getattr(store, "group", None)
+        self._may_replace(s, store, claimed)
+        temp = _temp(store, name)
         if not claimed:
             store.acquire(name)
         t0 = time.monotonic()
@@ -163,11 +154,7 @@ class Downloads:
         hasher = files.Hasher()
         try:
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                if group is not None:
-                    os.fchown(fd, -1, group)
-                os.fchmod(fd, mode)
-                with os.fdopen(fd, "wb") as out:
+                with os.fdopen(_create(store, temp), "wb") as out:
                     r = self._client.get_object(Bucket=self.bucket, Key=s.key)
                     body = r["Body"]
                     md = _object_meta(r.get("Metadata") or {})
@@ -225,10 +212,7 @@ class Downloads:
         finally:
             if not claimed:
                 store.release(name)
-            try:
-                temp.unlink()
-            except FileNotFoundError:
-                pass
+            temp.unlink(missing_ok=True)
         ms = self._succeeded(s, t0, s.bytes)
         log.info("auto sessions: shared: downloaded %s tokens (%.2f GB) from %s's save to %s in %.0f ms",
                  f"{s.n_tokens:,}", s.bytes / 1e9, s.host, name, ms)
@@ -301,7 +285,18 @@ class Downloads:
                                        max(DOWN_BACKOFF_S, 2 * self._down_backoff_s))
             self._down_backoff_until = time.monotonic() + self._down_backoff_s
 
-    def _install(self, store: Store, temp: Path | None, s: RemoteSession, meta: Meta | None) -> None:
+    def _may_replace(self, s: RemoteSession, store: Store, claimed: bool) -> None:
+        """Before a download of `s`: nobody but the caller (claimed) holds its name here, and no
+        local save of its conversation is as new (AlreadyHere, counted)."""
+        if store.users(s.name) > (1 if claimed else 0):
+            raise SharedError(f"{s.name} is being written or read here; a download does not replace it")
+        local = store.read_meta(s.conversation_key) if s.conversation_key else None
+        if local is not None and local.saved_at >= s.saved_at:
+            with self._lock:
+                self.counters.downloads_kept_local += 1
+            raise AlreadyHere(f"{s.name}: the local save is as new as {s.host}'s")
+
+    def _install(self, store: Store, temp: Path, s: RemoteSession, meta: Meta | None) -> None:
         """Store.install of a download (the caller holds the name), its refusals in the tier's
         terms: someone took the name meanwhile (SharedError), or a local save as new landed
         (AlreadyHere, counted)."""
@@ -384,36 +379,23 @@ class Downloads:
         name, conv = s.name, s.conversation_key
         if conv is None or store.blocks is None:
             raise SharedError(f"{name}: a manifest is restored only into a block store of an auto name")
-        if store.users(name) > (1 if claimed else 0):
-            raise SharedError(f"{name} is being written or read here; a download does not replace it")
-        local = store.read_meta(conv)
-        if local is not None and local.saved_at >= s.saved_at:
-            with self._lock:
-                self.counters.downloads_kept_local += 1
-            raise AlreadyHere(f"{name}: the local save is as new as {s.host}'s")
+        self._may_replace(s, store, claimed)
         meta = self.read_manifest(s)
         if meta.layout:
             self._check_layout(s, slotfile.KVLayout.from_fingerprint(meta.layout), layout, None)
         refs = refs_of(meta)
         if not claimed:
             store.acquire(name)
-        temp = store.path / f"{TEMP_PREFIX}{stem_of(name)}.{uuid.uuid4().hex[:8]}.download.partial"
+        temp = _temp(store, name)
         try:
             with store.blocks.pinned([r.key for r in refs]):
                 jobs: list[tuple[bool, int | None, Ref]] = []  # (held here, its place: None the tail, ref)
                 for i, r in enumerate(refs):
                     have = store.blocks.info(r.key)
-                    held = have is not None and have[0] == r.n_cells
-                    jobs.append((held, i if r.n_cells else None, r))
-                    if held:
-                        got["blocks_held"] += 1
-                        got["bytes_held"] += HEADER.size + r.payload
-                fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                    jobs.append((have is not None and have[0] == r.n_cells, i if r.n_cells else None, r))
+                fd = _create(store, temp)
                 placer: Placer | None = None
                 try:
-                    if getattr(store, "group", None) is not None:
-                        os.fchown(fd, -1, store.group)
-                    os.fchmod(fd, getattr(store, "mode", 0o600))
                     try:
                         placer = Placer(fd, Shape.from_json(meta.kv), meta.tokens or b"",
                                         [BlockRef(*b) for b in meta.blocks],
@@ -427,22 +409,17 @@ class Downloads:
                     def one(job: tuple[bool, int | None, Ref]) -> None:
                         held, i, r = job
                         data = self._held(store, r) if held else None
-                        if data is None:  # not held, or not readable here: from the bucket
-                            if held:
-                                with self._lock:
-                                    got["blocks_held"] -= 1
-                                    got["bytes_held"] -= HEADER.size + r.payload
+                        fetched = data is None  # not held, or not readable here: from the bucket
+                        if fetched:
                             data = self._fetch_block(s, r, deadline)
-                            held = False
                         payload = memoryview(data)[HEADER.size:]
                         if i is None:
                             placer.place_tail(payload)
                         else:
                             placer.place(i, payload)
-                        if not held:
-                            with self._lock:
-                                got["blocks_fetched"] += 1
-                                got["bytes_fetched"] += len(data)
+                        with self._lock:
+                            got["blocks_fetched" if fetched else "blocks_held"] += 1
+                            got["bytes_fetched" if fetched else "bytes_held"] += len(data)
 
                     try:
                         fetched, held = [j for j in jobs if not j[0]], [j for j in jobs if j[0]]
@@ -450,8 +427,7 @@ class Downloads:
                         order = [j for pair in itertools.zip_longest(fetched, held) for j in pair if j is not None]
                         self._each(one, order)
                         placer.finish()
-                        placer.close()
-                        os.fsync(fd)
+                        os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
                     except OSError as e:
                         raise SharedError(f"download of {s.key}: writing it here: {e.strerror or e}") from e
                 finally:
@@ -473,6 +449,27 @@ class Downloads:
             if not claimed:
                 store.release(name)
             temp.unlink(missing_ok=True)
+
+
+def _temp(store: Store, name: str) -> Path:
+    """Where a download of `name` is written before Store.install puts it in place (a crash's
+    leftover goes at Store.cleanup)."""
+    return store.path / f"{TEMP_PREFIX}{stem_of(name)}.{uuid.uuid4().hex[:8]}.download.partial"
+
+
+def _create(store: Store, temp: Path) -> int:
+    """`temp` created for reading and writing, with the store's mode and group when it has them
+    (0640 + control.group), else 0600. → its descriptor."""
+    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        group = getattr(store, "group", None)
+        if group is not None:
+            os.fchown(fd, -1, group)
+        os.fchmod(fd, getattr(store, "mode", 0o600))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _object_meta(md: dict[str, str]) -> dict[str, str]:
