@@ -46,6 +46,7 @@ class Placer:
         self.fd, self.shape, self.refs, self.tail, self.n_cells = fd, shape, list(refs), tail, n_cells
         self.size = file_size(shape, n_tokens, n_cells, tail.size if tail else 0)
         self.first: list[int] = []  # each block's first cell
+        self.before_v = shape.cell_bytes + sum(x.k_row for x in shape.layers)  # a cell's bytes before its V
         at0 = 0
         for r in self.refs:
             self.first.append(at0)
@@ -128,7 +129,7 @@ class Placer:
             self._taken.add(i)
         if self._arr is not None:
             self._place_v(i, data)
-            data = data[:payload_size(sh, r.n_cells) - sum(r.n_cells * x.v_row * x.n_embd_v for x in sh.layers)]
+            data = data[:r.n_cells * self.before_v]
         with self._lock:
             self._waiting[i] = data  # what is left to write: all but a transposed V
             run = self._run_of(i, final=False)
@@ -178,9 +179,9 @@ class Placer:
 
     def _place_v(self, i: int, data: memoryview) -> None:
         """A block's transposed V through the map: its columns of each run of layers in one copy."""
-        r, c0, sh = self.refs[i], self.first[i], self.shape
+        r, c0 = self.refs[i], self.first[i]
         n = r.n_cells
-        off = n * sh.cell_bytes + sum(n * x.k_row for x in sh.layers)
+        off = n * self.before_v
         src = np.frombuffer(data, dtype=np.uint8)
         arr = self._arr
         assert arr is not None
