@@ -91,16 +91,31 @@ def check_block(data: bytes | memoryview, ref: Ref) -> str:
     either is right for it."""
     if len(data) != HEADER.size + ref.payload:
         raise ValueError(f"{len(data):,} bytes, a block of {ref.n_cells} cells has {HEADER.size + ref.payload:,}")
+    want = check_head(data, ref)
+    h = files.Hasher()
+    h.update(memoryview(data)[HEADER.size:])
+    return check_digest(h.hexdigest(), want, ref)
+
+
+def check_head(data: bytes | memoryview, ref: Ref) -> str:
+    """A block's header (the first HEADER.size bytes of `data`) is that of the block `ref`
+    names: → the digest it says its payload has. ValueError otherwise."""
+    if len(data) < HEADER.size:
+        raise ValueError(f"{len(data):,} bytes, shorter than a block's header")
     magic, n, cb, raw_key, raw_digest = HEADER.unpack_from(data)
     if magic != MAGIC_BLOCK or raw_key.hex() != ref.key or n != ref.n_cells or cb != ref.cell_bytes:
         raise ValueError("its header is not that of the block its name says")
-    h = files.Hasher()
-    h.update(memoryview(data)[HEADER.size:])
-    if h.hexdigest() != _digest_of(raw_digest):
-        raise ValueError(f"its payload's digest is {h.hexdigest()}, its header says {_digest_of(raw_digest)}")
-    if not ref.n_cells and h.hexdigest() != ref.digest:  # a tail is keyed by its digest: only its own bytes
-        raise ValueError(f"a tail whose digest is {h.hexdigest()}, its manifest says {ref.digest}")
-    return h.hexdigest()
+    return _digest_of(raw_digest)
+
+
+def check_digest(got: str, want: str, ref: Ref) -> str:
+    """The payload's digest `got` is the one its header says (`want`), and a tail's the one its
+    manifest says (a tail is keyed by its digest): → got. ValueError otherwise."""
+    if got != want:
+        raise ValueError(f"its payload's digest is {got}, its header says {want}")
+    if not ref.n_cells and got != ref.digest:
+        raise ValueError(f"a tail whose digest is {got}, its manifest says {ref.digest}")
+    return got
 
 
 def _not_its(meta: Meta, refs: list[Ref], s: RemoteSession) -> str | None:

@@ -91,6 +91,15 @@ class BadObject(SharedError):
     never fetched again, and the bucket is not taken for down because of it."""
 
 
+class LocalWrite(Exception):
+    """Writing a downloaded block's bytes here failed (an OSError of the local disk, not of the
+    bucket: fetching.py keeps the two apart, since both are OSErrors)."""
+
+    def __init__(self, e: OSError):
+        super().__init__(e.strerror or str(e))
+        self.error = e
+
+
 class Incompatible(SharedError):
     """The bucket's save has a KV layout this engine cannot load: refused, the local file stays."""
 

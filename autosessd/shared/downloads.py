@@ -20,7 +20,9 @@ a local save at least as new as the remote one is kept.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -38,7 +40,7 @@ from ..store.placing import Placer
 from ..store.kvfile import Shape
 from ..store.names import marks_from
 from .blockobjects import Ref, refs_of
-from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, RemoteSession, SharedError, _why,
+from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, LocalWrite, RemoteSession, SharedError, _why,
                      estimate, stem_of)
 
 log = logging.getLogger("autosessd.shared")
@@ -369,10 +371,11 @@ class Downloads:
                           layout: slotfile.KVLayout | None, got: dict[str, int]) -> None:
         """Bring save `s` (a manifest) into the local store as the engine's file, from the
         blocks this host lacks (fetched, 4 at a time) and those it holds (read here): each block
-        checked against its own digest, then written in place (placing.Placer) into one
-        temporary as it comes, fsynced once and installed whole, as a whole file's download is:
-        the user's turn waits for one write of the file, not for a block store's write and an
-        assembly after it. The caller keeps it as blocks after the restore (Store.import_whole:
+        written in place (placing.Placer) into one temporary as its bytes come, a megabyte at
+        a time, and checked against its own digest once all came; the file, fsynced once, is
+        installed whole only when every block passed, as a whole file's download is. The user's
+        turn waits for one write of the file, not for a block store's write and an assembly
+        after it. The caller keeps it as blocks after the restore (Store.import_whole:
         fetcher.py). `got` counts what was fetched and held (a failure leaves in it what had
         arrived). AlreadyHere, BadObject, Incompatible, SharedError as download() has them;
         nothing under the name changes on any of them."""
@@ -408,18 +411,18 @@ class Downloads:
 
                     def one(job: tuple[bool, int | None, Ref]) -> None:
                         held, i, r = job
-                        data = self._held(store, r) if held else None
-                        fetched = data is None  # not held, or not readable here: from the bucket
-                        if fetched:
-                            data = self._fetch_block(s, r, deadline)
-                        payload = memoryview(data)[HEADER.size:]
-                        if i is None:
-                            placer.place_tail(payload)
+                        if i is None:  # the tail
+                            put, done = placer.write_tail, placer.tail_done
                         else:
-                            placer.place(i, payload)
+                            put, done = functools.partial(placer.write, i), functools.partial(placer.done, i)
+                        # One this host holds is read here; one it lacks, or cannot read, fetched.
+                        fetched = not (held and self._pour_held(store, r, put))
+                        if fetched:
+                            self._stream_block(s, r, deadline, put)
+                        done()
                         with self._lock:
                             got["blocks_fetched" if fetched else "blocks_held"] += 1
-                            got["bytes_fetched" if fetched else "bytes_held"] += len(data)
+                            got["bytes_fetched" if fetched else "bytes_held"] += HEADER.size + r.payload
 
                     try:
                         fetched, held = [j for j in jobs if not j[0]], [j for j in jobs if j[0]]
@@ -427,7 +430,18 @@ class Downloads:
                         order = [j for pair in itertools.zip_longest(fetched, held) for j in pair if j is not None]
                         self._each(one, order)
                         placer.finish()
-                        os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
+                        # Its own digest, read from the page cache while the disk takes the file:
+                        # the file the blocks make holds the cells in position order in the first
+                        # stream, which the saving host's engine file (the manifest's digest) need not.
+                        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autosessd-digest") as ex:
+                            reading = ex.submit(files.digest_file, temp)
+                            os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
+                        try:
+                            digest, _ = reading.result()
+                        except OSError as e:
+                            raise SharedError(f"download of {s.key}: reading it back: {e.strerror or e}") from e
+                    except LocalWrite as e:
+                        raise SharedError(f"download of {s.key}: writing it here: {e}") from e.error
                     except OSError as e:
                         raise SharedError(f"download of {s.key}: writing it here: {e.strerror or e}") from e
                 finally:
@@ -436,12 +450,6 @@ class Downloads:
                             placer.close()
                     finally:
                         os.close(fd)
-            # Its own digest: the file the blocks make holds the cells in position order in the
-            # first stream, which the saving host's engine file (the manifest's digest) need not.
-            try:
-                digest, _ = files.digest_file(temp)
-            except OSError as e:
-                raise SharedError(f"download of {s.key}: reading it back: {e.strerror or e}") from e
             whole = dataclasses.replace(meta, host=s.host, ident=None, blocks=(), tail=None, kv=None, tokens=None,
                                         whole=None, digest=digest)
             self._install(store, temp, s, whole)

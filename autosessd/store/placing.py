@@ -17,26 +17,26 @@ from .cutting import file_size
 from .kvfile import Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
-GROUP_BYTES = 128 << 20  # Placer writes consecutive blocks together once they hold this much
-
 
 class Placer:
     """The file assemble() writes of all of a manifest's blocks and its tail, written in place
-    instead, in any order, as the blocks come (a download: shared/downloads.py brings a moved
+    instead, in any order, as the blocks come (a download: shared/downloads.py streams a moved
     conversation's blocks, 4 at a time, and the engine's file is ready when the last one is,
     instead of assembled after it). `fd` is a file opened for reading and writing, of the size
     the header, the tokens and every section's own header are written at first.
 
-    Each layer's K (and V) rows of consecutive blocks are consecutive in the file: blocks that
-    arrived are kept until a run of them holds GROUP_BYTES (or cannot grow: its neighbours are
-    written), then each section of the run goes in one pwritev. So a download makes about 70
-    calls per 128 MB, not 70 per block: each call lets go of the GIL and waits for it again
-    behind the daemon's other threads, which made a write per section 8× slower there. A
-    transposed V (a row per element across all cells) goes in through a map instead, a block's
-    columns of a run of layers in one numpy copy, its bytes reserved first (posix_fallocate: a
-    full disk says ENOSPC there, not SIGBUS under the map). place() of every block and the
-    tail, then finish() writes what is left; the caller fsyncs the file. The offsets here and
-    assemble()'s are the same layout (tests/store/test_placer.py checks them byte for byte)."""
+    A block's payload is its cells' meta, then each layer's K, then each layer's V; each of
+    these goes to its own section of the file, where consecutive blocks' rows are consecutive.
+    write() takes any piece of a block's payload as it arrives from the network (a megabyte at
+    a time) and writes what it holds of each section there: the bytes go from a small buffer
+    still in the CPU's cache to the page cache, as a whole file's download writes them, not
+    through a block-sized buffer of fresh memory (that cost the download twice its CPU time).
+    A transposed V (a row per element across all cells) is kept until the block is done(),
+    then goes in through a map, a block's columns of a run of layers in one numpy copy, its
+    bytes reserved first (posix_fallocate: a full disk says ENOSPC there, not SIGBUS under the
+    map). write() and done() of every block and place_tail(), then finish(); the caller
+    fsyncs the file. The offsets here and assemble()'s are the same layout
+    (tests/store/test_placer.py checks them byte for byte)."""
 
     def __init__(self, fd: int, shape: Shape, tokens: bytes, refs: Sequence[BlockRef], tail: TailRef | None = None):
         n_tokens = len(tokens) // 4
@@ -46,7 +46,6 @@ class Placer:
         self.fd, self.shape, self.refs, self.tail, self.n_cells = fd, shape, list(refs), tail, n_cells
         self.size = file_size(shape, n_tokens, n_cells, tail.size if tail else 0)
         self.first: list[int] = []  # each block's first cell
-        self.before_v = shape.cell_bytes + sum(x.k_row for x in shape.layers)  # a cell's bytes before its V
         at0 = 0
         for r in self.refs:
             self.first.append(at0)
@@ -87,9 +86,9 @@ class Placer:
         self._arr: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else None
         self._lock = threading.Lock()
         self._tail_placed = False
-        self._taken: set[int] = set()  # placed, or being placed
-        self._waiting: dict[int, memoryview] = {}  # arrived, not written yet
-        self._written = [False] * len(self.refs)
+        self._done = [False] * len(self.refs)
+        self._v: dict[int, bytearray] = {}  # transposed V of blocks being written, until done()
+        self._direct = sum(per_cell for _, per_cell in self.sections)  # a cell's bytes written by write()
 
     def _put(self, at: int, data: bytes | memoryview) -> int:
         """pwrite all of `data` at `at` → the offset after it."""
@@ -101,88 +100,71 @@ class Placer:
             view, at = view[n:], at + n
         return at
 
-    def _putv(self, at: int, parts: list[memoryview]) -> None:
-        """pwritev the parts, one after the other from `at` (what a short write left, part by part)."""
-        for i in range(0, len(parts), 512):  # IOV_MAX is 1024
-            chunk = parts[i:i + 512]
-            n = os.pwritev(self.fd, chunk, at)
-            end = at + sum(len(p) for p in chunk)
-            at += n
-            if at < end:  # short: the rest one by one
-                skip = n
-                for p in chunk:
-                    if skip >= len(p):
-                        skip -= len(p)
-                        continue
-                    at = self._put(at, p[skip:])
-                    skip = 0
+    def write(self, i: int, at: int, data: bytes | memoryview) -> None:
+        """Bytes [at, at + len(data)) of block i's payload, in place. A piece written again
+        (a block read again from elsewhere) replaces what was there; the caller checks the
+        block's digest, then says done(i)."""
+        r = self.refs[i]
+        data = memoryview(data).cast("B")
+        end, size = at + len(data), payload_size(self.shape, r.n_cells)
+        if at < 0 or end > size:
+            raise BadBlock(f"block {r.key}: bytes {at:,} to {end:,} of a payload of {size:,}")
+        if self._done[i]:
+            raise BadBlock(f"block {r.key} placed twice")
+        n, c0 = r.n_cells, self.first[i]
+        pos = 0  # where the section starts in the payload
+        for file_at, per_cell in self.sections:
+            length = n * per_cell
+            lo, hi = max(at, pos), min(end, pos + length)
+            if lo < hi:
+                self._put(file_at + c0 * per_cell + lo - pos, data[lo - at:hi - at])
+            pos += length
+            if pos >= end:
+                return
+        # What is left is a transposed V (the sections hold all of a payload otherwise).
+        with self._lock:
+            v = self._v.get(i)
+            if v is None:
+                v = self._v[i] = bytearray(size - pos)
+        lo = max(at, pos)
+        v[lo - pos:end - pos] = data[lo - at:]
+
+    def done(self, i: int) -> None:
+        """Block i all written (and its digest checked by the caller): its transposed V placed."""
+        r = self.refs[i]
+        with self._lock:
+            if self._done[i]:
+                raise BadBlock(f"block {r.key} placed twice")
+            self._done[i] = True
+            v = self._v.pop(i, None)
+        if self._arr is not None and payload_size(self.shape, r.n_cells) > r.n_cells * self._direct:
+            if v is None:
+                raise BadBlock(f"block {r.key}: its V was never written")
+            self._place_v(i, memoryview(v))
 
     def place(self, i: int, payload: bytes | memoryview) -> None:
-        """Block i's payload (checked against its digest by the caller)."""
-        r, sh = self.refs[i], self.shape
-        data = memoryview(payload).cast("B")
-        if len(data) != payload_size(sh, r.n_cells):
-            raise BadBlock(f"block {r.key}: {len(data):,} bytes, its payload has {payload_size(sh, r.n_cells):,}")
-        with self._lock:
-            if i in self._taken:
-                raise BadBlock(f"block {r.key} placed twice")
-            self._taken.add(i)
-        if self._arr is not None:
-            self._place_v(i, data)
-            data = data[:r.n_cells * self.before_v]
-        with self._lock:
-            self._waiting[i] = data  # what is left to write: all but a transposed V
-            run = self._run_of(i, final=False)
-            if run is not None:
-                self._write(*run)
-                # Its neighbours' runs can grow no more now: written too.
-                for j in (run[0] - 1, run[1]):
-                    if j in self._waiting:
-                        near = self._run_of(j, final=False)
-                        if near is not None:
-                            self._write(*near)
+        """Block i's whole payload (checked against its digest by the caller): write() and done()."""
+        r = self.refs[i]
+        if len(payload) != payload_size(self.shape, r.n_cells):
+            raise BadBlock(f"block {r.key}: {len(payload):,} bytes, its payload has "
+                           f"{payload_size(self.shape, r.n_cells):,}")
+        self.write(i, 0, payload)
+        self.done(i)
 
     def finish(self) -> None:
-        """Every block placed: those still waiting written."""
+        """Every block and the tail placed, or BadBlock."""
         with self._lock:
-            while self._waiting:
-                self._write(*self._run_of(min(self._waiting), final=True))
-            if not all(self._written):
-                raise BadBlock(f"{self._written.count(False)} of {len(self.refs)} blocks never placed")
+            if not all(self._done):
+                raise BadBlock(f"{self._done.count(False)} of {len(self.refs)} blocks never placed")
             if self.tail is not None and not self._tail_placed:
                 raise BadBlock("the tail was never placed")
 
-    def _run_of(self, i: int, final: bool) -> tuple[int, int] | None:
-        """The run of waiting blocks around i, [a, b), if it is to be written now. Under _lock."""
-        a, b = i, i + 1
-        while a > 0 and a - 1 in self._waiting:
-            a -= 1
-        while b < len(self.refs) and b in self._waiting:
-            b += 1
-        whole = (a == 0 or self._written[a - 1]) and (b == len(self.refs) or self._written[b])
-        big = sum(len(self._waiting[j]) for j in range(a, b)) >= GROUP_BYTES
-        return (a, b) if final or whole or big else None
-
-    def _write(self, a: int, b: int) -> None:
-        """Blocks [a, b), waiting: each section of theirs in one pwritev. Under _lock."""
-        run = [(self.refs[j].n_cells, self._waiting.pop(j)) for j in range(a, b)]
-        offs = [0] * len(run)
-        c0 = self.first[a]
-        for at, per_cell in self.sections:
-            parts = []
-            for j, (n, data) in enumerate(run):
-                parts.append(data[offs[j]:offs[j] + n * per_cell])
-                offs[j] += n * per_cell
-            self._putv(at + c0 * per_cell, parts)
-        for j in range(a, b):
-            self._written[j] = True
-
-    def _place_v(self, i: int, data: memoryview) -> None:
+    def _place_v(self, i: int, v: memoryview) -> None:
         """A block's transposed V through the map: its columns of each run of layers in one copy."""
         r, c0 = self.refs[i], self.first[i]
         n = r.n_cells
-        off = n * self.before_v
-        src = np.frombuffer(data, dtype=np.uint8)
+        off = 0
+        src = np.frombuffer(v, dtype=np.uint8)
         arr = self._arr
         assert arr is not None
         for count, (v_row, n_embd_v), at, stride in self.v_runs:
@@ -196,16 +178,29 @@ class Placer:
                 src[off:off + count * n_embd_v * w].reshape(shape)
             off += count * n_embd_v * w
 
+    def write_tail(self, at: int, data: bytes | memoryview) -> None:
+        """Bytes [at, at + len(data)) of the tail, in place (as write() for a block)."""
+        end, size = at + len(data), self.tail.size if self.tail else 0
+        if at < 0 or end > size:
+            raise BadBlock(f"bytes {at:,} to {end:,} of a tail of {size:,}")
+        if self._tail_placed:
+            raise BadBlock("the tail placed twice")
+        self._put(self.tail_at + at, data)
+
+    def tail_done(self) -> None:
+        """The tail all written (and its digest checked by the caller)."""
+        with self._lock:
+            if self.tail is None or self._tail_placed:
+                raise BadBlock("the tail placed twice" if self.tail else "a tail for a file that has none")
+            self._tail_placed = True
+
     def place_tail(self, data: bytes | memoryview) -> None:
-        """The tail's bytes (checked against its digest by the caller) at the file's end."""
+        """The tail's bytes (checked against its digest by the caller): write_tail() and tail_done()."""
         if self.tail is None or len(data) != self.tail.size:
             raise BadBlock(f"a tail of {len(data):,} bytes for a file whose tail has "
                            f"{self.tail.size if self.tail else 0:,}")
-        with self._lock:
-            if self._tail_placed:
-                raise BadBlock("the tail placed twice")
-            self._tail_placed = True
-        self._put(self.tail_at, data)
+        self.write_tail(0, data)
+        self.tail_done()
 
     def close(self) -> None:
         """The map let go (its pages are the file's: the caller fsyncs fd, then closes it)."""

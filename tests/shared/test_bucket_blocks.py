@@ -177,6 +177,38 @@ def test_a_damaged_block_object_is_refused_before_anything_is_installed(hosts, s
         h3[0].download(found, h3[1])
 
 
+def test_a_full_disk_during_a_download_fails_it_without_blaming_the_bucket(hosts, s3_gateway, s3_bucket,
+                                                                          monkeypatch):
+    """The disk's error is not the object's: the download fails saying so, nothing is installed
+    or left behind, and nothing in the bucket is taken for damaged (a later turn fetches it)."""
+    import errno
+
+    from autosessd.shared import SharedError
+    from autosessd.store import placing
+
+    (h1, s1), (h2, s2) = hosts(2)
+    h1.start(s1)
+    save(s1, A, PROMPT)
+    assert up(h1, s1, A) == "done"
+    write, calls = placing.Placer.write, []
+
+    def full(self, i, at, data):
+        calls.append(i)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, i, at, data)
+
+    monkeypatch.setattr(placing.Placer, "write", full)
+    [found] = h2.find(MODEL)
+    with pytest.raises(SharedError, match="writing it here: No space left on device"):
+        h2.download(found, s2)
+    assert s2.read_meta(A) is None and not list(s2.path.glob("*partial*"))
+    assert not h2.is_bad(found.key) and h2.status()["downloads_refused_bad"] == 0
+    monkeypatch.setattr(placing.Placer, "write", write)
+    h2.download(found, s2)  # the disk has room again
+    assert s2.bin_path(A).read_bytes() == (s1.staging / s1.stage(f"auto-{A}.bin").name).read_bytes()
+
+
 def test_a_manifest_whose_blocks_are_not_its_tokens_is_refused(hosts, s3_gateway, s3_bucket):
     """A peer's manifest naming blocks of other tokens (a bug, or a forged object) is refused: the
     keys are checked against the chain of its own tokens before any block is fetched."""

@@ -1,4 +1,4 @@
-"""The engine's file written in place as a download brings its blocks (cutting.Placer, issue 48):
+"""The engine's file written in place as a download brings its blocks (placing.Placer, issue 48):
 blocks placed in any order, from several threads at once, give byte for byte the file
 assemble() writes from the same blocks — V transposed or not, cells with the M-RoPE
 extension, another stream's slot, a last block shorter than the others, a window model's or a
@@ -7,6 +7,7 @@ hybrid's tail, a file with one token more than cells. A block of the wrong size 
 import io
 import os
 import random
+import sys
 import threading
 
 import pytest
@@ -28,7 +29,8 @@ def payload(store, key):
 
 
 def placed(tmp_path, store, kv, refs, tail=None, seed=0, threads=1):
-    """The file a Placer writes from `refs` (and `tail`) placed in a shuffled order."""
+    """The file a Placer writes from `refs` (and `tail`) placed in a shuffled order (whole or
+    in pieces of PIECE bytes)."""
     out = tmp_path / f"placed-{seed}-{threads}.bin"
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -39,8 +41,13 @@ def placed(tmp_path, store, kv, refs, tail=None, seed=0, threads=1):
         def one(i):
             if i < 0:
                 p.place_tail(payload(store, tail.key))
-            else:
+            elif PIECE is None:
                 p.place(i, payload(store, refs[i].key))
+            else:
+                data = payload(store, refs[i].key)
+                for at in range(0, len(data), PIECE):
+                    p.write(i, at, data[at:at + PIECE])
+                p.done(i)
 
         if threads == 1:
             for i in jobs:
@@ -65,16 +72,20 @@ def assembled(store, kv, refs, tail=None):
     return buf.getvalue()
 
 
-@pytest.fixture(params=[1, 3000, 1 << 30], ids=["each-block", "runs", "at-the-end"])
-def group(request, monkeypatch):
-    """Blocks written as each arrives, in runs of a few, or all when the last one came."""
-    monkeypatch.setattr(placing, "GROUP_BYTES", request.param)
+PIECE: int | None = None  # placed() writes each block whole (None) or in pieces of this many bytes
+
+
+@pytest.fixture(params=[None, 7, 4096], ids=["whole", "small-pieces", "pieces"])
+def pieces(request, monkeypatch):
+    """Blocks placed whole, or written as a download streams them: pieces of a few bytes that
+    cross sections and rows anywhere, or of a few KB."""
+    monkeypatch.setattr(sys.modules[__name__], "PIECE", request.param)
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])
 @pytest.mark.parametrize("cell_ext", [False, True])
 @pytest.mark.parametrize("n_stream, stream", [(1, 0), (4, 2)])
-def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, monkeypatch, group, v_trans, cell_ext,
+def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, monkeypatch, pieces, v_trans, cell_ext,
                                                                     n_stream, stream):
     monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
     n = 45
@@ -93,7 +104,7 @@ def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, monk
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])
-def test_layers_of_other_row_sizes_are_placed_each_at_its_own_offsets(tmp_path, monkeypatch, group, v_trans):
+def test_layers_of_other_row_sizes_are_placed_each_at_its_own_offsets(tmp_path, monkeypatch, pieces, v_trans):
     """Runs of layers whose rows are of one size go in one copy each: rows that change from
     layer to layer (and back) start a new run."""
     monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
@@ -108,7 +119,7 @@ def test_layers_of_other_row_sizes_are_placed_each_at_its_own_offsets(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["window", "recurrent"])
-def test_a_file_with_a_tail_is_placed_byte_for_byte_as_the_engine_wrote_it(tmp_path, monkeypatch, group, kind):
+def test_a_file_with_a_tail_is_placed_byte_for_byte_as_the_engine_wrote_it(tmp_path, monkeypatch, pieces, kind):
     monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
     tokens = list(range(300, 345))
     data, _ = two_part_file(tokens, kind)
@@ -151,6 +162,11 @@ def test_a_block_of_the_wrong_size_is_refused(tmp_path, monkeypatch):
         p.place(0, payload(store, refs[0].key))
         with pytest.raises(BadBlock, match="placed twice"):
             p.place(0, payload(store, refs[0].key))
+        with pytest.raises(BadBlock, match="placed twice"):
+            p.write(0, 0, b"x")
+        size = len(payload(store, refs[1].key))
+        with pytest.raises(BadBlock, match=f"bytes {size - 1:,} to {size + 1:,} of a payload of {size:,}"):
+            p.write(1, size - 1, b"xx")
         with pytest.raises(BadBlock, match="never placed"):
             p.finish()
         p.close()
@@ -177,6 +193,51 @@ def test_a_tail_placed_twice_or_never_is_refused(tmp_path, monkeypatch):
         with pytest.raises(BadBlock, match="tail placed twice"):
             p.place_tail(payload(store, tail.key))
         p.finish()
+        p.close()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("v_trans", [0, 1])
+def test_a_block_written_again_from_elsewhere_replaces_what_was_there(tmp_path, monkeypatch, v_trans):
+    """A download reads a block this host holds, finds it damaged halfway, and fetches it from
+    the bucket instead: the second writing of every piece is what the file holds."""
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    tokens = list(range(40, 64))
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(tokens, v_trans=v_trans))
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+        for i, r in enumerate(refs):
+            data = payload(store, r.key)
+            p.write(i, 0, bytes(len(data) * 2 // 3))  # a damaged held copy, given up on
+            for at in range(0, len(data), 5):
+                p.write(i, at, data[at:at + 5])
+            p.done(i)
+        p.finish()
+        p.close()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out.bin").read_bytes() == assembled(store, kv, refs) == src.read_bytes()
+
+
+def test_a_transposed_v_never_written_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(list(range(16)), v_trans=1))
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+        p.write(0, 0, payload(store, refs[0].key)[:kv.shape.cell_bytes * 8])  # the cells only
+        with pytest.raises(BadBlock, match="its V was never written"):
+            p.done(0)
         p.close()
     finally:
         os.close(fd)
