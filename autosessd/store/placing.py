@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import struct
 import threading
 from typing import Sequence
@@ -16,6 +17,8 @@ from .blocks import BadBlock, BlockRef, TailRef, payload_size
 from .cutting import file_size
 from .kvfile import Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
+
+QUEUED = 64  # pieces waiting for the Placer's writer (about 64 MB of a download's megabyte reads)
 
 
 class Placer:
@@ -28,9 +31,11 @@ class Placer:
     A block's payload is its cells' meta, then each layer's K, then each layer's V; each of
     these goes to its own section of the file, where consecutive blocks' rows are consecutive.
     write() takes any piece of a block's payload as it arrives from the network (a megabyte at
-    a time) and writes what it holds of each section there: the bytes go from a small buffer
-    still in the CPU's cache to the page cache, as a whole file's download writes them, not
-    through a block-sized buffer of fresh memory (that cost the download twice its CPU time).
+    a time) and queues what it holds of each section for the Placer's one writer thread: the
+    bytes go from a small buffer to the page cache, as a whole file's download writes them, not
+    through a block-sized buffer of fresh memory (that cost the download twice its CPU time),
+    and the threads that fetch never wait for the disk, nor for one another on the file's inode
+    lock (four writers of one file spent a core spinning on it).
     A transposed V (a row per element across all cells) is kept until the block is done(),
     then goes in through a map, a block's columns of a run of layers in one numpy copy, its
     bytes reserved first (posix_fallocate: a full disk says ENOSPC there, not SIGBUS under the
@@ -89,6 +94,12 @@ class Placer:
         self._done = [False] * len(self.refs)
         self._v: dict[int, bytearray] = {}  # transposed V of blocks being written, until done()
         self._direct = sum(per_cell for _, per_cell in self.sections)  # a cell's bytes written by write()
+        # One thread writes: several writing one file wait for its inode's lock, spinning on it.
+        self._queue: queue.Queue[tuple[int, memoryview] | None] = queue.Queue(QUEUED)
+        self._error: OSError | None = None
+        self._writer: threading.Thread | None = threading.Thread(target=self._drain, name="autosessd-placer",
+                                                                 daemon=True)
+        self._writer.start()
 
     def _put(self, at: int, data: bytes | memoryview) -> int:
         """pwrite all of `data` at `at` → the offset after it."""
@@ -100,10 +111,28 @@ class Placer:
             view, at = view[n:], at + n
         return at
 
+    def _drain(self) -> None:
+        """The writer: queued pieces written in order (after an error, dropped: write() and
+        finish() raise it) until the None close() or finish() queues."""
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._put(*item)
+                except OSError as e:
+                    self._error = e
+
+    def _stop(self) -> None:
+        """The writer ended, everything queued written (or dropped after an error)."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+
     def write(self, i: int, at: int, data: bytes | memoryview) -> None:
-        """Bytes [at, at + len(data)) of block i's payload, in place. A piece written again
-        (a block read again from elsewhere) replaces what was there; the caller checks the
-        block's digest, then says done(i)."""
+        """Bytes [at, at + len(data)) of block i's payload, queued for the writer (OSError: an
+        earlier piece's write failed). A piece written again (a block read again from
+        elsewhere) replaces what was there; the caller checks the block's digest, then says
+        done(i)."""
         r = self.refs[i]
         data = memoryview(data).cast("B")
         end, size = at + len(data), payload_size(self.shape, r.n_cells)
@@ -111,13 +140,17 @@ class Placer:
             raise BadBlock(f"block {r.key}: bytes {at:,} to {end:,} of a payload of {size:,}")
         if self._done[i]:
             raise BadBlock(f"block {r.key} placed twice")
+        if self._error is not None:
+            raise self._error
+        if self._writer is None:
+            raise BadBlock(f"block {r.key} written after finish()")
         n, c0 = r.n_cells, self.first[i]
         pos = 0  # where the section starts in the payload
         for file_at, per_cell in self.sections:
             length = n * per_cell
             lo, hi = max(at, pos), min(end, pos + length)
             if lo < hi:
-                self._put(file_at + c0 * per_cell + lo - pos, data[lo - at:hi - at])
+                self._queue.put((file_at + c0 * per_cell + lo - pos, data[lo - at:hi - at]))
             pos += length
             if pos >= end:
                 return
@@ -152,12 +185,16 @@ class Placer:
         self.done(i)
 
     def finish(self) -> None:
-        """Every block and the tail placed, or BadBlock."""
+        """Every block and the tail placed (BadBlock otherwise), then written (the writer
+        ended; OSError when a write failed)."""
         with self._lock:
             if not all(self._done):
                 raise BadBlock(f"{self._done.count(False)} of {len(self.refs)} blocks never placed")
             if self.tail is not None and not self._tail_placed:
                 raise BadBlock("the tail was never placed")
+        self._stop()
+        if self._error is not None:
+            raise self._error
 
     def _place_v(self, i: int, v: memoryview) -> None:
         """A block's transposed V through the map: its columns of each run of layers in one copy."""
@@ -185,7 +222,11 @@ class Placer:
             raise BadBlock(f"bytes {at:,} to {end:,} of a tail of {size:,}")
         if self._tail_placed:
             raise BadBlock("the tail placed twice")
-        self._put(self.tail_at + at, data)
+        if self._error is not None:
+            raise self._error
+        if self._writer is None:
+            raise BadBlock("the tail written after finish()")
+        self._queue.put((self.tail_at + at, memoryview(data).cast("B")))
 
     def tail_done(self) -> None:
         """The tail all written (and its digest checked by the caller)."""
@@ -203,7 +244,9 @@ class Placer:
         self.tail_done()
 
     def close(self) -> None:
-        """The map let go (its pages are the file's: the caller fsyncs fd, then closes it)."""
+        """The writer ended and the map let go (its pages are the file's: the caller fsyncs
+        fd, then closes it)."""
+        self._stop()
         self._arr = None
         if self._map is not None:
             self._map.close()

@@ -241,3 +241,30 @@ def test_a_transposed_v_never_written_is_refused(tmp_path, monkeypatch):
         p.close()
     finally:
         os.close(fd)
+
+
+def test_a_write_that_fails_in_the_writer_is_raised_to_the_download(tmp_path, monkeypatch):
+    """A full disk under the Placer's writer thread: the download hears of it (and stops)."""
+    import errno
+
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+    src = tmp_path / "a.bin"
+    src.write_bytes(slot_file(list(range(32))))
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, _, _ = split(store, kv, src, MODEL)
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+
+        def full(*a):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(placing.os, "pwrite", full)
+        with pytest.raises(OSError, match="No space left"):  # by a later place(), or at the latest by finish()
+            for i, r in enumerate(refs):
+                p.place(i, payload(store, r.key))
+            p.finish()
+        p.close()
+    finally:
+        os.close(fd)
