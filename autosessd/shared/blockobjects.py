@@ -1,7 +1,7 @@
 """Blocks and manifests in the bucket: a save the local store keeps as token blocks goes up as
 the blocks the bucket lacks and then its manifest; a turn that restores such a save fetches
-only the blocks this host lacks, checks each, and writes the engine's file from them and from
-those it holds (downloads.py; bucket.py has the layout).
+only the blocks this host lacks, writes the engine's file from them and from those it holds,
+and checks each (downloads.py, fetching.py; bucket.py has the layout).
 
 Upload (upload_manifest, on the upload worker's thread). The local manifest is read again (a
 newer save or a forget since the job was queued supersedes it) and its blocks are pinned in
@@ -19,12 +19,13 @@ anywhere leaves at most blocks no manifest names (the prune takes them after gra
 Download (downloads.download_manifest, on a download thread). The manifest (one GET, a few KB
 per 1,000 tokens) is parsed and checked against its object's name (conversation, tokens, model),
 its block keys against the chain of its tokens (_not_its), its KV layout against this engine's.
-The blocks this host lacks are fetched, four at a time, each checked before it is used: its
-object's size, its header (magic, key, cells) and its payload's digest against the header's; a
-block that fails is a BadObject (the manifest is not fetched again, the turn re-reads). Each,
-and each block this host holds (read and checked likewise), is written at its place in the
-engine's file (placing.Placer), which is installed whole (Store.install) and kept as blocks
-after its restore (Upkeep.keep_as_blocks).
+The blocks this host lacks are fetched, four at a time, and written at their places in the
+engine's file (placing.Placer) as their bytes arrive, those it holds read in likewise; each is
+checked (its object's size and header — magic, key, cells — before its payload is read, the
+payload's digest against the header's once it all came), and the file is installed whole
+(Store.install) only when every block passed, then kept as blocks after its restore
+(Upkeep.keep_as_blocks). A block that fails is a BadObject (the manifest is not fetched again,
+the turn re-reads; the temporary is removed).
 
 The bucket prune (lease.py) and forget (remove_saves) take blocks by manifests: read_blocks()
 gives a manifest's blocks (a manifest never changes: read once, kept by key).

@@ -91,6 +91,12 @@ class BadObject(SharedError):
     never fetched again, and the bucket is not taken for down because of it."""
 
 
+class LocalFailure(SharedError):
+    """A download that failed on this host's side (writing the file here, reading it back):
+    not the bucket's nor the link's, so no backoff starts and nothing is learned of the link's
+    rate from it."""
+
+
 class LocalWrite(Exception):
     """Writing a downloaded block's bytes here failed (an OSError of the local disk, not of the
     bucket: fetching.py keeps the two apart, since both are OSErrors)."""

@@ -20,7 +20,6 @@ a local save at least as new as the remote one is kept.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -40,8 +39,8 @@ from ..store.placing import Placer
 from ..store.kvfile import Shape
 from ..store.names import marks_from
 from .blockobjects import Ref, refs_of
-from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, LocalWrite, RemoteSession, SharedError, _why,
-                     estimate, stem_of)
+from .bucket import (AlreadyHere, BadObject, Estimate, Incompatible, LocalFailure, LocalWrite, RemoteSession,
+                     SharedError, _why, estimate, stem_of)
 
 log = logging.getLogger("autosessd.shared")
 
@@ -274,6 +273,11 @@ class Downloads:
                 self.counters.downloads_refused_layout += 1
                 self.counters.last_download_error = str(e)
             return
+        if isinstance(e, LocalFailure):  # this host's disk: says nothing of the bucket or the link
+            with self._lock:
+                self.counters.download_failures += 1
+                self.counters.last_download_error = str(e)
+            return
         spent = time.monotonic() - t0
         with self._lock:
             self.counters.download_failures += 1
@@ -405,6 +409,8 @@ class Downloads:
                                         TailRef(*meta.tail) if meta.tail else None)
                     except (BadBlock, ValueError, KeyError, TypeError) as e:
                         raise BadObject(f"{s.key}: not a file its blocks can make: {e}") from None
+                    except OSError as e:  # its header, or the room a transposed V's map needs
+                        raise LocalFailure(f"download of {s.key}: writing it here: {e.strerror or e}") from e
                     if placer.size != meta.bytes:
                         raise BadObject(f"{s.key}: its blocks make a file of {placer.size:,} bytes, "
                                         f"it says {meta.bytes:,}")
@@ -430,26 +436,23 @@ class Downloads:
                         order = [j for pair in itertools.zip_longest(fetched, held) for j in pair if j is not None]
                         self._each(one, order)
                         placer.finish()
-                        # Its own digest, read from the page cache while the disk takes the file:
-                        # the file the blocks make holds the cells in position order in the first
-                        # stream, which the saving host's engine file (the manifest's digest) need not.
-                        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autosessd-digest") as ex:
-                            reading = ex.submit(files.digest_file, temp)
-                            os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
-                        try:
-                            digest, _ = reading.result()
-                        except OSError as e:
-                            raise SharedError(f"download of {s.key}: reading it back: {e.strerror or e}") from e
+                        os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
                     except LocalWrite as e:
-                        raise SharedError(f"download of {s.key}: writing it here: {e}") from e.error
+                        raise LocalFailure(f"download of {s.key}: writing it here: {e}") from e.error
                     except OSError as e:
-                        raise SharedError(f"download of {s.key}: writing it here: {e.strerror or e}") from e
+                        raise LocalFailure(f"download of {s.key}: writing it here: {e.strerror or e}") from e
                 finally:
                     try:
                         if placer is not None:
                             placer.close()
                     finally:
                         os.close(fd)
+            # Its own digest: the file the blocks make holds the cells in position order in the
+            # first stream, which the saving host's engine file (the manifest's digest) need not.
+            try:
+                digest, _ = files.digest_file(temp)
+            except OSError as e:
+                raise LocalFailure(f"download of {s.key}: reading it back: {e.strerror or e}") from e
             whole = dataclasses.replace(meta, host=s.host, ident=None, blocks=(), tail=None, kv=None, tokens=None,
                                         whole=None, digest=digest)
             self._install(store, temp, s, whole)

@@ -18,7 +18,7 @@ from .cutting import file_size
 from .kvfile import Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
-QUEUED = 64  # pieces waiting for the Placer's writer (about 64 MB of a download's megabyte reads)
+QUEUED = 64  # pieces waiting for the Placer's writer (64 MB of a download's megabyte reads)
 
 
 class Placer:
@@ -31,11 +31,11 @@ class Placer:
     A block's payload is its cells' meta, then each layer's K, then each layer's V; each of
     these goes to its own section of the file, where consecutive blocks' rows are consecutive.
     write() takes any piece of a block's payload as it arrives from the network (a megabyte at
-    a time) and queues what it holds of each section for the Placer's one writer thread: the
-    bytes go from a small buffer to the page cache, as a whole file's download writes them, not
-    through a block-sized buffer of fresh memory (that cost the download twice its CPU time),
-    and the threads that fetch never wait for the disk, nor for one another on the file's inode
-    lock (four writers of one file spent a core spinning on it).
+    a time) and queues it, cut by section, for the Placer's one writer thread: the bytes go from
+    a piece to the page cache, as a whole file's download writes them, not through a block-sized
+    buffer of fresh memory held until a run formed (that cost the download twice its CPU time),
+    and the threads that fetch wait for the disk only when QUEUED pieces are waiting, never for
+    one another on the file's inode lock (four writers of one file spent a core spinning on it).
     A transposed V (a row per element across all cells) is kept until the block is done(),
     then goes in through a map, a block's columns of a run of layers in one numpy copy, its
     bytes reserved first (posix_fallocate: a full disk says ENOSPC there, not SIGBUS under the
@@ -95,8 +95,9 @@ class Placer:
         self._v: dict[int, bytearray] = {}  # transposed V of blocks being written, until done()
         self._direct = sum(per_cell for _, per_cell in self.sections)  # a cell's bytes written by write()
         # One thread writes: several writing one file wait for its inode's lock, spinning on it.
-        self._queue: queue.Queue[tuple[int, memoryview] | None] = queue.Queue(QUEUED)
+        self._queue: queue.Queue[list[tuple[int, memoryview]] | None] = queue.Queue(QUEUED)
         self._error: OSError | None = None
+        self._cancelled = False  # close() before finish(): what is queued is not written
         self._writer: threading.Thread | None = threading.Thread(target=self._drain, name="autosessd-placer",
                                                                  daemon=True)
         self._writer.start()
@@ -112,14 +113,17 @@ class Placer:
         return at
 
     def _drain(self) -> None:
-        """The writer: queued pieces written in order (after an error, dropped: write() and
-        finish() raise it) until the None close() or finish() queues."""
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
+        """The writer: queued pieces written in order (after an error or close(), dropped:
+        write() and finish() raise the error) until the None close() or finish() queues."""
+        while (piece := self._queue.get()) is not None:
+            if self._error is None and not self._cancelled:
                 try:
-                    self._put(*item)
+                    for at, data in piece:
+                        self._put(at, data)
                 except OSError as e:
                     self._error = e
+                except BaseException as e:  # never a dead writer that write() and close() wait for
+                    self._error = OSError(f"placing a block's bytes: {e!r}")
 
     def _stop(self) -> None:
         """The writer ended, everything queued written (or dropped after an error)."""
@@ -130,9 +134,9 @@ class Placer:
 
     def write(self, i: int, at: int, data: bytes | memoryview) -> None:
         """Bytes [at, at + len(data)) of block i's payload, queued for the writer (OSError: an
-        earlier piece's write failed). A piece written again (a block read again from
-        elsewhere) replaces what was there; the caller checks the block's digest, then says
-        done(i)."""
+        earlier piece's write failed), which reads `data` later: the caller does not change it.
+        A piece written again (a block read again from elsewhere) replaces what was there; the
+        caller checks the block's digest, then says done(i)."""
         r = self.refs[i]
         data = memoryview(data).cast("B")
         end, size = at + len(data), payload_size(self.shape, r.n_cells)
@@ -146,14 +150,19 @@ class Placer:
             raise BadBlock(f"block {r.key} written after finish()")
         n, c0 = r.n_cells, self.first[i]
         pos = 0  # where the section starts in the payload
+        piece = []
         for file_at, per_cell in self.sections:
             length = n * per_cell
             lo, hi = max(at, pos), min(end, pos + length)
             if lo < hi:
-                self._queue.put((file_at + c0 * per_cell + lo - pos, data[lo - at:hi - at]))
+                piece.append((file_at + c0 * per_cell + lo - pos, data[lo - at:hi - at]))
             pos += length
             if pos >= end:
-                return
+                break
+        if piece:
+            self._queue.put(piece)
+        if pos >= end:
+            return
         # What is left is a transposed V (the sections hold all of a payload otherwise).
         with self._lock:
             v = self._v.get(i)
@@ -226,7 +235,7 @@ class Placer:
             raise self._error
         if self._writer is None:
             raise BadBlock("the tail written after finish()")
-        self._queue.put((self.tail_at + at, memoryview(data).cast("B")))
+        self._queue.put([(self.tail_at + at, memoryview(data).cast("B"))])
 
     def tail_done(self) -> None:
         """The tail all written (and its digest checked by the caller)."""
@@ -245,7 +254,9 @@ class Placer:
 
     def close(self) -> None:
         """The writer ended and the map let go (its pages are the file's: the caller fsyncs
-        fd, then closes it)."""
+        fd, then closes it). Before finish() (a download that failed), what is still queued is
+        not written."""
+        self._cancelled = self._writer is not None
         self._stop()
         self._arr = None
         if self._map is not None:

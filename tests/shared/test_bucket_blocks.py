@@ -179,8 +179,9 @@ def test_a_damaged_block_object_is_refused_before_anything_is_installed(hosts, s
 
 def test_a_full_disk_during_a_download_fails_it_without_blaming_the_bucket(hosts, s3_gateway, s3_bucket,
                                                                           monkeypatch):
-    """The disk's error is not the object's: the download fails saying so, nothing is installed
-    or left behind, and nothing in the bucket is taken for damaged (a later turn fetches it)."""
+    """The disk's error is not the object's nor the link's: the download fails saying so,
+    nothing is installed or left behind, nothing in the bucket is taken for damaged, and no
+    backoff starts nor is a link rate learned from it (the next turn tries again)."""
     import errno
 
     from autosessd.shared import SharedError
@@ -204,6 +205,7 @@ def test_a_full_disk_during_a_download_fails_it_without_blaming_the_bucket(hosts
         h2.download(found, s2)
     assert s2.read_meta(A) is None and not list(s2.path.glob("*partial*"))
     assert not h2.is_bad(found.key) and h2.status()["downloads_refused_bad"] == 0
+    assert h2.download_blocked() is None and h2.download_bytes_per_s is None
     monkeypatch.setattr(placing.Placer, "write", write)
     h2.download(found, s2)  # the disk has room again
     assert s2.bin_path(A).read_bytes() == (s1.staging / s1.stage(f"auto-{A}.bin").name).read_bytes()
