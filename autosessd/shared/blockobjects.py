@@ -21,11 +21,10 @@ per 1,000 tokens) is parsed and checked against its object's name (conversation,
 its block keys against the chain of its tokens (_not_its), its KV layout against this engine's.
 The blocks this host lacks are fetched, four at a time, and written at their places in the
 engine's file (placing.Placer) as their bytes arrive, those it holds read in likewise; each is
-checked (its object's size and header — magic, key, cells — before its payload is read, the
-payload's digest against the header's once it all came), and the file is installed whole
-(Store.install) only when every block passed, then kept as blocks after its restore
-(Upkeep.keep_as_blocks). A block that fails is a BadObject (the manifest is not fetched again,
-the turn re-reads; the temporary is removed).
+checked (size and header first, the payload's digest once it all came: fetching.py), and the
+file is installed whole (Store.install) only when every block passed, then kept as blocks after
+its restore (Upkeep.keep_as_blocks). A block that fails is a BadObject (the manifest is not
+fetched again, the turn re-reads).
 
 The bucket prune (lease.py) and forget (remove_saves) take blocks by manifests: read_blocks()
 gives a manifest's blocks (a manifest never changes: read once, kept by key).
@@ -85,22 +84,8 @@ def block_sizes(meta: Meta) -> tuple[tuple[str, int], ...]:
     return tuple((r.key, HEADER.size + r.payload) for r in refs_of(meta))
 
 
-def check_block(data: bytes | memoryview, ref: Ref) -> str:
-    """A block file's bytes (header and payload) are a whole block `ref` names: → its payload's
-    digest. ValueError saying what is wrong otherwise. The digest is the block's own header's:
-    two hosts may hold other bytes for one key (the same tokens' KV computed twice), and
-    either is right for it."""
-    if len(data) != HEADER.size + ref.payload:
-        raise ValueError(f"{len(data):,} bytes, a block of {ref.n_cells} cells has {HEADER.size + ref.payload:,}")
-    want = check_head(data, ref)
-    h = files.Hasher()
-    h.update(memoryview(data)[HEADER.size:])
-    return check_digest(h.hexdigest(), want, ref)
-
-
 def check_head(data: bytes | memoryview, ref: Ref) -> str:
-    """A block's header (the first HEADER.size bytes of `data`) is that of the block `ref`
-    names: → the digest it says its payload has. ValueError otherwise."""
+    """The header at `data`'s start is the block's `ref` names: → its payload's digest, or ValueError."""
     if len(data) < HEADER.size:
         raise ValueError(f"{len(data):,} bytes, shorter than a block's header")
     magic, n, cb, raw_key, raw_digest = HEADER.unpack_from(data)
@@ -111,7 +96,9 @@ def check_head(data: bytes | memoryview, ref: Ref) -> str:
 
 def check_digest(got: str, want: str, ref: Ref) -> str:
     """The payload's digest `got` is the one its header says (`want`), and a tail's the one its
-    manifest says (a tail is keyed by its digest): → got. ValueError otherwise."""
+    manifest says (a tail is keyed by its digest): → got. ValueError otherwise. The header's
+    decides, not the manifest's: two hosts may hold other bytes for one key (the same tokens'
+    KV computed twice), and either is right for it."""
     if got != want:
         raise ValueError(f"its payload's digest is {got}, its header says {want}")
     if not ref.n_cells and got != ref.digest:
@@ -304,8 +291,12 @@ class BlockObjects:
             raise Refused(f"block {r.key} is missing here") from None
         except OSError as e:
             raise Refused(f"block {r.key}: {e.strerror or e}", bad=False) from None
-        try:
-            check_block(data, r)
+        try:  # its size, header and digest: a damaged local block is never sent
+            if len(data) != HEADER.size + r.payload:
+                raise ValueError(f"{len(data):,} bytes, a block of {r.n_cells} cells has {HEADER.size + r.payload:,}")
+            h = files.Hasher()
+            h.update(memoryview(data)[HEADER.size:])
+            check_digest(h.hexdigest(), check_head(data, r), r)
         except ValueError as e:
             raise Refused(f"block {r.key} here is damaged, its bytes changed: {e}") from None
         return data
