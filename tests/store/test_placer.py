@@ -4,6 +4,7 @@ assemble() writes from the same blocks — V transposed or not, cells with the M
 extension, another stream's slot, a last block shorter than the others, a window model's or a
 hybrid's tail, a file with one token more than cells. A block of the wrong size is refused."""
 
+import contextlib
 import io
 import os
 import random
@@ -28,13 +29,42 @@ def payload(store, key):
     return store.path(key).read_bytes()[B.HEADER.size:]
 
 
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+
+
+def cut(tmp_path, data):
+    """Slot file `data` cut into a block store: → (its KV, the store, its blocks, its tail)."""
+    src = tmp_path / "a.bin"
+    src.write_bytes(data)
+    kv = parse(src)
+    store = BlockStore(tmp_path / "home")
+    refs, tail, _ = split(store, kv, src, MODEL)
+    return kv, store, refs, tail
+
+
+@contextlib.contextmanager
+def placer(out, kv, refs, tail=None):
+    """A Placer writing the new file `out`, closed (and its descriptor) after."""
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    p = None
+    try:
+        p = Placer(fd, kv.shape, encode(kv.tokens), refs, tail)
+        yield p
+    finally:
+        try:
+            if p is not None:
+                p.close()
+        finally:
+            os.close(fd)
+
+
 def placed(tmp_path, store, kv, refs, tail=None, seed=0, threads=1):
     """The file a Placer writes from `refs` (and `tail`) placed in a shuffled order (whole or
     in pieces of PIECE bytes)."""
     out = tmp_path / f"placed-{seed}-{threads}.bin"
-    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        p = Placer(fd, kv.shape, encode(kv.tokens), refs, tail)
+    with placer(out, kv, refs, tail) as p:
         jobs = list(range(len(refs))) + ([-1] if tail else [])
         random.Random(seed).shuffle(jobs)
 
@@ -60,9 +90,6 @@ def placed(tmp_path, store, kv, refs, tail=None, seed=0, threads=1):
             for t in ts:
                 t.join()
         p.finish()
-        p.close()
-    finally:
-        os.close(fd)
     return out.read_bytes()
 
 
@@ -85,18 +112,13 @@ def pieces(request, monkeypatch):
 @pytest.mark.parametrize("v_trans", [0, 1])
 @pytest.mark.parametrize("cell_ext", [False, True])
 @pytest.mark.parametrize("n_stream, stream", [(1, 0), (4, 2)])
-def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, monkeypatch, pieces, v_trans, cell_ext,
-                                                                    n_stream, stream):
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, pieces, v_trans, cell_ext, n_stream,
+                                                                    stream):
     n = 45
     tokens = [1000 + i for i in range(n)]
     order = list(range(30, n)) + list(range(30))  # cells in cache order: split gathers them by position
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(tokens, v_trans=v_trans, cell_ext=cell_ext, order=order, n_stream=n_stream,
-                              stream=stream))
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
+    kv, store, refs, _ = cut(tmp_path, slot_file(tokens, v_trans=v_trans, cell_ext=cell_ext, order=order,
+                                                 n_stream=n_stream, stream=stream))
     assert [r.n_cells for r in refs] == [8] * 5 + [5]
     want = assembled(store, kv, refs)
     for seed, threads in ((1, 1), (2, 1), (3, 4)):
@@ -104,57 +126,33 @@ def test_blocks_placed_in_any_order_give_the_file_assemble_writes(tmp_path, monk
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])
-def test_layers_of_other_row_sizes_are_placed_each_at_its_own_offsets(tmp_path, monkeypatch, pieces, v_trans):
+def test_layers_of_other_row_sizes_are_placed_each_at_its_own_offsets(tmp_path, pieces, v_trans):
     """Runs of layers whose rows are of one size go in one copy each: rows that change from
     layer to layer (and back) start a new run."""
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    tokens = list(range(700, 737))
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(tokens, n_layer=6, k_row=[16, 16, 32, 8, 8, 16], v_row=[16, 8, 8, 24, 24, 24],
-                              n_embd_v=[8, 8, 4, 4, 6, 8], v_trans=v_trans))
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
-    assert placed(tmp_path, store, kv, refs, seed=11, threads=2) == assembled(store, kv, refs) == src.read_bytes()
+    data = slot_file(list(range(700, 737)), n_layer=6, k_row=[16, 16, 32, 8, 8, 16], v_row=[16, 8, 8, 24, 24, 24],
+                     n_embd_v=[8, 8, 4, 4, 6, 8], v_trans=v_trans)
+    kv, store, refs, _ = cut(tmp_path, data)
+    assert placed(tmp_path, store, kv, refs, seed=11, threads=2) == assembled(store, kv, refs) == data
 
 
 @pytest.mark.parametrize("kind", ["window", "recurrent"])
-def test_a_file_with_a_tail_is_placed_byte_for_byte_as_the_engine_wrote_it(tmp_path, monkeypatch, pieces, kind):
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    tokens = list(range(300, 345))
-    data, _ = two_part_file(tokens, kind)
-    src = tmp_path / "a.bin"
-    src.write_bytes(data)
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, tail, _ = split(store, kv, src, MODEL)
+def test_a_file_with_a_tail_is_placed_byte_for_byte_as_the_engine_wrote_it(tmp_path, pieces, kind):
+    data, _ = two_part_file(list(range(300, 345)), kind)
+    kv, store, refs, tail = cut(tmp_path, data)
     assert placed(tmp_path, store, kv, refs, tail, seed=5, threads=3) == data == assembled(store, kv, refs, tail)
 
 
-def test_a_file_with_one_token_more_than_cells(tmp_path, monkeypatch):
+def test_a_file_with_one_token_more_than_cells(tmp_path):
     """The engine's file after a request whose last token it did not decode: n tokens, n−1 cells."""
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    tokens = list(range(500, 521))
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(tokens, n_cells=20))
-    kv = parse(src)
+    data = slot_file(list(range(500, 521)), n_cells=20)
+    kv, store, refs, _ = cut(tmp_path, data)
     assert kv.n_cells == 20 and len(kv.tokens) == 21
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
-    assert placed(tmp_path, store, kv, refs, seed=7) == assembled(store, kv, refs) == src.read_bytes()
+    assert placed(tmp_path, store, kv, refs, seed=7) == assembled(store, kv, refs) == data
 
 
-def test_a_block_of_the_wrong_size_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    tokens = list(range(20))
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(tokens))
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+def test_a_block_of_the_wrong_size_is_refused(tmp_path):
+    kv, store, refs, _ = cut(tmp_path, slot_file(list(range(20))))
+    with placer(tmp_path / "out.bin", kv, refs) as p:
         with pytest.raises(BadBlock, match="bytes, its payload has"):
             p.place(0, payload(store, refs[0].key)[:-1])
         with pytest.raises(BadBlock, match="a tail of"):
@@ -169,22 +167,12 @@ def test_a_block_of_the_wrong_size_is_refused(tmp_path, monkeypatch):
             p.write(1, size - 1, b"xx")
         with pytest.raises(BadBlock, match="never placed"):
             p.finish()
-        p.close()
-    finally:
-        os.close(fd)
 
 
-def test_a_tail_placed_twice_or_never_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
+def test_a_tail_placed_twice_or_never_is_refused(tmp_path):
     data, _ = two_part_file(list(range(20)), "window")
-    src = tmp_path / "a.bin"
-    src.write_bytes(data)
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, tail, _ = split(store, kv, src, MODEL)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        p = Placer(fd, kv.shape, encode(kv.tokens), refs, tail)
+    kv, store, refs, tail = cut(tmp_path, data)
+    with placer(tmp_path / "out.bin", kv, refs, tail) as p:
         for i, r in enumerate(refs):
             p.place(i, payload(store, r.key))
         with pytest.raises(BadBlock, match="tail was never placed"):
@@ -193,78 +181,45 @@ def test_a_tail_placed_twice_or_never_is_refused(tmp_path, monkeypatch):
         with pytest.raises(BadBlock, match="tail placed twice"):
             p.place_tail(payload(store, tail.key))
         p.finish()
-        p.close()
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])
-def test_a_block_written_again_from_elsewhere_replaces_what_was_there(tmp_path, monkeypatch, v_trans):
+def test_a_block_written_again_from_elsewhere_replaces_what_was_there(tmp_path, v_trans):
     """A download reads a block this host holds, finds it damaged halfway, and fetches it from
     the bucket instead: the second writing of every piece is what the file holds."""
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    tokens = list(range(40, 64))
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(tokens, v_trans=v_trans))
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+    data = slot_file(list(range(40, 64)), v_trans=v_trans)
+    kv, store, refs, _ = cut(tmp_path, data)
+    with placer(tmp_path / "out.bin", kv, refs) as p:
         for i, r in enumerate(refs):
-            data = payload(store, r.key)
-            p.write(i, 0, bytes(len(data) * 2 // 3))  # a damaged held copy, given up on
-            for at in range(0, len(data), 5):
-                p.write(i, at, data[at:at + 5])
+            pay = payload(store, r.key)
+            p.write(i, 0, bytes(len(pay) * 2 // 3))  # a damaged held copy, given up on
+            for at in range(0, len(pay), 5):
+                p.write(i, at, pay[at:at + 5])
             p.done(i)
         p.finish()
-        p.close()
-    finally:
-        os.close(fd)
-    assert (tmp_path / "out.bin").read_bytes() == assembled(store, kv, refs) == src.read_bytes()
+    assert (tmp_path / "out.bin").read_bytes() == assembled(store, kv, refs) == data
 
 
-def test_a_transposed_v_never_written_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(list(range(16)), v_trans=1))
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+def test_a_transposed_v_never_written_is_refused(tmp_path):
+    kv, store, refs, _ = cut(tmp_path, slot_file(list(range(16)), v_trans=1))
+    with placer(tmp_path / "out.bin", kv, refs) as p:
         p.write(0, 0, payload(store, refs[0].key)[:kv.shape.cell_bytes * 8])  # the cells only
         with pytest.raises(BadBlock, match="its V was never written"):
             p.done(0)
-        p.close()
-    finally:
-        os.close(fd)
 
 
 def test_a_write_that_fails_in_the_writer_is_raised_to_the_download(tmp_path, monkeypatch):
     """A full disk under the Placer's writer thread: the download hears of it (and stops)."""
     import errno
 
-    monkeypatch.setattr(B, "BLOCK_TOKENS", 8)
-    src = tmp_path / "a.bin"
-    src.write_bytes(slot_file(list(range(32))))
-    kv = parse(src)
-    store = BlockStore(tmp_path / "home")
-    refs, _, _ = split(store, kv, src, MODEL)
-    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        p = Placer(fd, kv.shape, encode(kv.tokens), refs)
+    kv, store, refs, _ = cut(tmp_path, slot_file(list(range(32))))
 
-        def full(*a):
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
+    with placer(tmp_path / "out.bin", kv, refs) as p:
         monkeypatch.setattr(placing.os, "pwrite", full)
         with pytest.raises(OSError, match="No space left"):  # by a later place(), or at the latest by finish()
             for i, r in enumerate(refs):
                 p.place(i, payload(store, r.key))
             p.finish()
-        p.close()
-    finally:
-        os.close(fd)
