@@ -39,9 +39,9 @@ class Placer:
     A transposed V (a row per element across all cells) is kept until the block is done(),
     then goes in through a map, a block's columns of a run of layers in one numpy copy, its
     bytes reserved first (posix_fallocate: a full disk says ENOSPC there, not SIGBUS under the
-    map). write() and done() of every block and place_tail(), then finish(); the caller
-    fsyncs the file. The offsets here and assemble()'s are the same layout
-    (tests/store/test_placer.py checks them byte for byte)."""
+    map). write() and done() of every block, write_tail() and tail_done() (or place() and
+    place_tail(), each whole), then finish(); the caller fsyncs the file. The offsets here and
+    assemble()'s are the same layout (tests/store/test_placer.py checks them byte for byte)."""
 
     def __init__(self, fd: int, shape: Shape, tokens: bytes, refs: Sequence[BlockRef], tail: TailRef | None = None):
         n_tokens = len(tokens) // 4
@@ -132,6 +132,13 @@ class Placer:
             self._writer.join()
             self._writer = None
 
+    def _writable(self, what: str) -> None:
+        """Before a write: the writer's error raised (OSError), a write after finish() refused."""
+        if self._error is not None:
+            raise self._error
+        if self._writer is None:
+            raise BadBlock(f"{what} written after finish()")
+
     def write(self, i: int, at: int, data: bytes | memoryview) -> None:
         """Bytes [at, at + len(data)) of block i's payload, queued for the writer (OSError: an
         earlier piece's write failed), which reads `data` later: the caller does not change it.
@@ -144,10 +151,7 @@ class Placer:
             raise BadBlock(f"block {r.key}: bytes {at:,} to {end:,} of a payload of {size:,}")
         if self._done[i]:
             raise BadBlock(f"block {r.key} placed twice")
-        if self._error is not None:
-            raise self._error
-        if self._writer is None:
-            raise BadBlock(f"block {r.key} written after finish()")
+        self._writable(f"block {r.key}")
         n, c0 = r.n_cells, self.first[i]
         pos = 0  # where the section starts in the payload
         piece = []
@@ -231,10 +235,7 @@ class Placer:
             raise BadBlock(f"bytes {at:,} to {end:,} of a tail of {size:,}")
         if self._tail_placed:
             raise BadBlock("the tail placed twice")
-        if self._error is not None:
-            raise self._error
-        if self._writer is None:
-            raise BadBlock("the tail written after finish()")
+        self._writable("the tail")
         self._queue.put([(self.tail_at + at, memoryview(data).cast("B"))])
 
     def tail_done(self) -> None:
