@@ -29,6 +29,17 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 PING = b": ping\n\n"
 
 
+async def to_client(write: Awaitable[T]) -> T:
+    """A write to the gate's client. The client's connection closing under it (aiohttp raises a
+    ConnectionResetError, which is also a ClientConnectionError, the engine's kind) is the client
+    gone, as when it hangs up while the gate waits: the handler is cancelled, and the gate settles
+    the request (delivered if the engine's stream had said it was over, cancelled if not)."""
+    try:
+        return await write
+    except ConnectionError:
+        raise asyncio.CancelledError() from None
+
+
 class Keepalive:
     def __init__(self, request: web.Request, after_s: float, every_s: float | None = None):
         self.request = request
@@ -66,22 +77,16 @@ class Keepalive:
             raise
 
     async def ping(self) -> None:
-        try:
-            if self.resp is None:
-                self.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-                await self.resp.prepare(self.request)
-            await self.resp.write(PING)
-        except ConnectionError:
-            # The client is gone (aiohttp's reset errors are ConnectionResetErrors): as when it
-            # hangs up anywhere else, the handler is cancelled and the gate settles the request
-            # once its turn is done.
-            raise asyncio.CancelledError() from None
+        if self.resp is None:
+            self.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            await to_client(self.resp.prepare(self.request))
+        await to_client(self.resp.write(PING))
         self.pings += 1
 
     async def comments(self, headers: dict[str, str]) -> None:
         """What autosessd did, once the status line is gone: `: X-Autosessd-Restored: ...`."""
         if self.resp is not None and headers:
-            await self.resp.write("".join(f": {k}: {v}\n" for k, v in headers.items()).encode() + b"\n")
+            await to_client(self.resp.write("".join(f": {k}: {v}\n" for k, v in headers.items()).encode() + b"\n"))
 
     async def answer(self, body: bytes) -> web.StreamResponse:
         """A whole answer (an error's JSON) sent as one SSE event, then the end of the stream."""
@@ -90,6 +95,6 @@ class Keepalive:
             text = json.dumps(json.loads(body), separators=(",", ":"))
         except (ValueError, UnicodeDecodeError):
             text = json.dumps({"error": {"message": body.decode("utf-8", "replace")[:2000], "type": "server_error"}})
-        await self.resp.write(f"data: {text}\n\n".encode())
-        await self.resp.write_eof()
+        await to_client(self.resp.write(f"data: {text}\n\n".encode()))
+        await to_client(self.resp.write_eof())
         return self.resp

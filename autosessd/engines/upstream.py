@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import aiohttp
 from aiohttp import web
 
+from .keepalive import to_client
+
 if TYPE_CHECKING:
     from .keepalive import Keepalive
 
@@ -304,13 +306,13 @@ class Upstream:
                 if decorate is not None and up.status < 400:
                     headers.update(decorate(up.status, watcher))
                 resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-                await resp.prepare(request)
+                await to_client(resp.prepare(request))
             async for chunk in up.content.iter_any():
                 if watcher is not None:
                     watcher.feed(chunk)
-                await resp.write(chunk)
+                await to_client(resp.write(chunk))
             done = True
-            await resp.write_eof()
+            await to_client(resp.write_eof())
             return resp
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The status line is already sent: the only honest signal left is to close the

@@ -1,6 +1,10 @@
 """The gate in-process, with a stub engine behind Sessions: what needs no engine process."""
 
+import asyncio
+import contextlib
+import logging
 import threading
+import time
 
 import aiohttp
 import pytest
@@ -67,3 +71,71 @@ async def test_every_counter_reaches_status_and_metrics(gate, tmp_path):
     assert "autosessd_saves_missed_total 120" in lines
     names = [ln.split()[2] for ln in metrics.splitlines() if ln.startswith("# TYPE")]
     assert len(names) == len(set(names))  # one name per counter
+
+
+async def test_a_client_whose_connection_closes_at_done_had_its_whole_answer(tmp_path, session_dir, caplog,
+                                                                           monkeypatch):
+    """The OpenAI SDK closes its stream at `data: [DONE]`. When the gate has the engine's next
+    bytes in hand as that close lands, its write to the client fails ("Cannot write to closing
+    transport", a ClientConnectionError) before the handler is cancelled: that is the client
+    gone, not the engine breaking off its answer, and after [DONE] a delivered answer (shell-gpt
+    through a busy gate: its verified restore counted as not reused). The close is made on cue
+    here: the client's transport is closed as [DONE] is written to it."""
+    from aiohttp import web
+
+    from autosessd.engines.upstream import Upstream
+
+    done = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"cache_n":0,"prompt_n":9}}\n\n' \
+           b"data: [DONE]\n\n"
+
+    async def chat(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n' + done)
+        await asyncio.sleep(0.05)
+        await resp.write(b": end\n\n")  # bytes after [DONE], then the response's own end
+        await asyncio.sleep(0.2)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    engine_port, gate_port = free_port(), free_port()
+    await web.TCPSite(runner, "127.0.0.1", engine_port).start()
+    real_write = web.StreamResponse.write
+
+    async def write(self, data):  # the gate's client hangs up as [DONE] reaches it
+        await real_write(self, data)
+        t = self._req.transport if self._req is not None else None
+        if b"[DONE]" in bytes(data) and t is not None and t.get_extra_info("sockname")[1] == gate_port:
+            await asyncio.sleep(0.15)  # the engine's next bytes are in the gate's hands by now
+            t.close()
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    cfg = parse(f'slot_save_path = "{session_dir}"\nstate_dir = "{tmp_path}"\n'
+                f'[engine]\nurl = "http://127.0.0.1:{engine_port}"\n[gate]\nlisten = "127.0.0.1:{gate_port}"\n'
+                .encode())
+    pool = Upstream(f"http://127.0.0.1:{engine_port}", 5)
+    g = Gate(cfg, Sessions(cfg, StubEngine(session_dir), Store(session_dir), "m"), pool)
+    await g.start()
+    caplog.set_level(logging.DEBUG, logger="autosessd")
+    try:
+        body = {"messages": [{"role": "user", "content": "hello"}], "stream": True}
+        got = b""
+        with contextlib.suppress(aiohttp.ClientError):
+            async with aiohttp.ClientSession() as c:
+                async with c.post(f"http://127.0.0.1:{gate_port}/v1/chat/completions", json=body) as r:
+                    async for chunk in r.content.iter_any():
+                        got += chunk
+        assert b"data: [DONE]" in got
+        deadline = time.monotonic() + 10
+        while " ended " not in caplog.text and "went away" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.05)
+        assert "broke off" not in caplog.text, caplog.text
+        assert " ended ok" in caplog.text, caplog.text
+    finally:
+        await g.stop(1)
+        await pool.close()
+        await runner.cleanup()
