@@ -20,6 +20,7 @@ a local save at least as new as the remote one is kept.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -436,7 +437,14 @@ class Downloads:
                         order = [j for pair in itertools.zip_longest(fetched, held) for j in pair if j is not None]
                         self._each(one, order)
                         placer.finish()
-                        os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
+                        # Its own digest (the file the blocks make holds the cells in position
+                        # order in the first stream, which the saving host's engine file, the
+                        # manifest's digest, need not), read meanwhile from the page cache: the
+                        # user waits for the disk once, not for the disk and then a read.
+                        with concurrent.futures.ThreadPoolExecutor(1, "autosessd-digest") as pool:
+                            reading = pool.submit(files.digest_fd, fd)
+                            os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
+                            digest = reading.result()
                     except LocalWrite as e:
                         raise LocalFailure(f"download of {s.key}: writing it here: {e}") from e.error
                     except OSError as e:
@@ -447,12 +455,6 @@ class Downloads:
                             placer.close()
                     finally:
                         os.close(fd)
-            # Its own digest: the file the blocks make holds the cells in position order in the
-            # first stream, which the saving host's engine file (the manifest's digest) need not.
-            try:
-                digest, _ = files.digest_file(temp)
-            except OSError as e:
-                raise LocalFailure(f"download of {s.key}: reading it back: {e.strerror or e}") from e
             whole = dataclasses.replace(meta, host=s.host, ident=None, blocks=(), tail=None, kv=None, tokens=None,
                                         whole=None, digest=digest)
             self._install(store, temp, s, whole)
