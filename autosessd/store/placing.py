@@ -19,6 +19,26 @@ from .kvfile import Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
 QUEUED = 64  # pieces waiting for the Placer's writer (64 MB of a download's megabyte reads)
+IOV_MAX = 1024  # buffers one pwritev takes (Linux's UIO_MAXIOV)
+
+
+def runs(pieces: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
+    """Pieces (where in the file, bytes) as runs to write, each its pieces end to end: the
+    pieces of a section that blocks fetched side by side bring arrive together, and one write
+    of a megabyte costs the kernel less than four of a quarter. Pieces that overlap (a block
+    written again over a damaged copy) keep their order: the later one is written last."""
+    order = sorted(pieces, key=lambda p: p[0])
+    if any(b[0] < a[0] + len(a[1]) for a, b in zip(order, order[1:])):
+        return [(at, [data]) for at, data in pieces]
+    out: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for at, data in order:
+        if at == end and len(out[-1][1]) < IOV_MAX:
+            out[-1][1].append(data)
+        else:
+            out.append((at, [data]))
+        end = at + len(data)
+    return out
 
 
 class Placer:
@@ -113,17 +133,39 @@ class Placer:
         return at
 
     def _drain(self) -> None:
-        """The writer: queued pieces written in order (after an error or close(), dropped:
-        write() and finish() raise the error) until the None close() or finish() queues."""
-        while (piece := self._queue.get()) is not None:
+        """The writer: queued pieces written (after an error or close(), dropped: write() and
+        finish() raise the error) until the None close() or finish() queues. All that waits is
+        taken at once, and what lies end to end in the file goes in one write (runs())."""
+        while True:
+            batch = [self._queue.get()]
+            while batch[-1] is not None:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             if self._error is None and not self._cancelled:
                 try:
-                    for at, data in piece:
-                        self._put(at, data)
+                    for at, views in runs([p for item in batch if item is not None for p in item]):
+                        self._putv(at, views)
                 except OSError as e:
                     self._error = e
                 except BaseException as e:  # never a dead writer that write() and close() wait for
                     self._error = OSError(f"placing a block's bytes: {e!r}")
+            if batch[-1] is None:
+                return
+
+    def _putv(self, at: int, views: list[memoryview]) -> None:
+        """pwritev all of `views`, end to end from `at`."""
+        while views:
+            n = os.pwritev(self.fd, views, at)
+            if n <= 0:
+                raise OSError(f"pwrite wrote nothing at {at:,}")
+            at += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views = views[1:]
+            if n:
+                views = [views[0][n:], *views[1:]]
 
     def _stop(self) -> None:
         """The writer ended, everything queued written (or dropped after an error)."""

@@ -219,7 +219,54 @@ def test_a_write_that_fails_in_the_writer_is_raised_to_the_download(tmp_path, mo
 
     with placer(tmp_path / "out.bin", kv, refs) as p:
         monkeypatch.setattr(placing.os, "pwrite", full)
+        monkeypatch.setattr(placing.os, "pwritev", full)
         with pytest.raises(OSError, match="No space left"):  # by a later place(), or at the latest by finish()
             for i, r in enumerate(refs):
                 p.place(i, payload(store, r.key))
             p.finish()
+
+
+def test_pieces_end_to_end_go_in_one_write_and_overlapping_ones_in_their_order():
+    """What the writer found waiting goes as runs: pieces that lie end to end in the file in one
+    pwritev (a section's pieces from blocks fetched side by side), any overlap (a block written
+    again over a damaged copy) in the order the pieces came, the later one last."""
+    v = lambda b: memoryview(b)  # noqa: E731
+    got = placing.runs([(10, v(b"cc")), (0, v(b"aaaaa")), (20, v(b"x")), (5, v(b"bbbbb"))])
+    assert [(at, [bytes(d) for d in views]) for at, views in got] == [(0, [b"aaaaa", b"bbbbb", b"cc"]), (20, [b"x"])]
+    again = [(2, v(b"XY")), (0, v(b"abcd"))]  # in file order, "abXY" would be written: it is "abcd"
+    assert [(at, [bytes(d) for d in views]) for at, views in placing.runs(again)] == [(2, [b"XY"]), (0, [b"abcd"])]
+
+
+@pytest.mark.parametrize("v_trans", [0, 1])
+@pytest.mark.parametrize("damaged", [False, True], ids=["plain", "written-again"])
+def test_pieces_waiting_together_are_written_as_runs_and_the_file_is_the_same(tmp_path, monkeypatch, v_trans,
+                                                                              damaged):
+    """The writer held while the pieces are queued (a slow disk): it then finds them waiting and
+    writes those end to end in single calls, partial writes and all (each pwritev here writes at
+    most 5 bytes). A block written again over a damaged copy (in pieces that straddle the good
+    ones) still ends as its second writing."""
+    data = slot_file(list(range(40, 64)), v_trans=v_trans)
+    kv, store, refs, _ = cut(tmp_path, data)
+    monkeypatch.setattr(placing, "QUEUED", 1 << 20)
+    go, calls, real = threading.Event(), [], os.pwritev
+
+    def short(fd, views, at):
+        go.wait()
+        calls.append(len(views))
+        return real(fd, [bytes(views[0][:5])], at)
+
+    monkeypatch.setattr(placing.os, "pwritev", short)
+    with placer(tmp_path / "out.bin", kv, refs) as p:
+        for i, r in enumerate(refs):
+            pay = payload(store, r.key)
+            if damaged and i == 1:  # a damaged held copy, given up on
+                for at in (0, *range(50, len(pay), 100)):
+                    p.write(i, at, bytes(len(pay[at:at + (50 if at == 0 else 100)])))
+            for at in range(0, len(pay), 64):
+                p.write(i, at, pay[at:at + 64])
+            p.done(i)
+        go.set()
+        p.finish()
+    assert (tmp_path / "out.bin").read_bytes() == data
+    if not damaged:
+        assert max(calls) > 1  # pieces end to end went in one call
