@@ -32,8 +32,9 @@ PING = b": ping\n\n"
 async def to_client(write: Awaitable[T]) -> T:
     """A write to the gate's client. The client's connection closing under it (aiohttp raises a
     ConnectionResetError, which is also a ClientConnectionError, the engine's kind) is the client
-    gone, as when it hangs up while the gate waits: the handler is cancelled, and the gate settles
-    the request (delivered if the engine's stream had said it was over, cancelled if not)."""
+    gone: raised as the CancelledError a hang-up brings while the gate waits, and settled as
+    that is (delivered if what the client was sent had the end of the engine's stream, cancelled
+    if not)."""
     try:
         return await write
     except ConnectionError:

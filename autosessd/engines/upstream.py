@@ -308,9 +308,9 @@ class Upstream:
                 resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
                 await to_client(resp.prepare(request))
             async for chunk in up.content.iter_any():
-                if watcher is not None:
-                    watcher.feed(chunk)
                 await to_client(resp.write(chunk))
+                if watcher is not None:  # what the client was sent: its [DONE] once written
+                    watcher.feed(chunk)
             done = True
             await to_client(resp.write_eof())
             return resp

@@ -73,28 +73,29 @@ async def test_every_counter_reaches_status_and_metrics(gate, tmp_path):
     assert len(names) == len(set(names))  # one name per counter
 
 
+@pytest.mark.parametrize("hangs_up", ["after-done", "before-done"])
 async def test_a_client_whose_connection_closes_at_done_had_its_whole_answer(tmp_path, session_dir, caplog,
-                                                                           monkeypatch):
-    """The OpenAI SDK closes its stream at `data: [DONE]`. When the gate has the engine's next
-    bytes in hand as that close lands, its write to the client fails ("Cannot write to closing
-    transport", a ClientConnectionError) before the handler is cancelled: that is the client
-    gone, not the engine breaking off its answer, and after [DONE] a delivered answer (shell-gpt
-    through a busy gate: its verified restore counted as not reused). The close is made on cue
-    here: the client's transport is closed as [DONE] is written to it."""
+                                                                           monkeypatch, hangs_up):
+    """The OpenAI SDK closes its stream at `data: [DONE]`. When the gate's next write to it comes
+    before the handler is cancelled, that write fails ("Cannot write to closing transport", a
+    ClientConnectionError): the client gone, not the engine breaking off its answer, and after
+    [DONE] a delivered answer (shell-gpt through a busy gate: its verified restore had counted as
+    not reused). A client gone before [DONE] reached it was not served. The close is made on cue
+    here (no real client can time it): the client's transport is closed at the gate's first
+    write after [DONE] (after-done) or at the write of [DONE] itself (before-done)."""
     from aiohttp import web
 
     from autosessd.engines.upstream import Upstream
 
-    done = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"cache_n":0,"prompt_n":9}}\n\n' \
-           b"data: [DONE]\n\n"
-
     async def chat(request):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n' + done)
+        await resp.write(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n')
+        await asyncio.sleep(0.05)
+        await resp.write(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"cache_n":0,'
+                         b'"prompt_n":9}}\n\ndata: [DONE]\n\n')
         await asyncio.sleep(0.05)
         await resp.write(b": end\n\n")  # bytes after [DONE], then the response's own end
-        await asyncio.sleep(0.2)
         return resp
 
     app = web.Application()
@@ -103,16 +104,29 @@ async def test_a_client_whose_connection_closes_at_done_had_its_whole_answer(tmp
     await runner.setup()
     engine_port, gate_port = free_port(), free_port()
     await web.TCPSite(runner, "127.0.0.1", engine_port).start()
-    real_write = web.StreamResponse.write
+    sent_done: set[int] = set()  # the gate's responses that have written [DONE]
 
-    async def write(self, data):  # the gate's client hangs up as [DONE] reaches it
-        await real_write(self, data)
-        t = self._req.transport if self._req is not None else None
-        if b"[DONE]" in bytes(data) and t is not None and t.get_extra_info("sockname")[1] == gate_port:
-            await asyncio.sleep(0.15)  # the engine's next bytes are in the gate's hands by now
+    def hang_up_if_due(resp, data: bytes = b"") -> None:
+        t = resp._req.transport if resp._req is not None else None
+        if t is None or t.get_extra_info("sockname")[1] != gate_port:
+            return  # the engine's own responses are left alone
+        if id(resp) in sent_done or (hangs_up == "before-done" and b"[DONE]" in data):
             t.close()
 
+    real_write, real_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+    async def write(self, data):
+        hang_up_if_due(self, bytes(data))
+        await real_write(self, data)
+        if b"[DONE]" in bytes(data):
+            sent_done.add(id(self))
+
+    async def write_eof(self, data=b""):
+        hang_up_if_due(self)
+        await real_eof(self, data)
+
     monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
     cfg = parse(f'slot_save_path = "{session_dir}"\nstate_dir = "{tmp_path}"\n'
                 f'[engine]\nurl = "http://127.0.0.1:{engine_port}"\n[gate]\nlisten = "127.0.0.1:{gate_port}"\n'
                 .encode())
@@ -128,13 +142,16 @@ async def test_a_client_whose_connection_closes_at_done_had_its_whole_answer(tmp
                 async with c.post(f"http://127.0.0.1:{gate_port}/v1/chat/completions", json=body) as r:
                     async for chunk in r.content.iter_any():
                         got += chunk
-        assert b"data: [DONE]" in got
+        assert (b"data: [DONE]" in got) is (hangs_up == "after-done")
         deadline = time.monotonic() + 10
         while " ended " not in caplog.text and "went away" not in caplog.text:
             assert time.monotonic() < deadline, caplog.text
             await asyncio.sleep(0.05)
         assert "broke off" not in caplog.text, caplog.text
-        assert " ended ok" in caplog.text, caplog.text
+        if hangs_up == "after-done":
+            assert " ended ok" in caplog.text, caplog.text
+        else:
+            assert "went away" in caplog.text and " ended ok" not in caplog.text, caplog.text
     finally:
         await g.stop(1)
         await pool.close()
