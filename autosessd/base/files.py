@@ -126,24 +126,26 @@ def digest_file(path: str | Path) -> tuple[str, Ident]:
     """DIGEST of a whole regular file and the Ident it was read as (a file that changes while
     it is read gives another Ident at the end: OSError, since the digest says nothing then)."""
     f, st = open_regular(path)
+    h = Hasher()
     with f:
-        digest = digest_fd(f.fileno())
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
         after = os.fstat(f.fileno())
     if Ident.of(after) != Ident.of(st):
         raise OSError(errno.EAGAIN, f"{Path(path).name} changed while its digest was computed")
-    return digest, Ident.of(st)
+    return h.hexdigest(), Ident.of(st)
 
 
 def digest_fd(fd: int) -> str:
     """DIGEST of the whole file open as `fd`, read from its start (its offset untouched): for a
     file only the caller writes, whose digest needs no check that nobody changed it meanwhile."""
     h = Hasher()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
     at = 0
-    while n := os.preadv(fd, [buf], at):
-        h.update(view[:n])
-        at += n
+    while data := os.pread(fd, CHUNK, at):
+        h.update(data)
+        at += len(data)
     return h.hexdigest()
 
 

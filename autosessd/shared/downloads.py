@@ -444,7 +444,11 @@ class Downloads:
                         with concurrent.futures.ThreadPoolExecutor(1, "autosessd-digest") as pool:
                             reading = pool.submit(files.digest_fd, fd)
                             os.fsync(fd)  # a transposed V's mapped pages too: they are the file's
-                            digest = reading.result()
+                            try:
+                                digest = reading.result()
+                            except OSError as e:
+                                raise LocalFailure(f"download of {s.key}: reading it back: "
+                                                   f"{e.strerror or e}") from e
                     except LocalWrite as e:
                         raise LocalFailure(f"download of {s.key}: writing it here: {e}") from e.error
                     except OSError as e:

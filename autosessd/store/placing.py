@@ -18,7 +18,7 @@ from .cutting import file_size
 from .kvfile import Shape
 from .slotfile import MAGIC, PAYLOAD_VERSION, TOKEN_NULL, VERSION
 
-QUEUED = 64  # pieces waiting for the Placer's writer (64 MB of a download's megabyte reads)
+QUEUED = 64  # pieces waiting for the Placer's writer, and taken in one batch (each 64 MB of megabyte reads)
 IOV_MAX = 1024  # buffers one pwritev takes (Linux's UIO_MAXIOV)
 
 
@@ -27,6 +27,7 @@ def runs(pieces: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryvie
     pieces of a section that blocks fetched side by side bring arrive together, and one write
     of a megabyte costs the kernel less than four of a quarter. Pieces that overlap (a block
     written again over a damaged copy) keep their order: the later one is written last."""
+    pieces = [p for p in pieces if len(p[1])]
     order = sorted(pieces, key=lambda p: p[0])
     if any(b[0] < a[0] + len(a[1]) for a, b in zip(order, order[1:])):
         return [(at, [data]) for at, data in pieces]
@@ -138,7 +139,7 @@ class Placer:
         taken at once, and what lies end to end in the file goes in one write (runs())."""
         while True:
             batch = [self._queue.get()]
-            while batch[-1] is not None:
+            while batch[-1] is not None and len(batch) < QUEUED:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
@@ -146,6 +147,8 @@ class Placer:
             if self._error is None and not self._cancelled:
                 try:
                     for at, views in runs([p for item in batch if item is not None for p in item]):
+                        if self._cancelled:
+                            break
                         self._putv(at, views)
                 except OSError as e:
                     self._error = e
@@ -155,7 +158,11 @@ class Placer:
                 return
 
     def _putv(self, at: int, views: list[memoryview]) -> None:
-        """pwritev all of `views`, end to end from `at`."""
+        """pwritev all of `views`, end to end from `at` (one pwrite each where there is none)."""
+        if not hasattr(os, "pwritev"):
+            for v in views:
+                at = self._put(at, v)
+            return
         while views:
             n = os.pwritev(self.fd, views, at)
             if n <= 0:

@@ -235,6 +235,35 @@ def test_pieces_end_to_end_go_in_one_write_and_overlapping_ones_in_their_order()
     assert [(at, [bytes(d) for d in views]) for at, views in got] == [(0, [b"aaaaa", b"bbbbb", b"cc"]), (20, [b"x"])]
     again = [(2, v(b"XY")), (0, v(b"abcd"))]  # in file order, "abXY" would be written: it is "abcd"
     assert [(at, [bytes(d) for d in views]) for at, views in placing.runs(again)] == [(2, [b"XY"]), (0, [b"abcd"])]
+    assert placing.runs([(0, v(b"")), (4, v(b""))]) == []  # nothing to write (pwritev would write 0 bytes)
+
+
+def test_the_writer_takes_at_most_queued_pieces_at_once(tmp_path, monkeypatch):
+    """What waits for the writer is taken in batches of at most QUEUED pieces, however fast the
+    fetching threads refill its queue: the memory a download holds stays bounded."""
+    kv, store, refs, _ = cut(tmp_path, slot_file(list(range(16))))
+    seen = []
+    real_runs = placing.runs
+    monkeypatch.setattr(placing, "runs", lambda pieces: seen.append(len(pieces)) or real_runs(pieces))
+
+    class Endless:  # a queue the fetching threads keep full: 10 × QUEUED pieces, then the end
+        def __init__(self):
+            self.n = 0
+
+        def get(self, *a, **k):
+            self.n += 1
+            return None if self.n > 10 * placing.QUEUED else [(0, memoryview(b"x"))]
+
+        get_nowait = get
+
+        def put(self, item, *a, **k):
+            pass
+
+    with placer(tmp_path / "out.bin", kv, refs) as p:
+        p._stop()  # the real writer ended; one reading the endless queue in its place
+        p._queue = Endless()
+        p._drain()
+    assert sum(seen) == 10 * placing.QUEUED and max(seen) <= placing.QUEUED
 
 
 @pytest.mark.parametrize("v_trans", [0, 1])
