@@ -125,13 +125,7 @@ class Placer:
 
     def _put(self, at: int, data: bytes | memoryview) -> int:
         """pwrite all of `data` at `at` → the offset after it."""
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(self.fd, view, at)
-            if n <= 0:
-                raise OSError(f"pwrite wrote nothing at {at:,}")
-            view, at = view[n:], at + n
-        return at
+        return self._putv(at, [memoryview(data).cast("B")])
 
     def _drain(self) -> None:
         """The writer: queued pieces written (after an error or close(), dropped: write() and
@@ -144,7 +138,7 @@ class Placer:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if self._error is None and not self._cancelled:
+            if self._error is None:
                 try:
                     for at, views in runs([p for item in batch if item is not None for p in item]):
                         if self._cancelled:
@@ -157,14 +151,12 @@ class Placer:
             if batch[-1] is None:
                 return
 
-    def _putv(self, at: int, views: list[memoryview]) -> None:
-        """pwritev all of `views`, end to end from `at` (one pwrite each where there is none)."""
-        if not hasattr(os, "pwritev"):
-            for v in views:
-                at = self._put(at, v)
-            return
+    def _putv(self, at: int, views: list[memoryview]) -> int:
+        """Write all of `views`, end to end from `at` (pwritev; one pwrite a view where there is
+        none), partial writes continued → the offset after them."""
+        views = [v for v in views if len(v)]
         while views:
-            n = os.pwritev(self.fd, views, at)
+            n = os.pwritev(self.fd, views, at) if hasattr(os, "pwritev") else os.pwrite(self.fd, views[0], at)
             if n <= 0:
                 raise OSError(f"pwrite wrote nothing at {at:,}")
             at += n
@@ -173,6 +165,7 @@ class Placer:
                 views = views[1:]
             if n:
                 views = [views[0][n:], *views[1:]]
+        return at
 
     def _stop(self) -> None:
         """The writer ended, everything queued written (or dropped after an error)."""

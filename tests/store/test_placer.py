@@ -280,8 +280,9 @@ def test_pieces_waiting_together_are_written_as_runs_and_the_file_is_the_same(tm
     go, calls, real = threading.Event(), [], os.pwritev
 
     def short(fd, views, at):
-        go.wait()
-        calls.append(len(views))
+        if threading.current_thread().name == "autosessd-placer":  # the writer, not the header's writes
+            go.wait()
+            calls.append(len(views))
         return real(fd, [bytes(views[0][:5])], at)
 
     monkeypatch.setattr(placing.os, "pwritev", short)
