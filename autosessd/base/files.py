@@ -126,16 +126,12 @@ def digest_file(path: str | Path) -> tuple[str, Ident]:
     """DIGEST of a whole regular file and the Ident it was read as (a file that changes while
     it is read gives another Ident at the end: OSError, since the digest says nothing then)."""
     f, st = open_regular(path)
-    h = Hasher()
     with f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        digest = digest_fd(f.fileno())
         after = os.fstat(f.fileno())
     if Ident.of(after) != Ident.of(st):
         raise OSError(errno.EAGAIN, f"{Path(path).name} changed while its digest was computed")
-    return h.hexdigest(), Ident.of(st)
+    return digest, Ident.of(st)
 
 
 def digest_fd(fd: int) -> str:

@@ -262,8 +262,8 @@ class Downloads:
 
     def _failed(self, s: RemoteSession, e: BaseException, t0: float, got: int) -> None:
         """A download that did not happen, counted by why: nothing to do (AlreadyHere), the
-        object (BadObject: remembered, no backoff), the layout, or the bucket or the link (a
-        failure: its backoff starts)."""
+        object (BadObject: remembered, no backoff), the layout, this host's disk (LocalFailure: a
+        failure, no backoff), or the bucket or the link (a failure: its backoff starts)."""
         if isinstance(e, AlreadyHere):
             return
         if isinstance(e, BadObject):
@@ -274,15 +274,12 @@ class Downloads:
                 self.counters.downloads_refused_layout += 1
                 self.counters.last_download_error = str(e)
             return
-        if isinstance(e, LocalFailure):  # this host's disk: says nothing of the bucket or the link
-            with self._lock:
-                self.counters.download_failures += 1
-                self.counters.last_download_error = str(e)
-            return
         spent = time.monotonic() - t0
         with self._lock:
             self.counters.download_failures += 1
             self.counters.last_download_error = str(e)
+            if isinstance(e, LocalFailure):  # this host's disk: says nothing of the bucket or the link
+                return
             # What the failed try says about the link: bytes that arrived over the time it
             # took. A stalled link thus drives the estimate towards re-reading, instead of
             # leaving it unknown (and so "download") for ever.
